@@ -1,0 +1,232 @@
+"""Building the prefix forest: sort, adjacent LCPs, nearest-smaller queries. Numpy only.
+
+Sort the N sequences lexicographically (a prefix before its extensions) and let ``lcp[k]``
+be the longest common prefix of sorted sequences k-1 and k (``lcp[0] = 0``). Then DFS
+pre-order of the prefix forest is: sequence 0 whole, then each next sequence's suffix after
+its LCP. Sorted sequence k *owns* the new rows ``base[k] .. base[k+1]-1`` at depths
+``lcp[k] .. len[k]-1``. Everything else follows from two facts:
+
+- Sequence k forks off the rows of ``pse[k] = max{j < k : lcp[j] < lcp[k]}`` (the previous
+  strictly smaller LCP) at depth ``lcp[k]``: its shallower rows are owned by ``pse[k]``,
+  ``pse[pse[k]]``, ... and the row of ``pse[k]`` at depth ``lcp[k]`` starts a new segment.
+- In DFS pre-order of segments with start depths ``d``, the parent of segment i is the
+  previous segment with ``d < d[i]`` and its subtree ends where the next segment with
+  ``d <= d[i]`` begins.
+
+So the work is O(total tokens) of vectorised numpy plus O((N + S) log(N + S)) for the
+nearest-smaller queries; no [N, L]-wide pass except writing the ``rows`` output itself.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["sort_and_lcp", "previous_smaller", "build_layout", "Layout", "forest_stats",
+           "ForestStats"]
+
+
+def sort_and_lcp(ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Lexicographic order of the sequences and the LCP of each with its predecessor.
+
+    Returns ``order`` [N] (a prefix sorts before its extensions) and ``lcp`` [N] with
+    ``lcp[k]`` the longest common prefix of sequences ``order[k-1]`` and ``order[k]``
+    (``lcp[0] = 0``). O(total tokens) numpy work plus O(N) Python; never pads to [N, L].
+    """
+    n = len(ids)
+    # Big-endian bytes compare like the id sequences (a prefix sorts first), so Python's
+    # C-level sort on bytes keys orders the sequences lexicographically.
+    fmt = ">u8" if max(int(a.max()) for a in ids) >= 2**32 else ">u4"
+    keys = [a.astype(fmt).tobytes() for a in ids]
+    order = np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
+    lcp = np.zeros(n, dtype=np.int64)
+    if n == 1:
+        return order, lcp
+    s_ids = [ids[i] for i in order]
+    m = np.array([min(len(a), len(b)) for a, b in zip(s_ids, s_ids[1:])], dtype=np.int64)
+    # Each sorted pair laid side by side over its common length; the first mismatch of
+    # pair k at or after its offset is its LCP (or m[k] if none falls inside the pair).
+    left = np.concatenate([a[:w] for a, w in zip(s_ids, m)])
+    right = np.concatenate([b[:w] for b, w in zip(s_ids[1:], m)])
+    mismatch = np.flatnonzero(left != right)
+    lo = np.cumsum(m) - m
+    first = np.searchsorted(mismatch, lo)
+    at = np.append(mismatch, np.iinfo(np.int64).max)[first]
+    lcp[1:] = np.where(at < lo + m, at - lo, m)
+    return order, lcp
+
+
+def previous_smaller(a: np.ndarray, *, strict: bool = True) -> np.ndarray:
+    """``out[k] = max{j < k : a[j] < a[k]}`` (``<=`` when not strict), -1 if none.
+
+    Vectorised binary lifting over a sparse table of prefix-clipped window minima:
+    O(N log N) numpy work, no Python loop over elements.
+    """
+    n = a.shape[0]
+    # mins[l][i] = min(a[max(0, i - 2**l + 1) .. i])
+    mins = [a]
+    while (1 << len(mins)) <= n:
+        prev, h = mins[-1], 1 << (len(mins) - 1)
+        mins.append(np.concatenate((prev[:h], np.minimum(prev[h:], prev[:-h]))))
+    pos = np.arange(n) - 1  # the window ending at pos is the next one to try to skip
+    for lvl in range(len(mins) - 1, -1, -1):
+        live = pos >= 0
+        w = mins[lvl][np.maximum(pos, 0)]
+        skip = live & ((w >= a) if strict else (w > a))
+        pos = np.where(skip, pos - (1 << lvl), pos)
+    return np.maximum(pos, -1)
+
+
+class Layout(NamedTuple):
+    """Host-side layout of a TreePack (see ``treepack.tree`` for the shape legend)."""
+
+    input_ids: np.ndarray  # [T']
+    position_ids: np.ndarray  # [T']
+    subtree_end: np.ndarray  # [T']
+    rows: np.ndarray  # [N, L]
+    lengths: np.ndarray  # [N]
+    prediction_mask: np.ndarray  # [N, L]
+    seg_start: np.ndarray  # [S]
+    seg_end: np.ndarray  # [S]
+    seg_parent: np.ndarray  # [S]
+    pred_source: np.ndarray  # [M]
+    pred_target: np.ndarray  # [M]
+    pred_index: np.ndarray  # [M]
+    num_tokens: int  # T
+    num_prediction_rows: int
+
+
+def build_layout(ids: list[np.ndarray], multiple: int = 1) -> Layout:
+    """The whole layout from validated 1-D int64 id arrays (see the module doc)."""
+    n = len(ids)
+    lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
+    order, lcp = sort_and_lcp(ids)
+    s_len = lengths[order]  # sorted order from here on
+    new = s_len - lcp  # rows each sequence adds; 0 only for an exact duplicate
+    base = np.concatenate(([0], np.cumsum(new)))  # [N + 1]
+    T = int(base[-1])
+    pse = previous_smaller(lcp)  # the sequence each one forks from (-1: a new tree)
+
+    # Per-row fields: each sequence's suffix after its LCP, back to back.
+    input_ids = np.concatenate([ids[i][c:] for i, c in zip(order, lcp)])  # [T]
+    position_ids = np.arange(T) - np.repeat(base[:-1] - lcp, new)  # [T] depth
+
+    # Segments start where a sequence's new rows start and where a later one forks off.
+    cut = np.zeros(T + 1, dtype=bool)
+    cut[base[:-1][new > 0]] = True
+    forks = np.flatnonzero(lcp > 0)
+    owner = pse[forks]
+    cut[base[owner] + lcp[forks] - lcp[owner]] = True
+    seg_start = np.flatnonzero(cut[:T])
+    seg_end = np.append(seg_start[1:], T)
+    depth = position_ids[seg_start]  # [S]
+    seg_parent = previous_smaller(depth)
+    # The subtree of segment i ends where the next segment with depth <= depth[i] starts.
+    after = depth.shape[0] - 1 - previous_smaller(depth[::-1], strict=False)[::-1]
+    seg_subtree_end = np.append(seg_start, T)[after]
+    subtree_end = np.repeat(seg_subtree_end, seg_end - seg_start)  # [T]
+
+    rows, values = _rows(order, lcp, s_len, base, pse, lengths)
+    # Predictions: every token but each sequence's first, from the row before it.
+    total = values.shape[0]
+    first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    later = np.ones(total, dtype=bool)
+    later[first] = False
+    L = rows.shape[1]
+    flat_pos = np.arange(total) + np.repeat(np.arange(n) * L - first, lengths)  # s * L + p
+    pred_index = flat_pos[later]
+    pred_source = values[:-1][later[1:]]
+    pred_target = np.concatenate(ids)[later]
+    # A row predicts something iff it has a child: all rows but the last of a leaf segment.
+    has_child = np.zeros(seg_start.shape[0], dtype=bool)
+    has_child[seg_parent[seg_parent >= 0]] = True
+
+    padded = -(-T // multiple) * multiple
+    pad = np.arange(T, padded)
+    return Layout(
+        input_ids=np.concatenate((input_ids, np.zeros_like(pad))),
+        position_ids=np.concatenate((position_ids, np.zeros_like(pad))),
+        subtree_end=np.concatenate((subtree_end, pad + 1)),
+        rows=rows,
+        lengths=lengths,
+        prediction_mask=rows_mask(lengths, L, start=1),
+        seg_start=seg_start,
+        seg_end=seg_end,
+        seg_parent=seg_parent,
+        pred_source=pred_source,
+        pred_target=pred_target,
+        pred_index=pred_index,
+        num_tokens=T,
+        num_prediction_rows=T - int((~has_child).sum()),
+    )
+
+
+def rows_mask(lengths: np.ndarray, width: int, start: int = 0) -> np.ndarray:
+    """[N, width] bool, True at ``start <= p < lengths[s]``."""
+    p = np.arange(width)
+    return (p >= start) & (p < lengths[:, None])
+
+
+def _rows(order, lcp, s_len, base, pse, lengths) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` [N, L] in the original order, and its valid entries in row-major order.
+
+    Sorted sequence k's path is a chain of pieces: its own new rows (depths lcp[k] ..
+    len[k]-1), then depths lcp[j] .. lcp[k]-1 owned by j = pse[k], and so on up to a root.
+    The loop runs once per level of that chain, vectorised over the sequences.
+    """
+    n = order.shape[0]
+    seq, own, lo, hi = [], [], [], []
+    cur, top = np.arange(n), s_len
+    k = cur
+    while k.size:
+        bottom = lcp[cur]
+        seq.append(k), own.append(cur), lo.append(bottom), hi.append(top)
+        keep = bottom > 0
+        k, cur, top = k[keep], pse[cur[keep]], bottom[keep]
+    seq, own, lo, hi = map(np.concatenate, (seq, own, lo, hi))
+    # Pieces in (original sequence, depth) order are the row-major order of valid entries.
+    pick = np.lexsort((lo, order[seq]))
+    own, lo, hi = own[pick], lo[pick], hi[pick]
+    count = hi - lo
+    tok_start = np.cumsum(count) - count
+    values = np.arange(int(count.sum())) + np.repeat(base[own] - lcp[own] + lo - tok_start, count)
+    L = int(lengths.max())
+    rows = np.full((n, L), -1, dtype=np.int64)
+    rows[rows_mask(lengths, L)] = values
+    return rows, values
+
+
+class ForestStats(NamedTuple):
+    """What packing a batch into one forest would save (no layout is built)."""
+
+    num_sequences: int
+    original_tokens: int
+    packed_tokens: int  # distinct rows: one per distinct prefix
+    trees: int  # sequences with distinct first tokens
+    packed_attention_pairs: int  # visible (query, key) pairs: sum of depth + 1 over rows
+    unpacked_attention_pairs: int  # causal pairs of every sequence alone
+
+    @property
+    def token_ratio(self) -> float:
+        return self.packed_tokens / self.original_tokens
+
+    @property
+    def attention_ratio(self) -> float:
+        return self.packed_attention_pairs / self.unpacked_attention_pairs
+
+
+def forest_stats(ids: list[np.ndarray]) -> ForestStats:
+    """Sizes of the forest of validated id arrays from the sort and LCPs alone: O(total)."""
+    order, lcp = sort_and_lcp(ids)
+    s_len = np.fromiter((ids[i].shape[0] for i in order), dtype=np.int64, count=len(ids))
+    # rows of sequence k have depths lcp[k] .. len[k]-1; each sees depth + 1 keys
+    packed_pairs = (s_len * (s_len + 1) - lcp * (lcp + 1)) // 2
+    return ForestStats(
+        num_sequences=len(ids),
+        original_tokens=int(s_len.sum()),
+        packed_tokens=int((s_len - lcp).sum()),
+        trees=int((lcp == 0).sum()),
+        packed_attention_pairs=int(packed_pairs.sum()),
+        unpacked_attention_pairs=int((s_len * (s_len + 1) // 2).sum()),
+    )

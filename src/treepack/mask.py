@@ -1,0 +1,94 @@
+"""Tree attention masks from the interval form ``j <= i < subtree_end[j]``.
+
+Everything here is O(T) in the rows, except :func:`dense_mask` (the T x T reference) and the
+block tables of :func:`block_mask`, which are (T / block_size)^2 as FlexAttention's format is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["dense_mask", "tree_mask_mod", "block_mask"]
+
+
+def dense_mask(subtree_end: Tensor) -> Tensor:
+    """BoolTensor [T, T], True where query row i may attend key row j.
+
+    The slow reference for tests and small packs (T^2 booleans).
+    """
+    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    q, kv = idx[:, None], idx[None, :]
+    return (kv <= q) & (q < subtree_end[None, :])
+
+
+def tree_mask_mod(subtree_end: Tensor):
+    """FlexAttention ``mask_mod`` for a packed forest: ancestors and self only."""
+
+    def tree_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+
+    return tree_mask
+
+
+def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod):
+    """A FlexAttention ``BlockMask`` for the rows whose subtree ends are ``subtree_end``.
+
+    With per-block ``max_end`` / ``min_end`` of ``subtree_end`` and block size B, the key
+    block c is seen by query blocks ``c .. ceil(max_end[c] / B) - 1`` and is full (every
+    pair visible, no ``mask_mod`` needed) for query blocks ``c+1 .. f[c] - 1`` where
+    ``f[c] = floor(min_end[c] / B)``, or all later ones when ``min_end[c] = T``; a diagonal
+    block is full only when it holds a single row. Both the key-side tables (forward) and
+    the query-side tables (backward) come straight from these ranges.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int (e.g. 128)")
+    t = int(subtree_end.shape[0])
+    nb = -(-t // block_size)
+    tail = nb * block_size - t
+    ends = subtree_end.reshape(-1)
+    max_end = np.pad(ends, (0, tail), constant_values=0).reshape(nb, block_size).max(1)
+    min_end = np.pad(ends, (0, tail), constant_values=t).reshape(nb, block_size).min(1)
+    blk_rows = np.minimum(block_size, t - np.arange(nb) * block_size)
+
+    seen_until = -(-max_end // block_size)  # [nb] exclusive
+    full_until = np.where(min_end >= t, nb, min_end // block_size)  # [nb]
+    diag_full = blk_rows == 1  # [nb]
+    blocks = np.arange(nb)
+
+    def tables(q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Dense [partial, full] flags of (query block q, key block k), broadcast."""
+        full = (k < q) & (q < full_until[k]) | (k == q) & diag_full[k]
+        partial = (k <= q) & (q < seen_until[k]) & ~full
+        return partial, full
+
+    def ordered(dense: np.ndarray) -> tuple[Tensor, Tensor]:
+        # FlexAttention's ordered format: per row, the listed columns ascending, then the
+        # rest ascending. A stable sort of booleans is a radix sort in numpy.
+        count = dense.sum(-1, dtype=np.int32)
+        cols = np.argsort(~dense, axis=-1, kind="stable").astype(np.int32)
+        return (torch.from_numpy(count)[None, None].to(device),
+                torch.from_numpy(cols)[None, None].to(device))
+
+    part, full = tables(blocks[:, None], blocks[None, :])  # forward: rows are query blocks
+    kv_num, kv_idx = ordered(part)
+    full_kv_num, full_kv_idx = ordered(full)
+    part_t, full_t = tables(blocks[None, :], blocks[:, None])  # backward: rows are key blocks
+    q_num, q_idx = ordered(part_t)
+    full_q_num, full_q_idx = ordered(full_t)
+    return BlockMask(
+        seq_lengths=(t, t),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod,
+    )

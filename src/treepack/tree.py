@@ -1,0 +1,395 @@
+"""The TreePack layout: N token sequences merged into one prefix forest in DFS pre-order.
+
+Shape legend (used in comments across the package)::
+
+    N   input sequences             L   longest input sequence
+    T   distinct packed rows        T'  rows after padding (T' >= T)
+    S   compressed segments         M   prediction occurrences (sum of len - 1)
+    V   vocabulary                  H   hidden size
+
+Invariants (DESIGN.md): rows are laid out in depth-first pre-order, so every row's subtree
+is the contiguous range ``[j, subtree_end[j])`` and key row ``j`` is visible to query row
+``i`` iff ``j <= i < subtree_end[j]``; ``position_ids`` are depths on the original
+sequences; ``rows[s, p]`` is the packed row of token ``p`` of sequence ``s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack import logprobs as _logprobs
+from treepack import mask as _mask
+from treepack.forest import ForestStats, Layout, build_layout
+from treepack.forest import forest_stats as _forest_stats
+
+__all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats"]
+
+
+class Segments(NamedTuple):
+    """The compressed prefix forest: one segment per node, in DFS pre-order.
+
+    A segment is a maximal run of rows that every sequence passing through its first row
+    also passes through whole; it breaks at branch points and where a sequence ends. All rows
+    of a segment share one ``subtree_end``. Its queries see the rows of its ancestor
+    segments plus its own rows causally.
+    """
+
+    start: Tensor  # [S] first packed row
+    end: Tensor  # [S] one past the last packed row
+    parent: Tensor  # [S] index of the parent segment, -1 for a root
+
+
+class Predictions(NamedTuple):
+    """Every next-token prediction occurrence of the input, flattened (M of them).
+
+    Occurrence ``m`` predicts token ``p`` of sequence ``s`` (``index[m] = s * L + p``,
+    ``1 <= p < len_s``) from packed row ``source[m] = rows[s, p - 1]``; the target token
+    id is ``target[m]``. Shared rows appear once per occurrence in ``source``.
+    """
+
+    source: Tensor  # [M] packed row whose logits predict the target
+    target: Tensor  # [M] target token id
+    index: Tensor  # [M] flat position s * L + p in the [N, L] layout
+
+
+class HostLayout(NamedTuple):
+    """Host (numpy) copies of the integer tables that shape-dependent code reads.
+
+    Backends and mask builders read these instead of calling ``.tolist()`` / ``.item()`` on
+    device tensors inside a forward.
+    """
+
+    subtree_end: np.ndarray  # [T'] int64
+    position_ids: np.ndarray  # [T'] int64
+    lengths: np.ndarray  # [N] int64
+    segment_start: np.ndarray  # [S] int64
+    segment_end: np.ndarray  # [S] int64
+    segment_parent: np.ndarray  # [S] int64
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class TreePack:
+    """One forward's worth of sequences, merged into a prefix forest.
+
+    Build it with :meth:`TreePack.from_sequences`. Rows hold each distinct prefix once, in
+    depth-first pre-order; ``position_ids`` are depths, not packed indices; a key row is
+    visible to a query row iff it is an ancestor or the row itself. Per-occurrence data
+    (loss masks, advantages, old log-probs) stays in the original ``[N, L]`` layout: the
+    model's per-row outputs come back to that layout through :meth:`token_logprobs` and
+    :meth:`unpack`.
+
+    The worked example: three sequences ABCD, ABCE, ABFG (token ids A=1 ... G=7) share the
+    prefixes A, AB and ABC. Seven rows instead of twelve:
+
+    >>> A, B, C, D, E, F, G = range(1, 8)
+    >>> pack = TreePack.from_sequences([[A, B, C, D], [A, B, C, E], [A, B, F, G]])
+    >>> pack
+    TreePack(sequences=3, rows=7, original_tokens=12, token_ratio=0.583, segments=5, predictions=9)
+    >>> pack.input_ids.tolist()  # A B C D E F G
+    [1, 2, 3, 4, 5, 6, 7]
+    >>> pack.position_ids.tolist()  # depth on the original sequence: F is at depth 2
+    [0, 1, 2, 3, 3, 2, 3]
+    >>> pack.subtree_end.tolist()  # row j's subtree is rows [j, subtree_end[j])
+    [7, 7, 5, 4, 5, 7, 7]
+    >>> pack.rows.tolist()  # packed row of token p of sequence s
+    [[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 5, 6]]
+    >>> print(pack.dense_mask().int())  # E (row 4) sees A B C E, never D; G sees A B F G
+    tensor([[1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 1, 0, 0],
+            [1, 1, 0, 0, 0, 1, 0],
+            [1, 1, 0, 0, 0, 1, 1]], dtype=torch.int32)
+
+    Segments are the compressed nodes: AB, C, D, E, FG, each with its parent segment.
+
+    >>> pack.segments.start.tolist(), pack.segments.end.tolist(), pack.segments.parent.tolist()
+    ([0, 2, 3, 4, 5], [2, 3, 4, 5, 7], [-1, 0, 1, 1, 0])
+
+    Nine prediction occurrences come from four distinct logit rows (A, B, C and F); C's
+    row predicts both D and E, B's row predicts C twice and F once.
+
+    >>> pack.num_predictions, pack.num_prediction_rows
+    (9, 4)
+    >>> pack.predictions.source.tolist()
+    [0, 1, 2, 0, 1, 2, 0, 1, 5]
+    >>> pack.predictions.target.tolist()
+    [2, 3, 4, 2, 3, 5, 2, 6, 7]
+    >>> pack.prediction_mask.int().tolist()  # position 0 predicts nothing
+    [[0, 1, 1, 1], [0, 1, 1, 1], [0, 1, 1, 1]]
+
+    ``token_logprobs`` maps logits ``[T', V]`` to label-aligned log-probs ``[N, L]``:
+    ``logps[s, p] = log p(seq_s[p] | seq_s[:p])``. With uniform logits over a vocabulary
+    of 8, each is ``log(1/8)``:
+
+    >>> logps = pack.token_logprobs(torch.zeros(7, 8))
+    >>> torch.allclose(logps[pack.prediction_mask], torch.tensor(1 / 8).log())
+    True
+    """
+
+    input_ids: Tensor  # [T'] token id of each packed row (0 for padding rows)
+    position_ids: Tensor  # [T'] depth of the row on its original sequences (0 for padding)
+    subtree_end: Tensor  # [T'] one past the last row of the row's subtree (j + 1 for padding)
+    rows: Tensor  # [N, L] packed row of token p of sequence s, -1 beyond its length
+    lengths: Tensor  # [N] length of each input sequence
+    prediction_mask: Tensor  # [N, L] True where logps[s, p] is a real prediction (1 <= p < len)
+    segments: Segments
+    predictions: Predictions
+    num_tokens: int  # T: distinct rows, padding excluded
+    num_original_tokens: int  # sum of the input lengths
+    num_prediction_rows: int  # distinct rows whose logits predict at least one token
+    host: HostLayout
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_sequences(
+        cls,
+        sequences: Sequence[Sequence[int] | np.ndarray | Tensor],
+        *,
+        pad_to_multiple_of: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> TreePack:
+        """Merge token sequences into one prefix forest.
+
+        Args:
+            sequences: N non-empty sequences of non-negative token ids: lists of ints, 1-D
+                integer numpy arrays or 1-D integer tensors. Duplicates, sequences that are
+                prefixes of others and unrelated sequences (several trees) are all fine.
+            pad_to_multiple_of: pad the packed rows to a multiple of this (e.g. the
+                attention block size or a compile-friendly bucket). Padding rows have id 0
+                and position 0, see only themselves, and are never read back.
+            device: where the tensors live (default CPU); see also :meth:`to`.
+        """
+        ids = _as_id_arrays(sequences)
+        if pad_to_multiple_of is not None and (
+            not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1
+        ):
+            raise ValueError(
+                f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int (or None "
+                "for no padding)"
+            )
+        layout = build_layout(ids, pad_to_multiple_of or 1)
+        pack = cls._from_layout(layout)
+        return pack if device is None else pack.to(device)
+
+    @classmethod
+    def _from_layout(cls, lay: Layout) -> TreePack:
+        t = torch.from_numpy
+        host = HostLayout(
+            subtree_end=lay.subtree_end,
+            position_ids=lay.position_ids,
+            lengths=lay.lengths,
+            segment_start=lay.seg_start,
+            segment_end=lay.seg_end,
+            segment_parent=lay.seg_parent,
+        )
+        return cls(
+            input_ids=t(lay.input_ids),
+            position_ids=t(lay.position_ids),
+            subtree_end=t(lay.subtree_end),
+            rows=t(lay.rows),
+            lengths=t(lay.lengths),
+            prediction_mask=t(lay.prediction_mask),
+            segments=Segments(t(lay.seg_start), t(lay.seg_end), t(lay.seg_parent)),
+            predictions=Predictions(t(lay.pred_source), t(lay.pred_target), t(lay.pred_index)),
+            num_tokens=lay.num_tokens,
+            num_original_tokens=int(lay.lengths.sum()),
+            num_prediction_rows=lay.num_prediction_rows,
+            host=host,
+        )
+
+    def to(self, device: torch.device | str) -> TreePack:
+        """The same pack with every tensor on ``device`` (host tables stay on the host)."""
+
+        def move(value):
+            if isinstance(value, Tensor):
+                return value.to(device)
+            if isinstance(value, (Segments, Predictions)):
+                return type(value)(*(x.to(device) for x in value))
+            return value
+
+        return dataclasses.replace(
+            self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        )
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def num_sequences(self) -> int:
+        """N, the number of input sequences."""
+        return self.rows.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        """L, the longest input sequence (the width of the ``[N, L]`` layout)."""
+        return self.rows.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        """T', packed rows including padding (the length the model runs on)."""
+        return self.input_ids.shape[0]
+
+    @property
+    def num_segments(self) -> int:
+        return self.host.segment_start.shape[0]
+
+    @property
+    def num_predictions(self) -> int:
+        """M, the next-token prediction occurrences of the input (sum of ``len - 1``)."""
+        return self.predictions.source.shape[0]
+
+    @property
+    def token_ratio(self) -> float:
+        """Distinct rows over original tokens (padding excluded): the share of work left."""
+        return self.num_tokens / self.num_original_tokens
+
+    def __repr__(self) -> str:
+        pad = f", padded_rows={self.num_rows}" if self.num_rows != self.num_tokens else ""
+        return (
+            f"TreePack(sequences={self.num_sequences}, rows={self.num_tokens}{pad}, "
+            f"original_tokens={self.num_original_tokens}, token_ratio={self.token_ratio:.3f}, "
+            f"segments={self.num_segments}, predictions={self.num_predictions})"
+        )
+
+    # ------------------------------------------------------------------ attention masks
+
+    def dense_mask(self) -> Tensor:
+        """BoolTensor [T', T']: True where query row i may attend key row j.
+
+        The slow, obviously correct reference for tests and small packs: it allocates T'^2
+        booleans. Models should use :meth:`block_mask` or the segment backend.
+        """
+        return _mask.dense_mask(self.subtree_end)
+
+    def mask_mod(self):
+        """A FlexAttention ``mask_mod``: ``(kv <= q) & (q < subtree_end[kv])``."""
+        return _mask.tree_mask_mod(self.subtree_end)
+
+    def block_mask(self, block_size: int = 128):
+        """A FlexAttention ``BlockMask`` over the T' rows, built from ``subtree_end``.
+
+        Uses per-block min/max of ``subtree_end`` (O(T + (T'/block_size)^2) work and memory,
+        never a T x T tensor); full blocks are listed apart from partial ones so the kernel
+        skips ``mask_mod`` on them, and the query-side tables for the backward pass are
+        built directly rather than by transposing.
+        """
+        return _mask.block_mask(
+            self.host.subtree_end, block_size=block_size, device=self.device,
+            mask_mod=self.mask_mod(),
+        )
+
+    # ------------------------------------------------------------------ outputs back to [N, L]
+
+    def token_logprobs(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+        """Label-aligned log-probs [N, L] from packed logits [T', V].
+
+        ``out[s, p] = log softmax(logits[rows[s, p-1]] / temperature)[seq_s[p]]`` for
+        ``1 <= p < len_s`` and 0 elsewhere (see :attr:`prediction_mask`). Each packed row is
+        normalised once, however many occurrences read it; the first token after a fork is
+        predicted from the shared parent row; backward adds every occurrence's gradient into
+        the shared rows. Computed in float32 at least (float64 stays float64).
+        """
+        return _logprobs.token_logprobs(self, logits, temperature=temperature)
+
+    def token_entropy(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
+        """Entropy [N, L] of each prediction's distribution, in the layout of
+        :meth:`token_logprobs` (``out[s, p]`` is the entropy at row ``rows[s, p-1]``)."""
+        return _logprobs.token_entropy(self, logits, temperature=temperature)
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """Map a per-row tensor [T', ...] to the original layout [N, L, ...].
+
+        ``out[s, p] = x[rows[s, p]]`` and 0 beyond each sequence's length. The inverse of
+        packing: a shared row is copied to every occurrence, and in backward each
+        occurrence's gradient is added into it.
+        """
+        if x.dim() == 0 or x.shape[0] != self.num_rows:
+            raise ValueError(
+                f"unpack expects a per-row tensor of shape [T'={self.num_rows}, ...], got "
+                f"{tuple(x.shape)}; for a model output of shape [1, T', ...] pass out[0]"
+            )
+        valid = self.rows >= 0
+        out = x[self.rows.clamp(min=0)]
+        return out.masked_fill(~valid.view(*valid.shape, *([1] * (x.dim() - 1))), 0)
+
+
+# ---------------------------------------------------------------------- input checking
+
+
+def _as_id_arrays(sequences) -> list[np.ndarray]:
+    """Validate the input sequences and return them as 1-D int64 numpy arrays."""
+    if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim != 1:
+        raise TypeError(
+            f"sequences is a {sequences.ndim}-D {type(sequences).__name__}; pass a list of "
+            "1-D sequences (a padded batch would merge its padding into the tree: strip it "
+            "first, e.g. [ids[m.bool()] for ids, m in zip(input_ids, attention_mask)])"
+        )
+    try:
+        sequences = list(sequences)
+    except TypeError:
+        raise TypeError(
+            f"sequences must be a list of token-id sequences, got {type(sequences).__name__}"
+        ) from None
+    if not sequences:
+        raise ValueError("sequences is empty: a TreePack needs at least one sequence")
+    out = []
+    for i, seq in enumerate(sequences):
+        if isinstance(seq, Tensor):
+            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+                raise TypeError(
+                    f"sequence {i} has dtype {seq.dtype}; token ids must be an integer "
+                    "tensor (e.g. torch.long)"
+                )
+            arr = seq.detach().cpu().numpy()
+        else:
+            arr = np.asarray(seq)
+        if arr.ndim != 1:
+            raise ValueError(
+                f"sequence {i} has shape {tuple(arr.shape)}; each sequence must be 1-D"
+            )
+        if arr.size == 0:
+            raise ValueError(
+                f"sequence {i} is empty; every sequence needs at least one token (drop it "
+                "before packing)"
+            )
+        if arr.dtype.kind not in "iu":
+            raise TypeError(
+                f"sequence {i} has dtype {arr.dtype} (first value {arr[0]!r}); token ids "
+                "must be integers"
+            )
+        if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+            raise ValueError(f"sequence {i} has a token id {arr.max()} beyond int64")
+        out.append(arr.astype(np.int64, copy=False))
+    flat = np.concatenate(out)
+    if flat.min() < 0:  # one pass over all tokens; find the culprit only on failure
+        at = int(np.argmax(flat < 0))
+        ends = np.cumsum([a.shape[0] for a in out])
+        i = int(np.searchsorted(ends, at, side="right"))
+        where = at - (int(ends[i - 1]) if i else 0)
+        raise ValueError(
+            f"sequence {i} has a negative token id {flat[at]} at position {where}; ids must "
+            "be >= 0 (strip padding / ignore-index values such as -100 first)"
+        )
+    return out
+
+
+def forest_stats(sequences) -> ForestStats:
+    """What packing ``sequences`` into one forest saves, without building the layout.
+
+    O(total tokens) time and memory (sort and adjacent LCPs only), so it suits whole
+    datasets: ``packed_tokens``, ``token_ratio``, visible attention pairs packed vs
+    unpacked, and the number of trees.
+    """
+    return _forest_stats(_as_id_arrays(sequences))

@@ -1,0 +1,106 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+import treepack
+from treepack import cli
+from treepack.synthetic import agentic_batch
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_stats_builtin_batch_json(capsys):
+    code, out, _ = run(capsys, "stats", "--json")
+    assert code == 0
+    result = json.loads(out)
+    batch = agentic_batch()
+    pack = treepack.TreePack.from_sequences(batch)
+    assert result["num_sequences"] == len(batch)
+    assert result["original_tokens"] == pack.num_original_tokens
+    assert result["packed_tokens"] == pack.num_tokens
+    assert result["token_ratio"] == pytest.approx(pack.token_ratio)
+    assert 0 < result["attention_pairs_ratio"] < 1
+
+
+def test_stats_human_readable(capsys):
+    code, out, _ = run(capsys, "stats")
+    assert code == 0
+    for word in ("sequences", "original tokens", "packed rows", "token ratio",
+                 "attention pairs ratio"):
+        assert word in out
+
+
+def test_stats_file_lists_and_objects(tmp_path, capsys):
+    path = tmp_path / "batch.jsonl"
+    path.write_text('[1, 2, 3]\n{"input_ids": [1, 2, 4], "reward": 1.0}\n\n[1, 2]\n')
+    code, out, _ = run(capsys, "stats", str(path), "--json")
+    result = json.loads(out)
+    assert code == 0
+    assert (result["num_sequences"], result["original_tokens"], result["packed_tokens"]) == (3, 8, 4)
+
+
+@pytest.mark.parametrize(
+    "lines, line_no, words",
+    [
+        (['[1, 2]', '[1, "x"]'], 2, ["integers", "'x'"]),
+        (['[1, 2]', '', '[3, -1]'], 3, [">= 0", "-1"]),
+        (['[1, 2', '[1]'], 1, ["not valid JSON"]),
+        (['[1]', '[]'], 2, ["empty"]),
+        (['{"ids": [1, 2]}'], 1, ["input_ids"]),
+        (['"hello"'], 1, ["list of token ids", "str"]),
+        (['[1.5, 2]'], 1, ["integers", "1.5"]),
+    ],
+)
+def test_stats_bad_line_reports_its_number(tmp_path, capsys, lines, line_no, words):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    code, out, err = run(capsys, "stats", str(path))
+    assert code == 2 and out == ""
+    assert f"{path}:{line_no}:" in err
+    for w in words:
+        assert w in err
+
+
+def test_stats_missing_and_empty_files(tmp_path, capsys):
+    code, _, err = run(capsys, "stats", str(tmp_path / "nope.jsonl"))
+    assert code == 2 and "cannot read" in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    code, _, err = run(capsys, "stats", str(empty))
+    assert code == 2 and "no sequences" in err
+
+
+def test_large_file_shows_progress_bar(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps(list(range(i % 50 + 1))) + "\n" for i in range(2000)))
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", path.stat().st_size // 2)
+    code, out, err = run(capsys, "stats", str(path), "--json")
+    assert code == 0 and json.loads(out)["num_sequences"] == 2000
+    assert "reading big.jsonl" in err and "100%" in err
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", path.stat().st_size + 1)
+    run(capsys, "stats", str(path), "--json")
+    assert "reading" not in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    exe = [sys.executable, "-m", "treepack.cli", "stats", "--json"]
+    result = subprocess.run(exe, capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout)["num_sequences"] == len(agentic_batch())
+
+
+def test_import_pulls_no_optional_package():
+    # Beyond torch and numpy (and what they load themselves), only treepack and stdlib.
+    code = (
+        "import sys; import torch, numpy; before = set(sys.modules); import treepack; "
+        "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+        "print(','.join(sorted(new - set(sys.stdlib_module_names) - {'treepack'})))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == ""

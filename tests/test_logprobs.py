@@ -1,0 +1,130 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treepack import TreePack
+
+from reference import NaiveTrie, naive_entropy, naive_token_logprobs
+from strategies import forests
+
+V = 5
+
+
+def random_logits(pack, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(pack.num_rows, V, generator=g, dtype=dtype) * 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(forests(vocab=V), st.sampled_from([None, 8]))
+def test_logprobs_equal_per_occurrence_reference(seqs, multiple):
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=multiple)
+    logits = random_logits(pack)
+    got = pack.token_logprobs(logits)
+    assert got.dtype == torch.float64 and got.shape == (len(seqs), max(map(len, seqs)))
+    # The reference finds each source row through the naive trie, not through pack.rows.
+    trie = NaiveTrie(seqs)
+    row_of_node = {}
+    for s, path in enumerate(trie.paths):
+        for p, node in enumerate(path):
+            row_of_node[node] = int(pack.rows[s, p])
+    ref_rows = [[row_of_node[node] for node in path] for path in trie.paths]
+    ref = naive_token_logprobs(logits, seqs, ref_rows)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    assert (got[~pack.prediction_mask] == 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=V))
+def test_logprob_gradients_add_every_occurrence(seqs):
+    # dL/dz_r = sum over occurrences o read from row r of w_o (onehot(y_o) - softmax(z_r)).
+    pack = TreePack.from_sequences(seqs)
+    logits = random_logits(pack).requires_grad_()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(pack.rows.shape, generator=g, dtype=torch.float64)  # per-occurrence weights
+    (pack.token_logprobs(logits) * w).sum().backward()
+    expect = torch.zeros_like(logits)
+    probs = logits.detach().softmax(-1)
+    for s, seq in enumerate(seqs):
+        for p in range(1, len(seq)):
+            r = int(pack.rows[s, p - 1])
+            expect[r] -= w[s, p] * probs[r]
+            expect[r, seq[p]] += w[s, p]
+    torch.testing.assert_close(logits.grad, expect, rtol=0, atol=1e-12)
+
+
+def test_gradcheck_with_repeated_rows_and_targets():
+    # Row C predicts D and E; rows A and B are read three times; duplicates read all twice.
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 0], [1, 2, 4, 4], [1, 2, 3, 4], [1, 2]]
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=8)
+    logits = random_logits(pack).requires_grad_()
+    assert torch.autograd.gradcheck(pack.token_logprobs, (logits,))
+    assert torch.autograd.gradcheck(lambda z: pack.token_logprobs(z, temperature=0.7), (logits,))
+    assert torch.autograd.gradcheck(pack.token_entropy, (logits,))
+
+
+def test_seed_abc_fork_gradient_is_sum_of_targets():
+    # The seed's rule at the shared row C: G_z = (p_C - e_D) + (p_C - e_E) for L_sum = -sum.
+    A, B, C, D, E, F, G = range(1, 8)
+    pack = TreePack.from_sequences([[A, B, C, D], [A, B, C, E], [A, B, F, G]])
+    logits = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)
+    (-pack.token_logprobs(logits).sum()).backward()
+    p_c = logits.detach()[2].softmax(-1)
+    expect = 2 * p_c
+    expect[D] -= 1
+    expect[E] -= 1
+    torch.testing.assert_close(logits.grad[2], expect)
+    assert (logits.grad[[3, 4, 6]] == 0).all()  # leaves predict nothing
+
+
+def test_temperature_scales_logits():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 0], [4]])
+    logits = random_logits(pack)
+    torch.testing.assert_close(pack.token_logprobs(logits, temperature=0.5),
+                               pack.token_logprobs(logits * 2))
+    with pytest.raises(ValueError, match="temperature"):
+        pack.token_logprobs(logits, temperature=0)
+
+
+def test_low_precision_logits_are_upcast():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 0]])
+    logits = random_logits(pack, dtype=torch.float32)
+    got = pack.token_logprobs(logits.bfloat16())
+    assert got.dtype == torch.float32
+    expect = pack.token_logprobs(logits.bfloat16().double())
+    torch.testing.assert_close(got.double(), expect, rtol=0, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(vocab=V))
+def test_entropy_equals_reference(seqs):
+    pack = TreePack.from_sequences(seqs)
+    logits = random_logits(pack)
+    got = pack.token_entropy(logits)
+    for s, seq in enumerate(seqs):
+        for p in range(len(seq)):
+            expect = naive_entropy(logits[int(pack.rows[s, p - 1])].tolist()) if p else 0.0
+            assert got[s, p].item() == pytest.approx(expect, abs=1e-12)
+
+
+def test_entropy_with_masked_out_tokens_is_finite():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 0]])
+    logits = random_logits(pack)
+    logits[:, 4] = float("-inf")
+    logits.requires_grad_()
+    ent = pack.token_entropy(logits)
+    ent.sum().backward()
+    assert torch.isfinite(ent).all() and torch.isfinite(logits.grad).all()
+    expect = naive_entropy(logits[0, :4].tolist())
+    assert ent[0, 1].item() == pytest.approx(expect, abs=1e-12)
+
+
+def test_logits_shape_and_device_errors():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 0]], pad_to_multiple_of=8)
+    with pytest.raises(ValueError, match=r"out.logits\[0\]"):
+        pack.token_logprobs(torch.zeros(1, 8, V))
+    with pytest.raises(ValueError, match=r"T'=8"):
+        pack.token_logprobs(torch.zeros(pack.num_tokens, V))  # forgot the padding rows
+    with pytest.raises(ValueError, match="pack.to"):
+        pack.token_logprobs(torch.zeros(8, V, device="meta"))

@@ -1,0 +1,24 @@
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks
+    for code in blocks:
+        scope = {}
+        exec(compile(code, str(README), "exec"), scope)
+        pack, logps = scope["pack"], scope["logps"]
+        assert pack.num_tokens == 7 and logps.shape == (3, 4)
+        assert scope["logits"].grad is not None
+
+
+def test_readme_opens_with_the_two_setup_commands():
+    text = README.read_text()
+    first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).splitlines()
+    assert first_block[0].endswith("treepack stats") and "torch==2.13.0" in first_block[0]
+    assert first_block[1].endswith("python -m pytest") and "torch==2.13.0" in first_block[1]
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert first_block[1] in ci
