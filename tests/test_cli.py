@@ -104,3 +104,29 @@ def test_import_pulls_no_optional_package():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip() == ""
+
+
+def test_verify_command_passes_and_prints_the_report(capsys):
+    pytest.importorskip("transformers")
+    code, out, _ = run(capsys, "verify", "--family", "qwen2", "--layers", "2")
+    assert code == 0
+    for word in ("logprobs", "loss", "grads", "params", "PASS", "Qwen2ForCausalLM"):
+        assert word in out
+    code, out, _ = run(capsys, "verify", "--family", "llama", "--dtype", "bfloat16")
+    assert code == 0 and "unpacked L2" in out
+
+
+def test_verify_command_exit_status_1_above_tolerance(capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    from treepack import verification
+
+    monkeypatch.setitem(verification.TOLERANCE, __import__("torch").float32, 1e-12)
+    code, out, _ = run(capsys, "verify", "--family", "llama")
+    assert code == 1 and "FAIL" in out
+
+
+def test_verify_command_reports_flex_cpu_backward_clearly(capsys):
+    pytest.importorskip("transformers")
+    code, out, err = run(capsys, "verify", "--family", "llama", "--backend", "flex")
+    assert code == 2 and out == ""
+    assert "no FlexAttention backward on CPU" in err and "segment" in err

@@ -93,6 +93,9 @@ def check_against_trie(seqs, pack: TreePack):
         assert len(set(pack.subtree_end[a:b].tolist())) == 1
         for r in range(a + 1, b):
             assert trie.parent[node_of_row[r]] == node_of_row[r - 1]
+        owner = int(pack.host.segment_sequence[k])  # a sequence through the whole segment
+        depth = int(pack.position_ids[a])
+        assert pack.rows[owner, depth:depth + b - a].tolist() == list(range(a, b))
         parent_node = trie.parent[node_of_row[a]]
         if par == -1:
             assert parent_node == 0

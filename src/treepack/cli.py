@@ -1,4 +1,4 @@
-"""The ``treepack`` command line: ``treepack stats [FILE.jsonl] [--json]``."""
+"""The ``treepack`` command line: ``stats`` and ``verify``."""
 
 from __future__ import annotations
 
@@ -106,6 +106,29 @@ def _stats(args) -> int:
     return 0
 
 
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def _verify(args) -> int:
+    import torch
+
+    from treepack import zoo
+    from treepack.verification import verification_batch, verify
+
+    dtype = getattr(torch, args.dtype)
+    # Low-precision runs are compared against float32 copies: build the model in float32.
+    build = dtype if dtype in (torch.float64, torch.float32) else torch.float32
+    model = zoo.tiny_model(args.family, layers=args.layers, seed=args.seed, dtype=build).eval()
+    sequences = verification_batch(zoo.VOCAB, seed=args.seed)
+    try:
+        report = verify(model, sequences, backend=args.backend, dtype=dtype,
+                        pad_to_multiple_of=args.pad_to_multiple_of)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        raise InputError(str(e)) from None
+    print(report)
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="treepack",
@@ -122,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("file", nargs="?", metavar="FILE.jsonl")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(run=_stats)
+
+    from treepack.attention import BACKENDS
+    from treepack.zoo import FAMILIES
+
+    verify = sub.add_parser(
+        "verify",
+        help="packed vs unpacked equivalence of one training step on a tiny random model",
+        description="Build a tiny random model of FAMILY, run one training step (loss, "
+        "backward, AdamW) packed and with every sequence alone, and compare log-probs, loss, "
+        "gradients and parameters. Exit status 1 when above tolerance.",
+    )
+    verify.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    verify.add_argument("--layers", type=int, default=2)
+    verify.add_argument("--backend", default="segment", choices=sorted(BACKENDS))
+    verify.add_argument("--dtype", default="float32", choices=DTYPES)
+    verify.add_argument("--seed", type=int, default=0)
+    verify.add_argument("--pad-to-multiple-of", type=int, default=None)
+    verify.set_defaults(run=_verify)
     return parser
 
 

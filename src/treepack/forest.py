@@ -90,6 +90,7 @@ class Layout(NamedTuple):
     seg_start: np.ndarray  # [S]
     seg_end: np.ndarray  # [S]
     seg_parent: np.ndarray  # [S]
+    seg_sequence: np.ndarray  # [S] an input sequence whose path passes through the segment
     pred_source: np.ndarray  # [M]
     pred_target: np.ndarray  # [M]
     pred_index: np.ndarray  # [M]
@@ -126,6 +127,8 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1) -> Layout:
     after = depth.shape[0] - 1 - previous_smaller(depth[::-1], strict=False)[::-1]
     seg_subtree_end = np.append(seg_start, T)[after]
     subtree_end = np.repeat(seg_subtree_end, seg_end - seg_start)  # [T]
+    # the sequence that owns a segment's rows passes through it (and through its ancestors)
+    seg_sequence = order[np.searchsorted(base, seg_start, side="right") - 1]
 
     rows, values = _rows(order, lcp, s_len, base, pse, lengths)
     # Predictions: every token but each sequence's first, from the row before it.
@@ -154,6 +157,7 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1) -> Layout:
         seg_start=seg_start,
         seg_end=seg_end,
         seg_parent=seg_parent,
+        seg_sequence=seg_sequence,
         pred_source=pred_source,
         pred_target=pred_target,
         pred_index=pred_index,

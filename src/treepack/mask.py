@@ -23,16 +23,28 @@ def dense_mask(subtree_end: Tensor) -> Tensor:
     return (kv <= q) & (q < subtree_end[None, :])
 
 
-def tree_mask_mod(subtree_end: Tensor):
-    """FlexAttention ``mask_mod`` for a packed forest: ancestors and self only."""
+def tree_mask_mod(subtree_end: Tensor, position_ids: Tensor | None = None,
+                  window: int | None = None):
+    """FlexAttention ``mask_mod`` for a packed forest: ancestors and self only, and with a
+    sliding ``window`` only keys fewer than ``window`` positions (depths) back."""
 
     def tree_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
 
-    return tree_mask
+    if window is None:
+        return tree_mask
+    if position_ids is None:
+        raise ValueError("a sliding-window mask needs the pack's position_ids")
+
+    def tree_window_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        near = position_ids[q_idx] - position_ids[kv_idx] < window
+        return tree_mask(b, h, q_idx, kv_idx) & near
+
+    return tree_window_mask
 
 
-def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod):
+def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod,
+               position_ids: np.ndarray | None = None, window: int | None = None):
     """A FlexAttention ``BlockMask`` for the rows whose subtree ends are ``subtree_end``.
 
     With per-block ``max_end`` / ``min_end`` of ``subtree_end`` and block size B, the key
@@ -41,6 +53,10 @@ def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod):
     ``f[c] = floor(min_end[c] / B)``, or all later ones when ``min_end[c] = T``; a diagonal
     block is full only when it holds a single row. Both the key-side tables (forward) and
     the query-side tables (backward) come straight from these ranges.
+
+    With a sliding ``window`` (and the rows' ``position_ids``), a block is also skipped when
+    even its closest pair is ``window`` or more positions apart, and full only when even its
+    farthest pair is closer; blocks in between are partial and ``mask_mod`` decides.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -58,12 +74,18 @@ def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod):
     full_until = np.where(min_end >= t, nb, min_end // block_size)  # [nb]
     diag_full = blk_rows == 1  # [nb]
     blocks = np.arange(nb)
+    if window is not None:
+        pos = np.pad(position_ids.reshape(-1), (0, tail), mode="edge").reshape(nb, block_size)
+        pos_min, pos_max = pos.min(1), pos.max(1)
 
     def tables(q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Dense [partial, full] flags of (query block q, key block k), broadcast."""
         full = (k < q) & (q < full_until[k]) | (k == q) & diag_full[k]
-        partial = (k <= q) & (q < seen_until[k]) & ~full
-        return partial, full
+        seen = (k <= q) & (q < seen_until[k])
+        if window is not None:
+            full &= pos_max[q] - pos_min[k] < window
+            seen &= pos_min[q] - pos_max[k] < window
+        return seen & ~full, full
 
     def ordered(dense: np.ndarray) -> tuple[Tensor, Tensor]:
         # FlexAttention's ordered format: per row, the listed columns ascending, then the

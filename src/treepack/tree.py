@@ -71,6 +71,8 @@ class HostLayout(NamedTuple):
     segment_start: np.ndarray  # [S] int64
     segment_end: np.ndarray  # [S] int64
     segment_parent: np.ndarray  # [S] int64
+    segment_sequence: np.ndarray  # [S] int64, an input sequence passing through the segment
+    rows: np.ndarray  # [N, L] int64, as TreePack.rows
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -190,6 +192,8 @@ class TreePack:
             segment_start=lay.seg_start,
             segment_end=lay.seg_end,
             segment_parent=lay.seg_parent,
+            segment_sequence=lay.seg_sequence,
+            rows=lay.rows,
         )
         return cls(
             input_ids=t(lay.input_ids),
@@ -273,21 +277,24 @@ class TreePack:
         """
         return _mask.dense_mask(self.subtree_end)
 
-    def mask_mod(self):
-        """A FlexAttention ``mask_mod``: ``(kv <= q) & (q < subtree_end[kv])``."""
-        return _mask.tree_mask_mod(self.subtree_end)
+    def mask_mod(self, *, window: int | None = None):
+        """A FlexAttention ``mask_mod``: ``(kv <= q) & (q < subtree_end[kv])``, and with a
+        sliding ``window`` also ``position_ids[q] - position_ids[kv] < window``."""
+        return _mask.tree_mask_mod(self.subtree_end, self.position_ids, window)
 
-    def block_mask(self, block_size: int = 128):
+    def block_mask(self, block_size: int = 128, *, window: int | None = None):
         """A FlexAttention ``BlockMask`` over the T' rows, built from ``subtree_end``.
 
         Uses per-block min/max of ``subtree_end`` (O(T + (T'/block_size)^2) work and memory,
         never a T x T tensor); full blocks are listed apart from partial ones so the kernel
         skips ``mask_mod`` on them, and the query-side tables for the backward pass are
-        built directly rather than by transposing.
+        built directly rather than by transposing. With a sliding ``window``, blocks wholly
+        out of reach in depth are skipped as well.
         """
         return _mask.block_mask(
             self.host.subtree_end, block_size=block_size, device=self.device,
-            mask_mod=self.mask_mod(),
+            mask_mod=self.mask_mod(window=window), position_ids=self.host.position_ids,
+            window=window,
         )
 
     # ------------------------------------------------------------------ outputs back to [N, L]

@@ -1,0 +1,110 @@
+"""Attention over a packed forest: ancestors and self only, windows counted in depth.
+
+One signature for every backend, chosen explicitly; an unusable choice raises and lists
+every reason, never falling back silently::
+
+    attend = TreeAttention(pack, backend="segment")
+    out = attend(q, k, v, scale=..., softcap=None, window=None, dropout=0.0)
+
+``q`` is ``[1, Hq, T', D]`` and ``k``/``v`` are ``[1, Hkv, T', D]`` with ``Hq`` a multiple of
+``Hkv`` (grouped-query attention); the output is ``[1, Hq, T', D]``. Query row i sees key row
+j iff ``j <= i < subtree_end[j]`` and, with a sliding ``window``, ``pos[i] - pos[j] < window``
+(depths on the original sequence, never packed distance). ``softcap`` applies
+``softcap * tanh(score / softcap)`` to the scaled scores (Gemma 2).
+
+Backends:
+
+``segment``  exact sparsity on standard kernels, forward and backward anywhere: each compressed
+             segment's queries attend the keys of its ancestor path plus its own rows causally
+             (bottom-right aligned); segments of equal shape are batched into one call.
+``flex``     FlexAttention with the pack's BlockMask, compiled; forward and backward on GPU,
+             forward only on CPU (PyTorch has no CPU flex backward).
+``dense``    SDPA (or the eager formula, for soft-capping) with the dense T' x T' mask; the
+             reference, for small packs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from torch import Tensor
+
+from treepack.attention import dense, flex, segment
+
+if TYPE_CHECKING:
+    from treepack.tree import TreePack
+
+__all__ = ["TreeAttention", "BACKENDS"]
+
+BACKENDS: dict[str, Callable] = {
+    "segment": segment.attention,
+    "flex": flex.attention,
+    "dense": dense.attention,
+}
+
+
+class TreeAttention:
+    """Tree attention for one pack with one backend; reuse it in every layer of a forward.
+
+    Structures derived from the pack (block masks, segment plans, dense masks) are built on
+    first use for each window size and cached on this object, so a model with full and
+    sliding layers builds each once per pack.
+    """
+
+    def __init__(self, pack: TreePack, backend: str = "segment", *, block_size: int = 128):
+        if backend not in BACKENDS:
+            raise ValueError(
+                f"backend={backend!r} is not a treepack attention backend; choose one of "
+                f"{sorted(BACKENDS)} ('segment' runs forward and backward anywhere, 'flex' is "
+                "the fast GPU path, 'dense' the small-pack reference)"
+            )
+        self.pack = pack
+        self.backend = backend
+        self.block_size = block_size
+        self._cache: dict = {}
+
+    def cached(self, key, build: Callable):
+        """The structure ``build()`` for ``key``, built once per pack."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        window: int | None = None,
+        dropout: float = 0.0,
+    ) -> Tensor:
+        rows = self.pack.num_rows
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError(
+                f"expected q, k, v of shape [1, heads, T'={rows}, head_dim], got "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        if q.shape[0] != 1 or q.shape[2] != rows or k.shape[2] != rows or v.shape[2] != rows:
+            raise ValueError(
+                f"a pack is one sequence of T'={rows} rows: expected batch 1 and length {rows}, "
+                f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if q.shape[1] % k.shape[1] != 0 or k.shape[1] != v.shape[1]:
+            raise ValueError(
+                f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
+                f"({k.shape[1]}, {v.shape[1]})"
+            )
+        if q.device != self.pack.device:
+            raise ValueError(
+                f"attention inputs are on {q.device} but the pack is on {self.pack.device}; "
+                f"move the pack with pack.to({str(q.device)!r})"
+            )
+        if window is not None and window < 1:
+            raise ValueError(f"window={window!r} must be a positive number of positions")
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        return BACKENDS[self.backend](
+            q, k, v, self, scale=scale, softcap=softcap or None, window=window, dropout=dropout
+        )

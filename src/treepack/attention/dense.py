@@ -1,0 +1,55 @@
+"""The dense reference backend: the T' x T' mask, SDPA or the eager formula."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def window_mask(pos_q: Tensor, pos_kv: Tensor, window: int | None) -> Tensor | None:
+    """[..., Lq, Lk] True where the query is fewer than ``window`` positions past the key."""
+    if window is None:
+        return None
+    return pos_q[..., :, None] - pos_kv[..., None, :] < window
+
+
+def math_attention(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
+    """The eager formula (as transformers' eager attention): scores in the input dtype,
+    soft-capping, the mask, softmax in float32 at least, dropout, values."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+    probs = probs.to(q.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, v)
+
+
+def sdpa(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
+    """SDPA with a boolean mask or attention bias, or the eager formula for soft-capping."""
+    if softcap is not None:
+        if not isinstance(mask, Tensor):  # a CausalBias
+            mask = mask._materialize(q.device)
+        return math_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+    pack = ctx.pack
+
+    def build():
+        mask = pack.dense_mask()  # [T', T']
+        win = window_mask(pack.position_ids, pack.position_ids, window)
+        return mask if win is None else mask & win
+
+    mask = ctx.cached(("dense", window), build)
+    return sdpa(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)

@@ -1,0 +1,90 @@
+"""The segment backend: exact tree sparsity on standard attention kernels.
+
+A compressed segment's rows ``[a, b)`` at depths ``d0 .. d0+q-1`` see exactly the rows of its
+path at depths ``lo .. d0+q-1`` (``lo = 0``, or ``d0 - window + 1`` with a sliding window),
+causally, aligned bottom-right: query t sees path position u iff ``u <= off + t`` (and
+``u > off + t - window``) with ``off = kv - q``. That path is a slice of ``rows`` for any
+sequence through the segment, so the keys are one gather. Segments with the same
+``(q, kv)`` share one mask and run as one batched call. Per forward: one gather of queries,
+keys and values per group, one attention call per group, one permutation back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
+
+from treepack.attention.dense import sdpa
+
+
+class Group(NamedTuple):
+    q_rows: Tensor  # [G * q] packed rows of the group's queries, segment by segment
+    kv_rows: Tensor  # [G, kv] packed rows of each segment's visible path
+    mask: Tensor | None  # [q, kv] bool for windowed groups; None: bottom-right causal
+    q: int
+    kv: int
+
+
+class Plan(NamedTuple):
+    groups: list[Group]
+    inverse: Tensor  # [T'] where each packed row's output sits in the groups' concatenation
+
+
+def build_plan(pack, window: int | None) -> Plan:
+    """Group the segments (and padding rows, as one-row segments) by shape; host work only."""
+    h = pack.host
+    start, end = h.segment_start, h.segment_end
+    q_len = end - start
+    d0 = h.position_ids[start]
+    lo = np.zeros_like(d0) if window is None else np.maximum(d0 - window + 1, 0)
+    kv_len = d0 + q_len - lo
+    pad = np.arange(pack.num_tokens, pack.num_rows)  # padding rows see only themselves
+    key = np.stack((np.append(q_len, np.ones_like(pad)), np.append(kv_len, np.ones_like(pad))))
+    order = np.lexsort(key[::-1])
+    edges = np.flatnonzero(np.any(np.diff(key[:, order], axis=1) != 0, axis=0)) + 1
+    groups, placed = [], []
+    num_segments = start.shape[0]
+    for members in np.split(order, edges):
+        q, kv = (int(x) for x in key[:, members[0]])
+        segs = members[members < num_segments]
+        pads = pad[members[members >= num_segments] - num_segments][:, None]  # only if q == 1
+        q_rows = np.concatenate((start[segs][:, None] + np.arange(q), pads.repeat(q, 1)))
+        path = h.rows[h.segment_sequence[segs][:, None], lo[segs][:, None] + np.arange(kv)]
+        kv_rows = np.concatenate((path, pads.repeat(kv, 1)))
+        mask = None
+        if window is not None:
+            t, u = np.arange(q)[:, None], np.arange(kv)[None, :]
+            off = kv - q
+            mask = torch.from_numpy((u <= off + t) & (u > off + t - window)).to(pack.device)
+        placed.append(q_rows.reshape(-1))
+        groups.append(Group(
+            q_rows=torch.from_numpy(q_rows.reshape(-1)).to(pack.device),
+            kv_rows=torch.from_numpy(kv_rows).to(pack.device),
+            mask=mask, q=q, kv=kv,
+        ))
+    inverse = np.empty(pack.num_rows, dtype=np.int64)
+    inverse[np.concatenate(placed)] = np.arange(pack.num_rows)
+    return Plan(groups, torch.from_numpy(inverse).to(pack.device))
+
+
+def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+    plan = ctx.cached(("segment", window), lambda: build_plan(ctx.pack, window))
+    q0, k0, v0 = q[0], k[0], v[0]  # [H, T', D]
+    outs = []
+    for g in plan.groups:
+        n = g.kv_rows.shape[0]
+        qg = q0[:, g.q_rows].unflatten(1, (n, g.q)).transpose(0, 1)  # [G, Hq, q, D]
+        kg = k0[:, g.kv_rows].transpose(0, 1)  # [G, Hkv, kv, D]
+        vg = v0[:, g.kv_rows].transpose(0, 1)
+        mask = g.mask
+        if mask is None:
+            mask = causal_lower_right(g.q, g.kv)
+            if softcap is not None:  # the eager formula needs the mask itself
+                mask = torch.ones(g.q, g.kv, dtype=torch.bool, device=q.device).tril(g.kv - g.q)
+        out = sdpa(qg, kg, vg, mask, scale=scale, softcap=softcap, dropout=dropout)
+        outs.append(out.transpose(0, 1).flatten(1, 2))  # [Hq, G * q, D]
+    return torch.cat(outs, dim=1)[:, plan.inverse][None]  # [1, Hq, T', D]

@@ -1,0 +1,297 @@
+"""Run transformers causal LMs on a TreePack (transformers >= 5; imported lazily).
+
+    out = treepack.hf.forward(model, pack, backend="segment")   # out.logits: [1, T', V]
+    logps = pack.token_logprobs(out.logits[0])                   # [N, L]
+
+``forward`` prepares the model once (:func:`prepare`): its attention implementation becomes a
+treepack one that runs the tree backend when a pack is given and the model's original
+attention (sdpa, eager, flex, ...) otherwise, so one model object serves packed and ordinary
+padded batches. The pack reaches every attention layer as a forward keyword argument, so
+gradient checkpointing recomputes the same tree attention.
+
+What would be silently wrong is refused with an error naming the fix: a model whose layers do
+not all go through transformers' attention interface (custom attention code, recurrent or
+linear-attention layers), a model that ignores ``position_ids``, attention sinks, caches,
+``labels`` (the loss would count packed rows), and keyword arguments that would hand sequence
+boundaries to a flash "padding-free" path. An MoE router auxiliary loss is recomputed with each
+packed row weighted by the number of original tokens it stands for, so it equals the
+unpacked one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+import sys
+
+import torch
+from torch import Tensor
+
+from treepack.attention import TreeAttention
+from treepack.tree import TreePack
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "treepack.hf needs transformers >= 5: pip install 'treepack[hf]'"
+    ) from e
+
+__all__ = ["forward", "prepare", "unprepare", "is_prepared", "row_multiplicity",
+           "router_aux_loss"]
+
+PACK_KWARG = "treepack_attention"  # the forward keyword that carries the TreeAttention
+_PREFIX = "treepack_"
+_ORIGINAL: dict[str, str] = {}  # registered treepack name -> the original implementation
+_TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
+
+# Keyword arguments that would give the model another notion of sequence boundaries or a
+# cache, or a loss over packed rows.
+_REFUSED_KWARGS = {
+    "input_ids": "the pack supplies input_ids",
+    "inputs_embeds": "the pack supplies input_ids",
+    "attention_mask": "the pack's tree structure is the attention mask",
+    "position_ids": "the pack supplies position_ids (depths)",
+    "cache_position": "a pack is one forward from scratch, without a cache",
+    "past_key_values": "a pack is one forward from scratch, without a cache",
+    "cache": "a pack is one forward from scratch, without a cache",
+    "labels": "the model's loss would average over packed rows; compute log-probs with "
+              "pack.token_logprobs(out.logits[0]) and your loss on the [N, L] layout",
+    "cu_seq_lens_q": "flash 'padding-free' boundaries would let siblings see each other",
+    "cu_seq_lens_k": "flash 'padding-free' boundaries would let siblings see each other",
+    "max_length_q": "flash 'padding-free' boundaries would let siblings see each other",
+    "max_length_k": "flash 'padding-free' boundaries would let siblings see each other",
+    "seq_idx": "flash 'padding-free' boundaries would let siblings see each other",
+}
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+# ---------------------------------------------------------------------- registration
+
+
+def _registered_name(original: str) -> str:
+    # transformers treats any implementation whose name contains "flash" as flash attention,
+    # so the registered name must not.
+    name = _PREFIX + re.sub(r"[^a-z0-9]+", "_", original.lower().replace("flash", "fa"))
+    if name not in _ORIGINAL:
+        _ORIGINAL[name] = original
+        AttentionInterface.register(name, _attention)
+        AttentionMaskInterface.register(name, _mask)
+    return name
+
+
+def _original_attention(module, name: str):
+    original = _ORIGINAL[name]
+    if original == "eager":  # eager is each model's own function, not a registered one
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[original]
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    """The registered attention: the tree backend with a pack, the original one without."""
+    attend = kwargs.pop(PACK_KWARG, None)
+    if attend is None:
+        original = _original_attention(module, module.config._attn_implementation)
+        return original(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} uses attention sinks (s_aux), which treepack's backends "
+            "do not implement yet; run this model unpacked"
+        )
+    attend.calls += 1
+    out = attend.attention(
+        query, key, value,
+        scale=kwargs.get("scaling"),
+        softcap=kwargs.get("softcap"),
+        window=kwargs.get("sliding_window"),
+        dropout=kwargs.get("dropout", 0.0),
+    )
+    return out.transpose(1, 2).contiguous(), None  # [1, T', H, D] as transformers expects
+
+
+def _mask(*args, config=None, **kwargs):
+    """No mask in a tree forward (the backend has the pack); the original one otherwise."""
+    if _TREE_FORWARD.get():
+        return None
+    original = _ORIGINAL[config._attn_implementation]
+    if original not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        return kwargs.get("attention_mask")  # transformers passes such masks through as-is
+    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, config=config, **kwargs)
+
+
+# ---------------------------------------------------------------------- preparing a model
+
+
+def is_prepared(model) -> bool:
+    return model.config._attn_implementation in _ORIGINAL
+
+
+def prepare(model, *, check: bool = True):
+    """Route ``model``'s attention through treepack (idempotent); returns the model.
+
+    Without a pack the model runs exactly as before, through its original attention
+    implementation. With ``check`` (the default) two 2-token forwards verify, once, that the
+    model reads ``position_ids``: treepack's depths reach the model only that way.
+    """
+    if is_prepared(model):
+        return model
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types <= _ATTENTION_LAYER_TYPES:
+        other = sorted(layer_types - _ATTENTION_LAYER_TYPES)
+        raise ValueError(
+            f"{type(model).__name__} has {other} layers: their recurrent or linear state would "
+            "run across the whole packed forest, mixing sequences. treepack supports models "
+            f"whose layers are all {sorted(_ATTENTION_LAYER_TYPES)}; run this one unpacked"
+        )
+    original = config._attn_implementation or "eager"
+    config._attn_implementation = _registered_name(original)
+    if check:
+        try:
+            _check_reads_position_ids(model)
+        except Exception:
+            config._attn_implementation = original
+            raise
+    return model
+
+
+def unprepare(model):
+    """Restore the model's original attention implementation; returns the model."""
+    if is_prepared(model):
+        model.config._attn_implementation = _ORIGINAL[model.config._attn_implementation]
+    return model
+
+
+@contextlib.contextmanager
+def _eval_no_grad(model):
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _check_reads_position_ids(model) -> None:
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1, 2]], device=device) % model.config.vocab_size
+    pack = TreePack.from_sequences([[1, 2]], device=device)
+    outs = []
+    with _eval_no_grad(model):
+        for positions in ([0, 1], [0, 7]):  # same chain, keys 1 vs 7 positions back
+            attend = _Attend(pack, "dense")
+            with _tree_forward():
+                out = model(input_ids=ids, position_ids=torch.tensor([positions], device=device),
+                            use_cache=False, **{PACK_KWARG: attend})
+            _check_calls(model, attend)
+            outs.append(out.logits)
+    if torch.equal(outs[0], outs[1]):
+        raise ValueError(
+            f"{type(model).__name__} ignores position_ids (the output did not change when "
+            "they did): packed rows would get positions from their packed index instead of "
+            "their depth. treepack supports models that take positions from position_ids "
+            "(rotary or learned absolute); run this one unpacked"
+        )
+
+
+# ---------------------------------------------------------------------- forward
+
+
+class _Attend:
+    """The per-forward object every attention layer receives: the backend and a call count."""
+
+    def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
+        self.attention = TreeAttention(pack, backend, block_size=block_size)
+        self.calls = 0
+
+
+@contextlib.contextmanager
+def _tree_forward():
+    token = _TREE_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _TREE_FORWARD.reset(token)
+
+
+def _expected_attention_calls(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config.num_hidden_layers
+
+
+def _check_calls(model, attend: _Attend) -> None:
+    expected = _expected_attention_calls(model)
+    if attend.calls != expected:
+        raise RuntimeError(
+            f"{type(model).__name__} has {expected} layers but {attend.calls} of them attended "
+            "through transformers' attention interface: the others would attend across the "
+            "packed forest (siblings would see each other). treepack supports models whose "
+            "every layer uses the attention interface; run this one unpacked"
+        )
+
+
+def forward(model, pack: TreePack, backend: str = "segment", *, return_hidden: bool = False,
+            block_size: int = 128, **kwargs):
+    """Run a causal LM once over ``pack`` and return its output.
+
+    The model sees ``pack.input_ids`` with depth ``position_ids`` and tree attention from
+    ``backend`` ('segment', 'flex' or 'dense'), without a cache. The output's ``.logits`` is
+    ``[1, T', V]``; with ``return_hidden=True`` the LM head is skipped and the base model's
+    output is returned (``.last_hidden_state`` ``[1, T', H]``, for
+    :func:`treepack.logprobs_from_hidden`). Extra ``kwargs`` go to the model (e.g.
+    ``output_router_logits=True``). For an MoE model with router logits, ``out.aux_loss`` is
+    the load-balancing loss of the original tokens (see :func:`router_aux_loss`).
+    """
+    for key in kwargs:
+        if key in _REFUSED_KWARGS:
+            raise ValueError(f"treepack.hf.forward does not take {key!r}: {_REFUSED_KWARGS[key]}")
+    if kwargs.get("use_cache"):
+        raise ValueError("use_cache=True: a pack is one forward from scratch, without a cache")
+    device = next(model.parameters()).device
+    if pack.device != device:
+        raise ValueError(
+            f"the pack is on {pack.device} but the model is on {device}; pass "
+            f"pack.to({str(device)!r})"
+        )
+    prepare(model)
+    attend = _Attend(pack, backend, block_size)
+    target = model.base_model if return_hidden else model
+    with _tree_forward():
+        out = target(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
+                     use_cache=False, **{PACK_KWARG: attend}, **kwargs)
+    _check_calls(model, attend)
+    if not return_hidden and getattr(out, "aux_loss", None) is not None:
+        out.aux_loss = router_aux_loss(model, pack, out.router_logits)
+    return out
+
+
+# ---------------------------------------------------------------------- MoE
+
+
+def row_multiplicity(pack: TreePack) -> Tensor:
+    """[T'] float: how many original tokens each packed row stands for (0 for padding)."""
+    rows = pack.rows[pack.rows >= 0]
+    return torch.bincount(rows, minlength=pack.num_rows).float()
+
+
+def router_aux_loss(model, pack: TreePack, router_logits) -> Tensor:
+    """The MoE load-balancing loss of the original tokens, from the packed router logits.
+
+    Uses the model's own ``load_balancing_loss_func`` with every packed row weighted by the
+    number of original tokens it stands for, which is what the unpacked batch computes.
+    """
+    module = sys.modules[type(model).__module__]
+    loss_fn = getattr(module, "load_balancing_loss_func", None)
+    if loss_fn is None:
+        raise NotImplementedError(
+            f"{type(model).__name__} has an auxiliary router loss treepack does not know how to "
+            "weight by original tokens; disable it (output_router_logits=False) or run unpacked"
+        )
+    config = model.config
+    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    weights = row_multiplicity(pack)[None]  # [1, T']
+    return loss_fn(router_logits, num_experts, config.num_experts_per_tok, weights)

@@ -1,0 +1,306 @@
+"""Packed-vs-unpacked equivalence: one training step both ways, every number compared.
+
+The reference runs the same model on **each sequence alone** (its original attention, no
+packing); the packed run goes through :func:`treepack.hf.forward`. Both compute the mean
+next-token negative log-likelihood over every original prediction, backpropagate, and take
+one AdamW step from identical copies. Compared: every mapped log-prob, the loss, every
+parameter gradient, and every parameter after the step.
+
+In float64 / float32 the two runs are compared directly: log-probs, loss and gradients within
+``TOLERANCE`` (relative to each tensor's largest magnitude). The parameters after the step
+pass when every element's difference is explained by its gradient's difference: AdamW's first
+step is ``lr * g / (|g| + eps)``, whose sensitivity ``lr * eps / (|g| + eps)^2`` amplifies a
+rounding-level gradient difference ~1/(4 eps) times where ``|g|`` is near ``eps``; the check
+allows twice that first-order change plus two roundings of the parameter.
+
+In a low-precision dtype (bfloat16, float16) both runs are compared against an unpacked
+float32 reference, and packing passes when its error is at most twice the unpacked
+low-precision run's own error, quantity by quantity. There errors are relative L2 norms per
+tensor (a max over elements would hinge on single sign flips of AdamW's first step), and an
+error below ``eps(dtype) / 16`` counts as rounding: a wrong reduction or denominator is off
+by far more.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from treepack.tree import TreePack
+
+__all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR",
+           "verification_batch"]
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # max relative error, direct comparison
+LOW_PRECISION_FACTOR = 2.0  # packed error <= this x unpacked error, against a float32 reference
+QUANTITIES = ("logprobs", "loss", "grads", "params")
+ADAM_EPS = 1e-8
+
+
+class Error(NamedTuple):
+    """Largest absolute difference, and that over the reference's largest magnitude."""
+
+    max_abs: float
+    max_rel: float
+    where: str = ""  # the worst parameter, for grads and params
+    # params, direct comparison: the largest difference over its AdamW-derived allowance
+    allowance_ratio: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    model: str
+    backend: str
+    dtype: str
+    sequences: int
+    original_tokens: int
+    packed_rows: int
+    errors: dict[str, Error]  # packed vs reference, per quantity
+    # low precision only: the unpacked low-precision run against the same float32 reference
+    unpacked_errors: dict[str, Error] | None
+    tolerance: float  # relative tolerance (direct), or the allowed error factor (low precision)
+
+    @property
+    def passed(self) -> bool:
+        if self.unpacked_errors is None:
+            direct = all(self.errors[q].max_rel <= self.tolerance for q in QUANTITIES[:3])
+            return direct and self.errors["params"].allowance_ratio <= 1.0
+        return all(self.ratio(q) <= self.tolerance for q in QUANTITIES)
+
+    noise_floor: float = 0.0  # low precision: relative errors below this are rounding
+
+    def ratio(self, quantity: str) -> float:
+        """Low precision: packed error over unpacked error (relative, against float32)."""
+        packed, unpacked = self.errors[quantity].max_rel, self.unpacked_errors[quantity].max_rel
+        return packed / max(unpacked, self.noise_floor, 1e-300)
+
+    def __str__(self) -> str:
+        low = self.unpacked_errors is not None
+        head = (f"treepack verify: {self.model}, backend={self.backend}, dtype={self.dtype}: "
+                f"{self.sequences} sequences, {self.original_tokens} tokens -> "
+                f"{self.packed_rows} packed rows")
+        ref = ("against an unpacked float32 run" if low else
+               f"packed vs each sequence alone, both {self.dtype}")
+        lines = [head, f"  errors {ref}:"]
+        if low:
+            lines.append(f"  {'':<10}{'packed L2':>12}{'unpacked L2':>14}{'ratio':>8}  worst")
+        else:
+            lines.append(f"  {'':<10}{'max abs':>12}{'max rel':>12}  worst")
+        for q in QUANTITIES:
+            e = self.errors[q]
+            if low:
+                u = self.unpacked_errors[q]
+                lines.append(f"  {q:<10}{e.max_rel:>12.2e}{u.max_rel:>14.2e}"
+                             f"{self.ratio(q):>8.2f}  {e.where}")
+            else:
+                note = e.where
+                if e.allowance_ratio is not None:
+                    note = f"{e.allowance_ratio:.2f} of the AdamW allowance; {e.where}"
+                lines.append(f"  {q:<10}{e.max_abs:>12.2e}{e.max_rel:>12.2e}  {note}")
+        rule = (f"packed error <= {self.tolerance:g} x unpacked error, errors below "
+                f"{self.noise_floor:.1e} count as rounding" if low else
+                f"max rel <= {self.tolerance:g}; params within the AdamW allowance")
+        lines.append(f"  {'PASS' if self.passed else 'FAIL'} ({rule})")
+        return "\n".join(lines)
+
+
+def verification_batch(vocab: int, *, seed: int = 0, eos: int | None = 2) -> list[Tensor]:
+    """A small batch with every edge case the equivalence spec names.
+
+    Two GRPO groups (forks after a shared prompt, unequal response lengths, some ending in
+    ``eos``), a multi-turn agent trajectory (each step a prefix of the next), an exact
+    duplicate, a sequence that is a prefix of another, a one-token sequence, and an unrelated
+    tree. Sequences run past 6 tokens, so the zoo's sliding windows are crossed.
+    """
+    from treepack.synthetic import agent_batch, grpo_batch
+
+    g = torch.Generator().manual_seed(seed)
+    batch = [torch.as_tensor(s) for s in
+             grpo_batch(groups=2, rollouts=3, prompt_len=14, response_len=8, jitter=0.5,
+                        vocab=vocab, seed=seed)]
+    if eos is not None:
+        batch = [torch.cat((s, s.new_tensor([eos]))) if i % 2 else s for i, s in enumerate(batch)]
+    batch += [torch.as_tensor(s) for s in
+              agent_batch(prompts=1, trajectories=2, steps=3, prompt_len=10, response_len=5,
+                          tool_len=4, jitter=0.4, vocab=vocab, seed=seed + 1)]
+    batch += [batch[0].clone(), batch[1][:9].clone(), batch[2][:1].clone(),
+              torch.randint(3, vocab, (11,), generator=g)]
+    return batch
+
+
+def _error(got: Tensor, ref: Tensor, where: str = "", l2: bool = False) -> Error:
+    """Max abs difference, and the difference relative to the reference: in max norm (each
+    over the tensor's largest magnitude), or with ``l2`` in L2 norm."""
+    diff = got.double() - ref.double()
+    max_abs = diff.abs().max().item()
+    num, den = (diff.norm(), ref.double().norm()) if l2 else (max_abs, ref.double().abs().max())
+    num, den = float(num), float(den)
+    rel = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+    return Error(max_abs, rel, where)
+
+
+def _worst(errors: list[Error]) -> Error:
+    worst = max(errors, key=lambda e: e.max_rel)
+    return Error(max(e.max_abs for e in errors), worst.max_rel, worst.where)
+
+
+def _check_deterministic(model: nn.Module) -> None:
+    if not model.training:
+        return
+    active = [f"{name or type(model).__name__} (p={m.p})" for name, m in model.named_modules()
+              if isinstance(m, nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "attn_pdrop"):
+        if getattr(config, key, 0) and getattr(config, key) > 0:
+            active.append(f"config.{key}={getattr(config, key)}")
+    if active:
+        raise ValueError(
+            f"dropout is on in training mode ({', '.join(active[:4])}): verification needs "
+            "deterministic forwards, so both runs see the same network. Call model.eval() "
+            "(dropout off; gradients still flow) or set the dropout probabilities to 0"
+        )
+
+
+class _Step(NamedTuple):
+    logprobs: Tensor  # [M] every prediction, in pack.predictions order
+    loss: Tensor
+    grads: dict[str, Tensor]
+    before: dict[str, Tensor]
+    params: dict[str, Tensor]  # after one AdamW step
+
+
+def _train_step(model, lr: float, loss_fn) -> _Step:
+    params = dict(model.named_parameters())
+    before = {k: p.detach().clone() for k, p in params.items()}
+    model.zero_grad(set_to_none=True)
+    logprobs, loss = loss_fn(model)
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+    torch.optim.AdamW(params.values(), lr=lr, eps=ADAM_EPS).step()
+    after = {k: p.detach() for k, p in params.items()}
+    return _Step(logprobs.detach(), loss.detach(), grads, before, after)
+
+
+def _unpacked_loss(pack: TreePack, sequences: list[Tensor]):
+    def run(model):
+        device = next(model.parameters()).device
+        parts = []
+        for seq in sequences:
+            seq = seq.to(device)
+            logits = model(input_ids=seq[None], use_cache=False).logits[0]  # [len, V]
+            logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+            parts.append(logp[:-1].gather(-1, seq[1:, None])[:, 0])
+        # pack.predictions are ordered by (sequence, position): so is this concatenation.
+        logprobs = torch.cat(parts)
+        return logprobs, -logprobs.sum() / pack.num_predictions
+
+    return run
+
+
+def _packed_loss(pack: TreePack, backend: str):
+    from treepack import hf
+
+    def run(model):
+        logits = hf.forward(model, pack, backend=backend).logits[0]
+        flat = pack.token_logprobs(logits).reshape(-1)[pack.predictions.index]  # [M]
+        return flat, -flat.sum() / pack.num_predictions
+
+    return run
+
+
+def _missing(got: dict, ref: dict) -> Error | None:
+    """A parameter with a gradient in one run only is a failure, not a number."""
+    odd = sorted(set(got) ^ set(ref))
+    return Error(float("inf"), float("inf"), f"no gradient in one run: {odd[0]}", float("inf")) if odd else None
+
+
+def _adam_allowance(before: Tensor, grad: Tensor, grad_diff: Tensor, lr: float) -> Tensor:
+    """Per element: twice AdamW's first-step sensitivity times the gradient difference, plus
+    rounding: the step (decay, sqrt, + eps, divide, x lr, subtract) rounds about six times,
+    each by at most half an ulp of operands up to |p| + lr, in each of the two runs."""
+    g = grad.double().abs()
+    sensitivity = lr * ADAM_EPS / (g + ADAM_EPS) ** 2
+    rounding = 6 * torch.finfo(before.dtype).eps * (before.double().abs() + lr)
+    return 2 * sensitivity * grad_diff + rounding
+
+
+def _compare(got: _Step, ref: _Step, lr: float | None = None, l2: bool = False
+             ) -> dict[str, Error]:
+    """Errors of ``got`` against ``ref``; with ``lr``, params also get their AdamW allowance."""
+    grads = _missing(got.grads, ref.grads) or _worst(
+        [_error(got.grads[k], g, k, l2) for k, g in ref.grads.items()])
+    params = _worst([_error(got.params[k], p, k, l2) for k, p in ref.params.items()])
+    if lr is not None and grads.max_abs != float("inf"):
+        ratios = []
+        for k, p in ref.params.items():
+            diff = (got.params[k].double() - p.double()).abs()
+            before = ref.before[k]
+            if k in ref.grads:
+                grad_diff = (got.grads[k].double() - ref.grads[k].double()).abs()
+                allowed = _adam_allowance(before, ref.grads[k], grad_diff, lr)
+            else:
+                allowed = 6 * torch.finfo(p.dtype).eps * (before.double().abs() + lr)
+            ratios.append(((diff / allowed.clamp_min(1e-300)).max().item(), k))
+        worst, name = max(ratios)
+        params = params._replace(allowance_ratio=worst, where=name)
+    return {
+        "logprobs": _error(got.logprobs, ref.logprobs, l2=l2),
+        "loss": _error(got.loss, ref.loss),
+        "grads": grads,
+        "params": params,
+    }
+
+
+def verify(model: nn.Module, sequences, *, backend: str = "segment", dtype=None,
+           lr: float = 1e-3, pad_to_multiple_of: int | None = None) -> VerifyReport:
+    """One training step packed and unpacked from identical copies of ``model``; compare.
+
+    Args:
+        model: a transformers causal LM (not modified: the runs use copies).
+        sequences: token-id sequences sharing prefixes (as for ``TreePack.from_sequences``).
+        backend: the attention backend of the packed run.
+        dtype: the dtype both runs use (default: the model's). For bfloat16 / float16 an
+            unpacked float32 copy is the reference and packing must stay within
+            ``LOW_PRECISION_FACTOR`` x the unpacked error.
+        lr: AdamW learning rate of the compared step.
+    """
+    _check_deterministic(model)
+    dtype = dtype or next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    pack = TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
+                                   device=device)
+    seqs = [pack.rows.new_tensor(pack.host.rows[s, : pack.host.lengths[s]])
+            for s in range(pack.num_sequences)]
+    seqs = [pack.input_ids[r] for r in seqs]  # the ids exactly as packed (validated)
+
+    def run(loss_fn, run_dtype):
+        copy_ = copy.deepcopy(model).to(run_dtype)
+        return _train_step(copy_, lr, loss_fn)
+
+    packed = run(_packed_loss(pack, backend), dtype)
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    if low_precision:
+        reference = run(_unpacked_loss(pack, seqs), torch.float32)
+        unpacked = run(_unpacked_loss(pack, seqs), dtype)
+        unpacked_errors = _compare(unpacked, reference, l2=True)
+        tolerance = LOW_PRECISION_FACTOR
+    else:
+        reference = run(_unpacked_loss(pack, seqs), dtype)
+        unpacked_errors = None
+        tolerance = TOLERANCE.get(dtype, 1e-5)
+    return VerifyReport(
+        model=type(model).__name__,
+        backend=backend,
+        dtype=str(dtype).removeprefix("torch."),
+        sequences=pack.num_sequences,
+        original_tokens=pack.num_original_tokens,
+        packed_rows=pack.num_tokens,
+        errors=_compare(packed, reference, None if low_precision else lr, l2=low_precision),
+        unpacked_errors=unpacked_errors,
+        tolerance=tolerance,
+        noise_floor=torch.finfo(dtype).eps / 16 if low_precision else 0.0,
+    )

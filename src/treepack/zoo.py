@@ -1,0 +1,83 @@
+"""Random-init tiny causal LMs of several transformers families (imports transformers lazily).
+
+For verification, tests and benchmarks: nothing is downloaded, every model is built from a
+config with ``AutoModelForCausalLM.from_config``. Each family exercises something the tree
+layout must get right:
+
+========== ===================================================================
+llama      rotary positions, grouped-query attention
+qwen2      mixed sliding-window and full-attention layers, q/k/v biases
+mistral    a sliding window on every layer
+gemma2     sliding + full layers, attention logit soft-capping, final logit soft-capping
+qwen3      q/k norms
+olmo2      q/k norms over the whole projection
+gpt_neox   partial rotary (rotary_pct), parallel residual
+phi3       partial rotary (partial_rotary_factor), fused qkv
+gpt2       learned absolute positions, full multi-head attention
+mixtral    mixture of experts (router load-balancing loss)
+========== ===================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FAMILIES", "tiny_config", "tiny_model"]
+
+VOCAB = 97
+_IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(_IDS, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=4096)
+WINDOW = 6  # small enough that the test sequences cross it
+
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", _COMMON),
+    "qwen2": ("Qwen2Config", dict(_COMMON, use_sliding_window=True, sliding_window=WINDOW,
+                                  max_window_layers=1)),
+    "mistral": ("MistralConfig", dict(_COMMON, sliding_window=WINDOW)),
+    "gemma2": ("Gemma2Config", dict(_COMMON, head_dim=16, sliding_window=WINDOW,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+                                    query_pre_attn_scalar=16)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=16)),
+    "olmo2": ("Olmo2Config", _COMMON),
+    "gpt_neox": ("GPTNeoXConfig", dict(_IDS, hidden_size=64, intermediate_size=96,
+                                       num_attention_heads=4, max_position_embeddings=4096,
+                                       rotary_pct=0.5)),
+    "phi3": ("Phi3Config", dict(_COMMON, partial_rotary_factor=0.5)),
+    "gpt2": ("GPT2Config", dict(_IDS, n_embd=64, n_head=4, n_positions=4096)),
+    "mixtral": ("MixtralConfig", dict(_COMMON, num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+def tiny_config(family: str, *, layers: int = 2, **overrides):
+    """The config of a tiny random model of ``family`` (see the module doc)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    name, kwargs = FAMILIES[family]
+    layer_key = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    config = getattr(transformers, name)(**{**kwargs, layer_key: layers, **overrides})
+    # Dropout off by default: verification needs deterministic forwards.
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                "attn_pdrop", "attention_probs_dropout_prob", "hidden_dropout_prob"):
+        if hasattr(config, key) and key not in overrides:
+            setattr(config, key, 0.0)
+    return config
+
+
+def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=torch.float32,
+               attn_implementation: str | None = None, **overrides):
+    """A random-init tiny causal LM of ``family`` in ``dtype`` (deterministic for ``seed``)."""
+    import transformers
+
+    config = tiny_config(family, layers=layers, **overrides)
+    extra = {}
+    if hasattr(config, "num_local_experts") and dtype == torch.float64:
+        extra["experts_implementation"] = "eager"  # the grouped-mm kernel has no float64
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=dtype, **extra
+        )
+    return model

@@ -1,0 +1,173 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treepack import TreePack
+from treepack.attention import BACKENDS, TreeAttention
+
+from strategies import forests
+
+
+def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None):
+    """Each sequence alone: causal attention over its own path, nothing shared.
+
+    A row shared by several sequences takes its output from the first sequence through it;
+    padding rows attend only themselves.
+    """
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    rows, vals = [], []
+    seen = set()
+    for s in range(pack.num_sequences):
+        path = pack.rows[s, : int(pack.lengths[s])]
+        n = path.shape[0]
+        scores = q[0][:, path] @ k[0][:, path].transpose(-1, -2) * scale  # [H, n, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        visible = j <= i
+        if window is not None:
+            visible &= i - j < window
+        out = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v[0][:, path]
+        for p, r in enumerate(path.tolist()):
+            if r not in seen:
+                seen.add(r)
+                rows.append(r)
+                vals.append(out[:, p])
+    for r in range(pack.num_tokens, pack.num_rows):
+        rows.append(r)
+        vals.append(v[0][:, r])
+    assert sorted(rows) == list(range(pack.num_rows))
+    result = torch.stack(vals, dim=1)  # [H, T', D] in `rows` order
+    return result[:, torch.tensor(rows).argsort()][None]
+
+
+def qkv(pack, heads=4, kv_heads=2, dim=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = pack.num_rows
+    make = lambda h: torch.randn(1, h, T, dim, generator=g, dtype=dtype)  # noqa: E731
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+options = st.fixed_dictionaries({
+    "softcap": st.sampled_from([None, 2.0]),
+    "window": st.sampled_from([None, 1, 3, 7]),
+    "heads": st.sampled_from([(4, 4), (4, 2), (4, 1)]),
+    "pad": st.sampled_from([None, 8]),
+})
+
+
+@settings(max_examples=80, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=14), options, st.sampled_from(["segment", "dense"]))
+def test_backends_equal_each_sequence_alone(seqs, opt, backend):
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    q, k, v = qkv(pack, *opt["heads"])
+    kw = dict(scale=0.3, softcap=opt["softcap"], window=opt["window"])
+    got = TreeAttention(pack, backend)(q, k, v, **kw)
+    expect = reference_attention(q, k, v, pack, **kw)
+    torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(forests(vocab=3, max_sequences=5, max_len=10), options)
+def test_segment_gradients_equal_reference(seqs, opt):
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    q, k, v = (x.requires_grad_() for x in qkv(pack, *opt["heads"]))
+    kw = dict(scale=0.3, softcap=opt["softcap"], window=opt["window"])
+    weight = torch.randn(1, q.shape[1], pack.num_rows, q.shape[-1], dtype=q.dtype)
+    got = torch.autograd.grad((TreeAttention(pack, "segment")(q, k, v, **kw) * weight).sum(),
+                              (q, k, v))
+    expect = torch.autograd.grad((reference_attention(q, k, v, pack, **kw) * weight).sum(),
+                                 (q, k, v))
+    for a, b in zip(got, expect):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_segment_gradcheck_with_shared_rows():
+    pack = TreePack.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2], [7, 8]],
+                                   pad_to_multiple_of=4)
+    q, k, v = (x.requires_grad_() for x in qkv(pack, 2, 1, 4))
+    attend = TreeAttention(pack, "segment")
+    assert torch.autograd.gradcheck(lambda q, k, v: attend(q, k, v, window=3, softcap=1.5),
+                                    (q, k, v))
+
+
+def test_segment_groups_equal_shapes_into_one_call():
+    # 8 rollouts of one prompt with equal lengths: one group for the prompt, one for the rest.
+    seqs = [[1] * 6 + [10 + i] * 4 for i in range(8)]
+    pack = TreePack.from_sequences(seqs)
+    attend = TreeAttention(pack, "segment")
+    q, k, v = qkv(pack)
+    attend(q, k, v)
+    plan = attend._cache[("segment", None)]
+    assert [(g.q, g.kv, g.kv_rows.shape[0]) for g in plan.groups] == [(4, 10, 8), (6, 6, 1)]
+
+
+@pytest.fixture(scope="module")
+def cpu_flex_forward():
+    return lambda pack, q, k, v, **kw: TreeAttention(pack, "flex", block_size=16)(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("softcap, window, heads", [(None, None, (4, 2)), (2.0, 5, (2, 2))])
+def test_flex_forward_on_cpu_equals_segment(cpu_flex_forward, softcap, window, heads):
+    seqs = [[1, 2, 3] * 5 + [4] * i + [5] * 7 for i in range(6)] + [[9] * 20, [1, 2, 8] * 6]
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=16)
+    q, k, v = qkv(pack, *heads, dim=16, dtype=torch.float32)
+    kw = dict(scale=0.25, softcap=softcap, window=window)
+    with torch.no_grad():
+        got = cpu_flex_forward(pack, q, k, v, **kw)
+    expect = TreeAttention(pack, "segment")(q.double(), k.double(), v.double(), **kw)
+    torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_refuses_cpu_backward_and_dropout():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=16)
+    q, k, v = qkv(pack, dtype=torch.float32)
+    attend = TreeAttention(pack, "flex")
+    with pytest.raises(RuntimeError, match="no FlexAttention backward on CPU.*segment"):
+        attend(q.requires_grad_(), k, v)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="dropout=0.1"):
+        attend(q, k, v, dropout=0.1)
+
+
+def test_window_block_mask_lists_every_visible_block():
+    from test_mask import block_tables
+
+    seqs = [[1] * 30 + [2] * i + [3] * 25 for i in range(0, 40, 7)] + [[4] * 50]
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=8)
+    T = pack.num_rows
+    pos = pack.position_ids
+    for window, block in [(1, 4), (5, 8), (17, 16), (100, 8)]:
+        visible = pack.dense_mask() & (pos[:, None] - pos[None, :] < window)
+        idx = torch.arange(T)
+        assert torch.equal(pack.mask_mod(window=window)(None, None, idx[:, None], idx[None, :]),
+                           visible)
+        partial, full, q_partial, q_full = block_tables(pack.block_mask(block, window=window))
+        nb = -(-T // block)
+        v = torch.nn.functional.pad(visible, (0, nb * block - T, 0, nb * block - T))
+        v = v.view(nb, block, nb, block)
+        inside = torch.nn.functional.pad(torch.ones(T, T, dtype=torch.bool),
+                                         (0, nb * block - T, 0, nb * block - T))
+        inside = inside.view(nb, block, nb, block)
+        any_visible = v.any(3).any(1)
+        all_visible = (v | ~inside).all(3).all(1)
+        assert not (partial & full).any()
+        assert torch.equal(any_visible & ~(partial | full), torch.zeros_like(any_visible))
+        assert not (full & ~all_visible).any()  # a full block never needs the mask
+        assert torch.equal(q_partial, partial.T) and torch.equal(q_full, full.T)
+
+
+def test_input_errors():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]])
+    q, k, v = qkv(pack)
+    with pytest.raises(ValueError, match="choose one of"):
+        TreeAttention(pack, "flash_attention_2")
+    attend = TreeAttention(pack, "segment")
+    with pytest.raises(ValueError, match="T'=4"):
+        attend(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="multiple"):
+        attend(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="window"):
+        attend(q, k, v, window=0)
+    assert sorted(BACKENDS) == ["dense", "flex", "segment"]

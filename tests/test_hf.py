@@ -1,0 +1,267 @@
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from treepack import TreePack, hf, zoo  # noqa: E402
+from treepack.verification import verification_batch, verify  # noqa: E402
+
+SEQS = verification_batch(zoo.VOCAB)
+# transformers' eager attention (Gemma 2's reference) takes its softmax in float32 even in a
+# float64 model, so that reference is only float32-accurate.
+EAGER_REFERENCE = {"gemma2"}
+
+
+def alone_logprobs(model, seqs):
+    """[M] log-probs with every sequence run alone through the unprepared model."""
+    out = []
+    for seq in seqs:
+        logits = model(input_ids=seq[None], use_cache=False).logits[0]
+        out.append(logits.log_softmax(-1)[:-1].gather(-1, seq[1:, None])[:, 0])
+    return torch.cat(out)
+
+
+def packed_flat(pack, logps):
+    return logps.reshape(-1)[pack.predictions.index]
+
+
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_every_family_equals_each_sequence_alone_float64(family):
+    model = zoo.tiny_model(family, dtype=torch.float64)
+    expect = alone_logprobs(model, SEQS)
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
+    for backend in ("segment", "dense"):
+        got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack, backend).logits[0]))
+        tol = 16 * torch.finfo(torch.float32).eps if family in EAGER_REFERENCE else 1e-12
+        torch.testing.assert_close(got, expect, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_verify_passes_float32(family):
+    report = verify(zoo.tiny_model(family).eval(), SEQS, backend="segment")
+    assert report.passed, str(report)
+    assert report.errors["grads"].max_rel <= 1e-5
+    assert report.packed_rows < report.original_tokens
+
+
+@pytest.mark.parametrize("family, backend", [("llama", "segment"), ("gemma2", "dense"),
+                                             ("qwen2", "segment")])
+def test_verify_passes_bfloat16_against_float32(family, backend):
+    report = verify(zoo.tiny_model(family).eval(), SEQS, backend=backend, dtype=torch.bfloat16)
+    assert report.passed, str(report)
+    assert report.unpacked_errors is not None
+
+
+def test_verify_fails_when_siblings_leak(monkeypatch):
+    # A negative control: attention over the packed order (plain causal) must be caught.
+    from treepack.attention import dense
+
+    def leaky(q, k, v, ctx, *, scale, softcap, window, dropout):
+        causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+        return dense.sdpa(q, k, v, causal, scale=scale, softcap=softcap, dropout=dropout)
+
+    monkeypatch.setitem(hf.TreeAttention.__init__.__globals__["BACKENDS"], "dense", leaky)
+    report = verify(zoo.tiny_model("llama").eval(), SEQS, backend="dense")
+    assert not report.passed
+    assert report.errors["logprobs"].max_rel > 1e-3
+    assert "FAIL" in str(report)
+
+
+def test_verify_refuses_dropout_in_training_mode():
+    model = zoo.tiny_model("llama", attention_dropout=0.1)
+    with pytest.raises(ValueError, match=r"dropout.*model.eval\(\)"):
+        verify(model.train(), SEQS)
+    assert verify(model.eval(), SEQS).passed  # eval mode: dropout is off
+
+
+def test_prepared_model_runs_padded_batches_unchanged():
+    model = zoo.tiny_model("gemma2")
+    ids = torch.randint(3, zoo.VOCAB, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    before = model(input_ids=ids, attention_mask=mask).logits
+    hf.prepare(model)
+    assert hf.is_prepared(model) and model.config._attn_implementation == "treepack_eager"
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
+    pack = TreePack.from_sequences(SEQS)
+    hf.forward(model, pack)  # and the same object runs packs
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
+    hf.unprepare(model)
+    assert model.config._attn_implementation == "eager"
+
+
+def loss_and_grads(model, pack, mask=None, backend="segment"):
+    model.zero_grad(set_to_none=True)
+    logps = pack.token_logprobs(hf.forward(model, pack, backend).logits[0])
+    mask = pack.prediction_mask if mask is None else mask & pack.prediction_mask
+    loss = -(logps * mask).sum()
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def alone_loss_and_grads(model, seqs, mask):
+    model.zero_grad(set_to_none=True)
+    loss = 0
+    for s, seq in enumerate(seqs):
+        logits = model(input_ids=seq[None], use_cache=False).logits[0]
+        logp = logits.log_softmax(-1)[:-1].gather(-1, seq[1:, None])[:, 0]
+        loss = loss - (logp * mask[s, 1:len(seq)]).sum()
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+# transformers' RMSNorm computes in float32 even in a float64 model, and the backward of that
+# cast rounds gradients to float32: float64 gradients are float32-accurate by construction.
+GRAD_TOL = 16 * torch.finfo(torch.float32).eps
+
+
+def assert_grads_close(a, b, tol=GRAD_TOL):
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=tol * b[k].abs().max().item() + 1e-300)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_tree_attention(reentrant):
+    model = zoo.tiny_model("qwen2", dtype=torch.float64).train()
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=8)
+    loss, plain = loss_and_grads(model, pack)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    loss2, ckpt = loss_and_grads(model, pack)
+    assert loss2 == loss
+    assert_grads_close(ckpt, plain, 0)
+
+
+def test_loss_masked_prompts_still_get_gradient_from_descendants():
+    model = zoo.tiny_model("mistral", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS)
+    mask = torch.zeros(pack.rows.shape, dtype=torch.bool)
+    for s, seq in enumerate(SEQS):
+        mask[s, min(10, len(seq) - 1):len(seq)] = True  # supervise only past the prompt
+    loss, grads = loss_and_grads(model, pack, mask)
+    ref_loss, ref = alone_loss_and_grads(model, SEQS, mask)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    assert_grads_close(grads, ref)
+    # the prompt's embeddings are trained only through attention from later tokens
+    prompt_token = int(SEQS[0][0])
+    assert grads["model.embed_tokens.weight"][prompt_token].abs().max() > 0
+
+
+def test_gradient_accumulation_over_packs_with_global_denominator():
+    model = zoo.tiny_model("llama", dtype=torch.float64)
+    packs = [TreePack.from_sequences(SEQS[:7]), TreePack.from_sequences(SEQS[7:])]
+    total = sum(p.num_predictions for p in packs)  # the global denominator
+    model.zero_grad(set_to_none=True)
+    for pack in packs:
+        logps = pack.token_logprobs(hf.forward(model, pack).logits[0])
+        (-(logps * pack.prediction_mask).sum() / total).backward()
+    accumulated = {k: p.grad.clone() for k, p in model.named_parameters()}
+    single = TreePack.from_sequences(SEQS)
+    _, ref = loss_and_grads(model, single)
+    assert_grads_close(accumulated, {k: g / total for k, g in ref.items()})
+
+
+def test_return_hidden_gives_the_lm_head_input():
+    model = zoo.tiny_model("gemma2", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS)
+    logits = hf.forward(model, pack).logits[0]
+    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+    z = hidden @ model.get_output_embeddings().weight.T
+    cap = model.config.final_logit_softcapping
+    torch.testing.assert_close(torch.tanh(z / cap) * cap, logits, rtol=0, atol=1e-12)
+
+
+def test_moe_aux_loss_counts_original_tokens():
+    model = zoo.tiny_model("mixtral", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
+    out = hf.forward(model, pack, output_router_logits=True)
+    L = max(len(s) for s in SEQS)
+    ids = torch.zeros(len(SEQS), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(SEQS):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    hf.unprepare(model)
+    ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-12, atol=0)
+    weights = hf.row_multiplicity(pack)
+    assert weights.sum() == pack.num_original_tokens and weights[pack.num_tokens:].sum() == 0
+    # counting each packed row once (what a naive packer does) would be wrong
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    once = (weights > 0).double()[None]
+    naive = load_balancing_loss_func(out.router_logits, 4, 2, once)
+    assert (naive - ref.aux_loss).abs() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"labels": torch.zeros(1, 4, dtype=torch.long)}, "token_logprobs"),
+        ({"attention_mask": torch.ones(1, 4)}, "tree structure"),
+        ({"position_ids": torch.zeros(1, 4)}, "depths"),
+        ({"cu_seq_lens_q": torch.zeros(2)}, "padding-free"),
+        ({"use_cache": True}, "cache"),
+    ],
+)
+def test_forward_refuses_what_would_be_silently_wrong(kwargs, words):
+    model = zoo.tiny_model("llama")
+    with pytest.raises(ValueError, match=words):
+        hf.forward(model, TreePack.from_sequences(SEQS), **kwargs)
+
+
+def test_refuses_a_model_that_ignores_position_ids():
+    model = zoo.tiny_model("llama")
+    rotary = model.model.rotary_emb
+    original = rotary.forward
+    rotary.forward = lambda x, position_ids: original(x, torch.arange(x.shape[1])[None])
+    with pytest.raises(ValueError, match="ignores position_ids"):
+        hf.prepare(model)
+    assert not hf.is_prepared(model)
+
+
+def test_refuses_a_layer_that_bypasses_the_attention_interface():
+    model = zoo.tiny_model("llama")
+    layer = model.model.layers[1].self_attn
+
+    def own_attention(hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, layer.head_dim)
+        q = layer.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = layer.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = layer.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               enable_gqa=True)
+        return layer.o_proj(out.transpose(1, 2).flatten(2)), None
+
+    layer.forward = own_attention
+    with pytest.raises(RuntimeError, match="1 of them attended"):
+        hf.prepare(model)
+
+
+def test_refuses_recurrent_layers_and_attention_sinks():
+    model = zoo.tiny_model("llama")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="linear_attention"):
+        hf.prepare(model)
+    config = transformers.GptOssConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    sinks = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        hf.forward(sinks, TreePack.from_sequences(SEQS))
+
+
+def test_pack_on_another_device_is_refused():
+    with pytest.raises(ValueError, match="pack.to"):
+        hf.forward(zoo.tiny_model("llama"), TreePack.from_sequences(SEQS, device="meta"))
+
+
+def test_flex_forward_on_cpu_equals_segment_through_the_model():
+    model = zoo.tiny_model("gemma2")  # sliding + full layers, soft-capping
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=128)
+    with torch.no_grad():
+        flex = hf.forward(model, pack, "flex").logits
+        segment = hf.forward(model, pack, "segment").logits
+    torch.testing.assert_close(flex, segment, rtol=1e-5, atol=1e-5)
