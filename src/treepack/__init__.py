@@ -4,14 +4,27 @@ Merge sequences that share prefixes into one forest, run the model once over it,
 every original next-token log-prob back in the original ``[N, L]`` layout::
 
     pack = treepack.TreePack.from_sequences(token_ids)
-    logps = pack.token_logprobs(logits[0])   # logits from the model run on the pack
+    out = treepack.hf.forward(model, pack, backend="segment")
+    logps = pack.token_logprobs(out.logits[0])
 
-Adapters for other libraries (``treepack.hf``) are imported lazily, never by
-``import treepack``.
+Adapters for other libraries (``treepack.hf``, ``treepack.zoo``) are imported lazily, on
+first use, never by ``import treepack``.
 """
+
+import importlib
 
 from treepack.forest import ForestStats
 from treepack.tree import HostLayout, Predictions, Segments, TreePack, forest_stats
+from treepack.verification import VerifyReport, verify
 
-__all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "ForestStats", "forest_stats"]
+__all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "ForestStats", "forest_stats",
+           "verify", "VerifyReport"]
 __version__ = "0.1.0"
+
+_LAZY = {"hf", "zoo", "attention", "synthetic", "benchmark"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f"treepack.{name}")
+    raise AttributeError(f"module 'treepack' has no attribute {name!r}")

@@ -81,3 +81,15 @@ def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=torch.float
             config, attn_implementation=attn_implementation, dtype=dtype, **extra
         )
     return model
+
+
+def qwen2_40m_config():
+    """A Qwen2-like config of about 40M parameters (22.5M in 8 layers, 16.4M tied embedding,
+    vocabulary 32000) for benchmarks: GQA 8/2 heads of 64, intermediate 1408."""
+    import transformers
+
+    return transformers.Qwen2Config(
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
