@@ -31,6 +31,7 @@ class Group(NamedTuple):
 
 class Plan(NamedTuple):
     groups: list[Group]
+    kv_rows: Tensor  # [sum of G * kv] every group's kv_rows, flattened, in group order
     inverse: Tensor  # [T'] where each packed row's output sits in the groups' concatenation
 
 
@@ -68,18 +69,45 @@ def build_plan(pack, window: int | None) -> Plan:
         ))
     inverse = np.empty(pack.num_rows, dtype=np.int64)
     inverse[np.concatenate(placed)] = np.arange(pack.num_rows)
-    return Plan(groups, torch.from_numpy(inverse).to(pack.device))
+    kv_rows = torch.cat([g.kv_rows.reshape(-1) for g in groups])
+    return Plan(groups, kv_rows, torch.from_numpy(inverse).to(pack.device))
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[:, rows]`` whose backward sums repeated rows in float32 and rounds once.
+
+    A shared key row is gathered once per descendant segment; plain indexing would add those
+    gradients one by one in the input dtype (bfloat16: one rounding per addition), where the
+    attention kernel of an unpacked run reduces over all queries with one rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, rows: Tensor) -> Tensor:  # x [H, T', D], rows [R]
+        ctx.save_for_backward(rows)
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return x[:, rows]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (rows,) = ctx.saved_tensors
+        acc = torch.promote_types(ctx.dtype, torch.float32)
+        out = grad.new_zeros(ctx.shape, dtype=acc)
+        out.index_add_(1, rows, grad.to(acc))
+        return out.to(ctx.dtype), None
 
 
 def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
     plan = ctx.cached(("segment", window), lambda: build_plan(ctx.pack, window))
-    q0, k0, v0 = q[0], k[0], v[0]  # [H, T', D]
+    q0 = q[0]  # [H, T', D]
+    sizes = [g.kv_rows.numel() for g in plan.groups]
+    k_all = _GatherRows.apply(k[0], plan.kv_rows).split(sizes, dim=1)  # one gather, one sum
+    v_all = _GatherRows.apply(v[0], plan.kv_rows).split(sizes, dim=1)
     outs = []
-    for g in plan.groups:
+    for g, kg, vg in zip(plan.groups, k_all, v_all):
         n = g.kv_rows.shape[0]
         qg = q0[:, g.q_rows].unflatten(1, (n, g.q)).transpose(0, 1)  # [G, Hq, q, D]
-        kg = k0[:, g.kv_rows].transpose(0, 1)  # [G, Hkv, kv, D]
-        vg = v0[:, g.kv_rows].transpose(0, 1)
+        kg = kg.unflatten(1, (n, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
+        vg = vg.unflatten(1, (n, g.kv)).transpose(0, 1)
         mask = g.mask
         if mask is None:
             mask = causal_lower_right(g.q, g.kv)
