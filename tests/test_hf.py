@@ -265,3 +265,15 @@ def test_flex_forward_on_cpu_equals_segment_through_the_model():
         flex = hf.forward(model, pack, "flex").logits
         segment = hf.forward(model, pack, "segment").logits
     torch.testing.assert_close(flex, segment, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_lean_logprobs_from_hidden_equal_the_logits_path(family):
+    import treepack
+
+    model = zoo.tiny_model(family, dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
+    expect = pack.token_logprobs(hf.forward(model, pack).logits[0])
+    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+    got = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model), chunk_size=5)
+    torch.testing.assert_close(got, expect, rtol=0, atol=1e-12)

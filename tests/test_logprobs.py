@@ -128,3 +128,101 @@ def test_logits_shape_and_device_errors():
         pack.token_logprobs(torch.zeros(pack.num_tokens, V))  # forgot the padding rows
     with pytest.raises(ValueError, match="pack.to"):
         pack.token_logprobs(torch.zeros(8, V, device="meta"))
+
+
+# ---------------------------------------------------------------------- lean log-probs
+
+lean_options = st.fixed_dictionaries({
+    "chunk_size": st.sampled_from([1, 3, 16, None]),
+    "temperature": st.sampled_from([1.0, 0.6]),
+    "softcap": st.sampled_from([None, 2.5]),
+    "scale": st.sampled_from([1.0, 0.5]),
+    "bias": st.booleans(),
+    "pad": st.sampled_from([None, 8]),
+})
+
+
+def full_logits(h, weight, bias, scale, softcap):
+    z = h @ weight.T + (0 if bias is None else bias)
+    z = z * scale
+    return z if softcap is None else torch.tanh(z / softcap) * softcap
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=V), lean_options)
+def test_lean_logprobs_equal_full_logits_path(seqs, opt):
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(pack.num_rows, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) \
+        if opt["bias"] else None
+    kw = dict(temperature=opt["temperature"], softcap=opt["softcap"], scale=opt["scale"])
+    got = logprobs_from_hidden(pack, h, weight, bias=bias, chunk_size=opt["chunk_size"],
+                               with_entropy=True, **kw)
+    z = full_logits(h, weight, bias, opt["scale"], opt["softcap"])
+    ref = pack.token_logprobs(z, temperature=opt["temperature"])
+    ref_ent = pack.token_entropy(z, temperature=opt["temperature"])
+    torch.testing.assert_close(got.logprobs, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.entropy, ref_ent, rtol=0, atol=1e-12)
+    w1, w2 = torch.randn(ref.shape, generator=g, dtype=ref.dtype), torch.randn(
+        ref.shape, generator=g, dtype=ref.dtype)
+    inputs = [x for x in (h, weight, bias) if x is not None]
+    expect = torch.autograd.grad((ref * w1).sum() + (ref_ent * w2).sum(), inputs)
+    grads = torch.autograd.grad((got.logprobs * w1).sum() + (got.entropy * w2).sum(), inputs)
+    for a, b in zip(grads, expect):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_lean_gradcheck_with_shared_rows():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3, 4], [1, 2, 3, 0], [1, 2, 4, 4], [1, 2]])
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(pack.num_rows, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
+
+    def f(h, weight, bias):
+        out = logprobs_from_hidden(pack, h, weight, bias=bias, chunk_size=2, with_entropy=True,
+                                   softcap=2.0, temperature=0.8)
+        return out.logprobs, out.entropy
+
+    assert torch.autograd.gradcheck(f, (h, weight, bias))
+
+
+def test_lean_logprobs_in_bfloat16_stay_within_its_rounding():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3, 4] * 5, [1, 2, 3, 0] * 5, [4, 4, 2]])
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(pack.num_rows, 16, generator=g)
+    weight = torch.randn(V, 16, generator=g) * 0.3
+    exact = pack.token_logprobs(h.double() @ weight.double().T)
+    lean = logprobs_from_hidden(pack, h.bfloat16(), weight.bfloat16())
+    full = pack.token_logprobs(h.bfloat16() @ weight.bfloat16().T)
+    assert lean.dtype == torch.float32
+    mask = pack.prediction_mask
+    lean_err = (lean.double() - exact)[mask].abs().max()
+    full_err = (full.double() - exact)[mask].abs().max()
+    assert lean_err <= 2 * full_err  # both round the matmul to bfloat16 the same way
+
+
+def test_lean_logprobs_bad_input():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=8)
+    h, weight = torch.randn(8, 4), torch.randn(V, 4)
+    with pytest.raises(ValueError, match=r"last_hidden_state\[0\]"):
+        logprobs_from_hidden(pack, h[None], weight)
+    with pytest.raises(ValueError, match=r"\[V, H=4\]"):
+        logprobs_from_hidden(pack, h, weight.T)
+    with pytest.raises(ValueError, match="bias"):
+        logprobs_from_hidden(pack, h, weight, bias=torch.zeros(3))
+    for chunk in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="chunk_size"):
+            logprobs_from_hidden(pack, h, weight, chunk_size=chunk)
+    with pytest.raises(ValueError, match="pack.to"):
+        logprobs_from_hidden(pack, h.to("meta"), weight.to("meta"))

@@ -70,8 +70,13 @@ def check_against_trie(seqs, pack: TreePack):
     assert None not in node_of_row
     assert len(set(node_of_row)) == T
 
-    # The dense mask is exactly the ancestor-or-self relation; siblings never see each other.
     row_of_node = {node: i for i, node in enumerate(node_of_row)}
+    # Parents: the row of the previous token on every path.
+    for i, node in enumerate(node_of_row):
+        parent = trie.parent[node]
+        assert int(pack.parent_row[i]) == (-1 if parent == 0 else row_of_node[parent])
+
+    # The dense mask is exactly the ancestor-or-self relation; siblings never see each other.
     expect = torch.zeros(T, T, dtype=torch.bool)
     for i, node in enumerate(node_of_row):
         for anc in trie.ancestors_or_self(node):
@@ -131,6 +136,7 @@ def test_padding_rows_see_only_themselves(seqs, multiple):
     assert torch.equal(dense[T:, :], torch.eye(Tp, dtype=torch.bool)[T:])
     assert not dense[:, T:].logical_and(~torch.eye(Tp, dtype=torch.bool)[:, T:]).any()
     assert (pack.input_ids[T:] == 0).all() and (pack.position_ids[T:] == 0).all()
+    assert (pack.parent_row[T:] == -1).all()
     assert not (pack.rows >= T).any()
 
 

@@ -84,6 +84,7 @@ class Layout(NamedTuple):
     input_ids: np.ndarray  # [T']
     position_ids: np.ndarray  # [T']
     subtree_end: np.ndarray  # [T']
+    parent_row: np.ndarray  # [T'] the row of the previous token on the path, -1 at a root
     rows: np.ndarray  # [N, L]
     lengths: np.ndarray  # [N]
     prediction_mask: np.ndarray  # [N, L]
@@ -129,6 +130,8 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1) -> Layout:
     subtree_end = np.repeat(seg_subtree_end, seg_end - seg_start)  # [T]
     # the sequence that owns a segment's rows passes through it (and through its ancestors)
     seg_sequence = order[np.searchsorted(base, seg_start, side="right") - 1]
+    parent_row = np.arange(T) - 1  # inside a segment the parent is the row before
+    parent_row[seg_start] = np.where(seg_parent >= 0, seg_end[seg_parent] - 1, -1)
 
     rows, values = _rows(order, lcp, s_len, base, pse, lengths)
     # Predictions: every token but each sequence's first, from the row before it.
@@ -151,6 +154,7 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1) -> Layout:
         input_ids=np.concatenate((input_ids, np.zeros_like(pad))),
         position_ids=np.concatenate((position_ids, np.zeros_like(pad))),
         subtree_end=np.concatenate((subtree_end, pad + 1)),
+        parent_row=np.concatenate((parent_row, np.full_like(pad, -1))),
         rows=rows,
         lengths=lengths,
         prediction_mask=rows_mask(lengths, L, start=1),

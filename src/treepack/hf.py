@@ -40,7 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "treepack.hf needs transformers >= 5: pip install 'treepack[hf]'"
     ) from e
 
-__all__ = ["forward", "prepare", "unprepare", "is_prepared", "row_multiplicity",
+__all__ = ["forward", "prepare", "unprepare", "is_prepared", "lm_head", "row_multiplicity",
            "router_aux_loss"]
 
 PACK_KWARG = "treepack_attention"  # the forward keyword that carries the TreeAttention
@@ -267,6 +267,37 @@ def forward(model, pack: TreePack, backend: str = "segment", *, return_hidden: b
     if not return_hidden and getattr(out, "aux_loss", None) is not None:
         out.aux_loss = router_aux_loss(model, pack, out.router_logits)
     return out
+
+
+def lm_head(model) -> dict:
+    """The LM head of ``model`` as keyword arguments of :func:`treepack.logprobs_from_hidden`.
+
+    ``weight`` and ``bias`` of the output projection, plus what the model does to the logits
+    after it: ``softcap`` (Gemma 2's ``final_logit_softcapping``) and ``scale`` (Cohere's
+    ``logit_scale``, Granite's ``1 / logits_scaling``)::
+
+        hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+        logps = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise NotImplementedError(
+            f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a Linear "
+            "layer; compute log-probs from out.logits with pack.token_logprobs instead"
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else \
+        model.config
+    kwargs = {"weight": head.weight, "bias": head.bias}
+    if getattr(config, "final_logit_softcapping", None):
+        kwargs["softcap"] = float(config.final_logit_softcapping)
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:
+        scale /= float(config.logits_scaling)
+    if scale != 1.0:
+        kwargs["scale"] = scale
+    return kwargs
 
 
 # ---------------------------------------------------------------------- MoE

@@ -7,15 +7,16 @@ the shared row (autograd accumulates repeated indices).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from treepack.tree import TreePack
 
-__all__ = ["token_logprobs", "token_entropy"]
+__all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden", "TokenLogprobs"]
 
 
 def _scaled_logits(pack: TreePack, logits: Tensor, temperature: float, what: str) -> Tensor:
@@ -62,3 +63,179 @@ def token_entropy(pack: TreePack, logits: Tensor, *, temperature: float = 1.0) -
     # A -inf logit (a masked-out token) has p = 0 and contributes 0, in value and gradient.
     ent = -(logp.exp() * logp.masked_fill(logp.isneginf(), 0)).sum(-1)  # [T']
     return _to_layout(pack, ent[pack.predictions.source])
+
+
+# ---------------------------------------------------------------------- lean log-probs
+
+
+class TokenLogprobs(NamedTuple):
+    logprobs: Tensor  # [N, L]
+    entropy: Tensor  # [N, L]
+
+
+class _Edges(NamedTuple):
+    """Every (parent row, child row) pair, sorted by parent, with chunk lookups on the host."""
+
+    child: Tensor  # [E] child row (the target token's row)
+    parent: Tensor  # [E] parent row (whose logits predict the child's token)
+    token: Tensor  # [E] the child's token id
+    parent_host: np.ndarray  # [E] for chunk boundaries without a device sync
+    child_of_prediction: Tensor  # [M] rows[s, p] of every prediction occurrence
+
+
+def _edges(pack: TreePack) -> _Edges:
+    def build():
+        parent = pack.host.parent_row
+        child = np.flatnonzero(parent >= 0)
+        order = np.argsort(parent[child], kind="stable")  # nearly sorted already (DFS order)
+        child, par = child[order], parent[child][order]
+        move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(pack.device)  # noqa: E731
+        child_t = move(child)
+        return _Edges(child_t, move(par), pack.input_ids[child_t], par,
+                      pack.rows.reshape(-1)[pack.predictions.index])
+
+    return pack.derived("edges", build)
+
+
+def _chunk_logits(h, weight, bias, scale, softcap, temperature) -> Tensor:
+    """softcap(scale * (h W^T + b)) / temperature in float32 at least (the matmul in the input
+    dtype)."""
+    z = h @ weight.T
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    if bias is not None:
+        z += bias.to(z.dtype)
+    if scale != 1.0:
+        z *= scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    if temperature != 1.0:
+        z /= temperature
+    return z
+
+
+class _LeanLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, edges, chunks, scale, softcap, temperature,
+                with_entropy):
+        rows = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        lse = hidden.new_zeros(rows, dtype=dtype)  # per parent row
+        child_logp = hidden.new_zeros(rows, dtype=dtype)  # per child row
+        entropy = hidden.new_zeros(rows, dtype=dtype) if with_entropy else None
+        for a, b, lo, hi in chunks:
+            z = _chunk_logits(hidden[a:b], weight, bias, scale, softcap, temperature)  # [C, V]
+            lse[a:b] = torch.logsumexp(z, dim=-1)
+            if hi > lo:
+                local = edges.parent[lo:hi] - a
+                child_logp[edges.child[lo:hi]] = z[local, edges.token[lo:hi]] - lse[a:b][local]
+            if with_entropy:
+                p = torch.exp(z - lse[a:b, None])
+                entropy[a:b] = lse[a:b] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, lse, entropy)
+        ctx.edges, ctx.chunks = edges, chunks
+        ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
+        if with_entropy:
+            return child_logp, entropy
+        return child_logp
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy=None):
+        hidden, weight, bias, lse, entropy = ctx.saved_tensors
+        edges = ctx.edges
+        # d logp(child) / d z[parent] = onehot(token) - softmax: every parent needs the sum
+        # of its children's gradients.
+        g_child = grad_logp[edges.child]  # [E]
+        g_parent = torch.zeros_like(lse).index_add_(0, edges.parent, g_child)  # [T']
+        grad_hidden = torch.zeros_like(hidden)
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=acc,
+                                                          device=bias.device)
+        for a, b, lo, hi in ctx.chunks:
+            h = hidden[a:b]
+            z = _chunk_logits(h, weight, bias, ctx.scale, ctx.softcap, ctx.temperature)
+            p = torch.exp(z - lse[a:b, None])  # [C, V]
+            gz = p * -g_parent[a:b, None]
+            if hi > lo:
+                local = edges.parent[lo:hi] - a
+                gz.index_put_((local, edges.token[lo:hi]), g_child[lo:hi], accumulate=True)
+            if grad_entropy is not None:  # dH/dz = p * (E_p[z] - z), E_p[z] = lse - H
+                mean_z = (lse[a:b] - entropy[a:b])[:, None]
+                gz += grad_entropy[a:b, None] * p * (mean_z - z)
+            if ctx.temperature != 1.0:
+                gz /= ctx.temperature
+            if ctx.softcap is not None:  # z = cap * tanh(u / cap): dz/du = 1 - (z / cap)^2
+                capped = z * ctx.temperature / ctx.softcap
+                gz *= 1 - capped * capped
+            if ctx.scale != 1.0:
+                gz *= ctx.scale
+            gz = gz.to(weight.dtype)
+            grad_hidden[a:b] = gz @ weight
+            grad_weight += (gz.T @ h).to(acc)
+            if grad_bias is not None:
+                grad_bias += gz.sum(0, dtype=acc)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return (grad_hidden, grad_weight.to(weight.dtype), grad_bias,
+                None, None, None, None, None, None)
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Rows per chunk: about 2^24 logits (64 MiB in float32) at a time."""
+    return max(1, (1 << 24) // vocab)
+
+
+def logprobs_from_hidden(
+    pack: TreePack,
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    softcap: float | None = None,
+    scale: float = 1.0,
+) -> Tensor | TokenLogprobs:
+    """Label-aligned log-probs [N, L] from hidden states [T', H] and the LM head weight [V, H].
+
+    Equals ``pack.token_logprobs(hidden @ weight.T + bias, temperature=temperature)`` without
+    materialising the [T', V] logits: chunk by chunk over packed rows it computes one
+    log-sum-exp per row and the logit of each row's child tokens only (a row's children have
+    distinct tokens, so one value per distinct prefix serves every occurrence). Backward
+    recomputes each chunk, so memory is O(chunk_size x V) plus the [V, H] weight gradient.
+
+    ``softcap`` and ``scale`` reproduce models that transform logits after the LM head (Gemma 2's
+    ``final_logit_softcapping``; Cohere's ``logit_scale``): logits are
+    ``softcap(scale * (hidden @ weight.T + bias)) / temperature``; see
+    :func:`treepack.hf.lm_head`. With ``with_entropy`` returns ``(logprobs, entropy)``, the
+    entropy of each prediction's distribution in the same layout.
+    """
+    if hidden.dim() != 2 or hidden.shape[0] != pack.num_rows:
+        hint = "; for a model output [1, T', H] pass out.last_hidden_state[0]" if (
+            hidden.dim() == 3 and hidden.shape[0] == 1) else ""
+        raise ValueError(f"hidden must be [T'={pack.num_rows}, H], got {tuple(hidden.shape)}"
+                         f"{hint}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, H={hidden.shape[1]}] (the LM head's), got "
+                         f"{tuple(weight.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
+    if hidden.device != pack.device or weight.device != pack.device:
+        raise ValueError(f"hidden ({hidden.device}) and weight ({weight.device}) must be on the "
+                         f"pack's device ({pack.device}); move the pack with pack.to(...)")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be > 0")
+    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive number of rows")
+    edges = _edges(pack)
+    bounds = np.searchsorted(edges.parent_host, np.arange(0, pack.num_tokens + chunk, chunk))
+    chunks = [(a, min(a + chunk, pack.num_tokens), int(bounds[i]), int(bounds[i + 1]))
+              for i, a in enumerate(range(0, pack.num_tokens, chunk))]
+    out = _LeanLogprobs.apply(hidden, weight, bias, edges, chunks, scale, softcap,
+                              temperature, with_entropy)
+    child_logp, entropy = out if with_entropy else (out, None)
+    logps = _to_layout(pack, child_logp[edges.child_of_prediction])
+    if not with_entropy:
+        return logps
+    return TokenLogprobs(logps, _to_layout(pack, entropy[pack.predictions.source]))

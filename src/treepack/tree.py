@@ -73,6 +73,7 @@ class HostLayout(NamedTuple):
     segment_parent: np.ndarray  # [S] int64
     segment_sequence: np.ndarray  # [S] int64, an input sequence passing through the segment
     rows: np.ndarray  # [N, L] int64, as TreePack.rows
+    parent_row: np.ndarray  # [T'] int64, as TreePack.parent_row
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -99,6 +100,8 @@ class TreePack:
     [0, 1, 2, 3, 3, 2, 3]
     >>> pack.subtree_end.tolist()  # row j's subtree is rows [j, subtree_end[j])
     [7, 7, 5, 4, 5, 7, 7]
+    >>> pack.parent_row.tolist()  # the row of the previous token: D and E hang off C
+    [-1, 0, 1, 2, 2, 1, 5]
     >>> pack.rows.tolist()  # packed row of token p of sequence s
     [[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 5, 6]]
     >>> print(pack.dense_mask().int())  # E (row 4) sees A B C E, never D; G sees A B F G
@@ -139,6 +142,7 @@ class TreePack:
     input_ids: Tensor  # [T'] token id of each packed row (0 for padding rows)
     position_ids: Tensor  # [T'] depth of the row on its original sequences (0 for padding)
     subtree_end: Tensor  # [T'] one past the last row of the row's subtree (j + 1 for padding)
+    parent_row: Tensor  # [T'] row of the previous token on the path; -1 at roots and padding
     rows: Tensor  # [N, L] packed row of token p of sequence s, -1 beyond its length
     lengths: Tensor  # [N] length of each input sequence
     prediction_mask: Tensor  # [N, L] True where logps[s, p] is a real prediction (1 <= p < len)
@@ -148,6 +152,8 @@ class TreePack:
     num_original_tokens: int  # sum of the input lengths
     num_prediction_rows: int  # distinct rows whose logits predict at least one token
     host: HostLayout
+    # structures derived on first use (segment plans, edge lists), per pack and device
+    _derived: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
 
@@ -194,11 +200,13 @@ class TreePack:
             segment_parent=lay.seg_parent,
             segment_sequence=lay.seg_sequence,
             rows=lay.rows,
+            parent_row=lay.parent_row,
         )
         return cls(
             input_ids=t(lay.input_ids),
             position_ids=t(lay.position_ids),
             subtree_end=t(lay.subtree_end),
+            parent_row=t(lay.parent_row),
             rows=t(lay.rows),
             lengths=t(lay.lengths),
             prediction_mask=t(lay.prediction_mask),
@@ -214,6 +222,8 @@ class TreePack:
         """The same pack with every tensor on ``device`` (host tables stay on the host)."""
 
         def move(value):
+            if isinstance(value, dict):
+                return {}  # derived structures hold device tensors: rebuild them there
             if isinstance(value, Tensor):
                 return value.to(device)
             if isinstance(value, (Segments, Predictions)):
@@ -223,6 +233,12 @@ class TreePack:
         return dataclasses.replace(
             self, **{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)}
         )
+
+    def derived(self, key, build):
+        """``build()``, computed once per pack (and device) and cached under ``key``."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     # ------------------------------------------------------------------ sizes
 

@@ -15,6 +15,8 @@ gpt_neox   partial rotary (rotary_pct), parallel residual
 phi3       partial rotary (partial_rotary_factor), fused qkv
 gpt2       learned absolute positions, full multi-head attention
 mixtral    mixture of experts (router load-balancing loss)
+cohere     q/k layer norms, parallel attention + MLP block, logit_scale after the LM head
+granite    attention/embedding/residual multipliers, logits_scaling after the LM head
 ========== ===================================================================
 """
 
@@ -46,6 +48,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "phi3": ("Phi3Config", dict(_COMMON, partial_rotary_factor=0.5)),
     "gpt2": ("GPT2Config", dict(_IDS, n_embd=64, n_head=4, n_positions=4096)),
     "mixtral": ("MixtralConfig", dict(_COMMON, num_local_experts=4, num_experts_per_tok=2)),
+    "cohere": ("CohereConfig", dict(_COMMON, logit_scale=0.5, use_qk_norm=True)),
+    "granite": ("GraniteConfig", dict(_COMMON, logits_scaling=4.0, attention_multiplier=0.1,
+                                      embedding_multiplier=3.0, residual_multiplier=0.5)),
 }
 
 
