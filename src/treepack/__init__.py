@@ -22,7 +22,7 @@ __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "ForestStats", "
            "logprobs_from_hidden", "TokenLogprobs", "verify", "VerifyReport"]
 __version__ = "0.1.0"
 
-_LAZY = {"hf", "zoo", "attention", "synthetic", "benchmark"}
+_LAZY = {"hf", "zoo", "attention", "synthetic", "benchmark", "losses"}
 
 
 def __getattr__(name):

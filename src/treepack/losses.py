@@ -1,0 +1,224 @@
+"""SFT and policy-gradient losses on the original ``[N, L]`` layout, with original semantics.
+
+Everything here takes per-occurrence tensors in the label-aligned layout that
+:meth:`TreePack.token_logprobs` returns (``logps[s, p] = log p(seq_s[p] | seq_s[:p])``) and a
+``mask`` of the predictions that count. Per-occurrence inputs (advantages, old and reference
+log-probs, weights) stay in that layout too, so nothing is ever averaged across the
+occurrences of a shared row before a nonlinear loss: each occurrence gets its own ratio, clip
+and advantage, and the gradients of all occurrences meet in the shared row by the chain rule.
+
+Denominators decide what "mean" means. Within one pack they default to the pack's own counts;
+for a step spread over several packs (gradient accumulation) and data-parallel ranks, compute
+them once with :func:`global_denominators` and pass them to every call, and the sum of the
+per-pack losses is exactly the loss of the single unpacked batch (and DDP/FSDP's gradient
+averaging is undone by ``world_size``).
+
+Aggregation modes (as in verl):
+
+``token-mean``               sum over every masked token / number of masked tokens
+``seq-mean-token-sum``       sum over tokens per sequence, mean over sequences
+``seq-mean-token-mean``      mean over tokens per sequence, mean over sequences
+``seq-mean-token-sum-norm``  sum over tokens per sequence, summed, / a constant ``norm_length``
+                             (Dr. GRPO: the generation budget; never a padded width)
+
+"Sequences" are those with at least one masked token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["MODES", "Denominators", "global_denominators", "aggregate",
+           "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty", "entropy_bonus"]
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+class Denominators(NamedTuple):
+    """The counts a step's loss is normalised by."""
+
+    tokens: float  # masked tokens of the whole step (every pack, every rank)
+    sequences: float  # sequences with at least one masked token, likewise
+    world_size: int = 1  # ranks whose gradients DDP / FSDP average (the loss is scaled back up)
+
+    @classmethod
+    def of(cls, mask: Tensor) -> Denominators:
+        """This mask's own counts (one pack, one process)."""
+        _check(mask, mask, "mask")
+        return cls(tokens=float(mask.sum()), sequences=float(mask.any(-1).sum()))
+
+
+def _check(values: Tensor, mask: Tensor, name: str = "values") -> Tensor:
+    if values.shape != mask.shape:
+        raise ValueError(
+            f"{name} has shape {tuple(values.shape)} but mask has {tuple(mask.shape)}; both "
+            "must be the [N, L] layout of pack.token_logprobs"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
+    return mask
+
+
+def global_denominators(masks: Iterable[Tensor], *, group=None) -> Denominators:
+    """Counts over every pack of a step (``masks``, one per pack) and, when torch.distributed
+    is initialised, every rank of ``group``. Call it once per step, before the forwards."""
+    masks = list(masks)
+    if not masks:
+        raise ValueError("global_denominators needs the masks of this rank's packs (got none)")
+    device = masks[0].device
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for m in masks:
+        _check(m, m, "mask")
+        counts += torch.stack((m.sum(), m.any(-1).sum())).to(device, torch.float64)
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts, group=group)
+        world = torch.distributed.get_world_size(group)
+    tokens, sequences = counts.tolist()
+    return Denominators(tokens=tokens, sequences=sequences, world_size=world)
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", *,
+              denominators: Denominators | None = None,
+              norm_length: float | None = None) -> Tensor:
+    """Reduce per-token ``values`` [N, L] at ``mask`` to a scalar loss (see the modes above)."""
+    _check(values, mask)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; choose one of {MODES}")
+    den = denominators or Denominators.of(mask)
+    v = torch.where(mask, values, values.new_zeros(()))  # masked-out values never reach a sum
+    if mode == "token-mean":
+        total = v.sum() / max(den.tokens, 1.0)
+    elif mode == "seq-mean-token-sum":
+        total = v.sum() / max(den.sequences, 1.0)
+    elif mode == "seq-mean-token-mean":
+        per_seq = v.sum(-1) / mask.sum(-1).clamp(min=1)
+        total = per_seq.sum() / max(den.sequences, 1.0)
+    else:
+        if norm_length is None:
+            raise ValueError(
+                "mode='seq-mean-token-sum-norm' divides by a constant length (Dr. GRPO: the "
+                "generation budget); pass norm_length=... (a padded width would change with "
+                "the packing)"
+            )
+        total = v.sum() / norm_length
+    return total * den.world_size
+
+
+def sft_loss(logps: Tensor, mask: Tensor, *, weights: Tensor | None = None,
+             mode: str = "token-mean", denominators: Denominators | None = None,
+             norm_length: float | None = None) -> Tensor:
+    """Negative log-likelihood of the masked predictions, optionally weighted per token
+    (``weights`` [N, L]) or per sequence (``weights`` [N])."""
+    nll = -logps
+    if weights is not None:
+        nll = nll * _per_token(weights, logps, "weights")
+    return aggregate(nll, mask, mode, denominators=denominators, norm_length=norm_length)
+
+
+def _per_token(x: Tensor, like: Tensor, name: str) -> Tensor:
+    if x.dim() == 1 and x.shape[0] == like.shape[0]:
+        return x[:, None]
+    if x.shape != like.shape:
+        raise ValueError(f"{name} must be [N] (per sequence) or [N, L]={tuple(like.shape)} (per "
+                         f"token), got {tuple(x.shape)}")
+    return x
+
+
+class PolicyLoss(NamedTuple):
+    loss: Tensor  # scalar
+    ratio: Tensor  # [N, L] importance ratio (sequence-level values for ratio="sequence")
+    clip_fraction: Tensor  # share of masked tokens whose ratio was clipped
+    dual_clip_fraction: Tensor  # share of masked tokens capped by the dual clip
+    approx_kl: Tensor  # mean of old - new log-prob over masked tokens
+
+
+def policy_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio: str = "token",
+    mode: str = "token-mean",
+    denominators: Denominators | None = None,
+    norm_length: float | None = None,
+) -> PolicyLoss:
+    """PPO's clipped surrogate on every occurrence, aggregated with ``mode``.
+
+    ``ratio = exp(logps - old_logps)`` per token, or with ``ratio="sequence"`` GSPO's
+    sequence-level ratio ``exp(mean_t(logps - old_logps))`` (token form: its value on every
+    token, its gradient through each token). Clipped to ``[1 - clip, 1 + clip_high]``
+    (``clip_high`` defaults to ``clip``; DAPO's clip-higher sets it larger). ``dual_clip``
+    (c > 1) caps the loss of negative advantages at ``-advantage * c``. ``advantages`` are
+    [N] (per sequence) or [N, L] (per token), never averaged across sequences sharing a row.
+    """
+    _check(logps, mask, "logps")
+    _check(old_logps, mask, "old_logps")
+    adv = _per_token(advantages, logps, "advantages")
+    clip_high = clip if clip_high is None else clip_high
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip={dual_clip!r} must be > 1 (e.g. 3.0)")
+    old_logps = old_logps.detach()
+    log_ratio = (logps - old_logps).clamp(-20.0, 20.0)
+    if ratio == "sequence":
+        m = mask.to(log_ratio.dtype)
+        seq = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)  # [N]
+        log_ratio = (logps - logps.detach() + seq.detach()[:, None]).clamp(max=10.0)
+    elif ratio != "token":
+        raise ValueError(f"ratio={ratio!r}; choose 'token' (PPO) or 'sequence' (GSPO)")
+    r = torch.exp(log_ratio)
+    unclipped = -adv * r
+    clipped = -adv * r.clamp(1.0 - clip, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    capped = torch.zeros_like(was_clipped)
+    if dual_clip is not None:
+        cap = -adv * dual_clip
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(capped, cap, loss)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = dict(
+            clip_fraction=(was_clipped & mask).sum() / n,
+            dual_clip_fraction=(capped & mask).sum() / n,
+            approx_kl=torch.where(mask, -(logps - old_logps), 0).sum() / n,
+        )
+    total = aggregate(loss, mask, mode, denominators=denominators, norm_length=norm_length)
+    return PolicyLoss(loss=total, ratio=r, **stats)
+
+
+def kl_penalty(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimate [N, L] of KL(policy || reference) from sampled tokens.
+
+    ``k1 = logp - ref`` (unbiased, high variance), ``k2 = (logp - ref)^2 / 2``,
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased, non-negative, low variance).
+    Aggregate it with :func:`aggregate` and add ``beta *`` it to the loss.
+    """
+    if logps.shape != ref_logps.shape:
+        raise ValueError(f"logps {tuple(logps.shape)} and ref_logps {tuple(ref_logps.shape)} "
+                         "must have the same [N, L] shape")
+    diff = logps - ref_logps.detach()
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff * diff
+    if kind == "k3":
+        d = (-diff).clamp(-20.0, 20.0)
+        return torch.exp(d) - d - 1
+    raise ValueError(f"kind={kind!r}; choose one of {KL_KINDS}")
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, mode: str = "token-mean", *,
+                  denominators: Denominators | None = None,
+                  norm_length: float | None = None) -> Tensor:
+    """The aggregated entropy of the masked predictions; subtract ``coef *`` it from the loss."""
+    return aggregate(entropy, mask, mode, denominators=denominators, norm_length=norm_length)

@@ -1,0 +1,146 @@
+"""Losses through a real model: packed vs every sequence alone, values and gradients."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from treepack import TreePack, hf, losses, zoo  # noqa: E402
+from treepack.losses import MODES  # noqa: E402
+from treepack.verification import verification_batch  # noqa: E402
+
+SEQS = verification_batch(zoo.VOCAB)
+N, L = len(SEQS), max(len(s) for s in SEQS)
+NORM = 64.0  # the constant of seq-mean-token-sum-norm
+GRAD_TOL = 16 * torch.finfo(torch.float32).eps  # see test_hf: transformers' float32 norms
+
+
+def alone(model, seqs):
+    """(logps, entropy) [N, L] label-aligned, every sequence run alone."""
+    logps = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.float64)
+    ent = torch.zeros_like(logps)
+    for s, seq in enumerate(seqs):
+        logits = model(input_ids=seq[None], use_cache=False).logits[0]
+        logp = logits.log_softmax(-1)
+        logps = logps.index_put((torch.tensor([s]), torch.arange(1, len(seq))),
+                                logp[:-1].gather(-1, seq[1:, None])[:, 0])
+        ent = ent.index_put((torch.tensor([s]), torch.arange(1, len(seq))),
+                            -(logp.exp() * logp).sum(-1)[:-1])
+    return logps, ent
+
+
+def packed(model, pack):
+    logits = hf.forward(model, pack).logits[0]
+    return pack.token_logprobs(logits), pack.token_entropy(logits)
+
+
+def step_inputs(seed=0):
+    """Per-occurrence data that differs between sequences sharing rows."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(N, L, dtype=torch.bool)
+    for s, seq in enumerate(SEQS):
+        mask[s, min(6, len(seq) - 1):len(seq)] = True  # the "response": past a 6-token prompt
+    mask[:, 0] = False
+    return dict(
+        mask=mask,
+        old=torch.randn(N, L, generator=g, dtype=torch.float64) * 0.2,  # added to logps below
+        ref=torch.randn(N, L, generator=g, dtype=torch.float64) * 0.2,
+        adv=torch.randn(N, L, generator=g, dtype=torch.float64),
+        seq_adv=torch.randn(N, generator=g, dtype=torch.float64),
+        weights=torch.rand(N, generator=g, dtype=torch.float64),
+    )
+
+
+def loss_fn(name, mode, logps, ent, x, den=None, rows=slice(None)):
+    mask = x["mask"][rows]
+    base = logps.detach()
+    kw = dict(mode=mode, denominators=den, norm_length=NORM)
+    if name == "sft":
+        return losses.sft_loss(logps, mask, weights=x["weights"][rows], **kw)
+    if name == "ppo":
+        return losses.policy_loss(logps, base + x["old"][rows], x["adv"][rows], mask, clip=0.2,
+                                  clip_high=0.28, dual_clip=3.0, **kw).loss
+    if name == "gspo":
+        return losses.policy_loss(logps, base + x["old"][rows], x["seq_adv"][rows], mask,
+                                  ratio="sequence", clip=0.05, **kw).loss
+    if name == "kl":
+        return losses.aggregate(losses.kl_penalty(logps, base + x["ref"][rows], "k3"), mask, **kw)
+    if name == "entropy":
+        return -losses.entropy_bonus(ent, mask, **kw)
+    raise AssertionError(name)
+
+
+def grads_of(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close_grads(got, expect):
+    assert got.keys() == expect.keys()
+    for k in expect:
+        scale = expect[k].abs().max().item()
+        torch.testing.assert_close(got[k], expect[k], rtol=0, atol=GRAD_TOL * scale + 1e-300)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return zoo.tiny_model("qwen2", dtype=torch.float64)  # sliding + full layers
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["sft", "ppo", "gspo", "kl", "entropy"])
+def test_loss_packed_equals_each_sequence_alone(model, name, mode):
+    x = step_inputs()
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
+    # The old log-probs are built from the unpacked log-probs so both runs see identical ratios.
+    ref_logps, ref_ent = alone(model, SEQS)
+    expect_loss = loss_fn(name, mode, ref_logps, ref_ent, x)
+    expect = grads_of(model, expect_loss)
+    logps, ent = packed(model, pack)
+    got_loss = loss_fn(name, mode, logps, ent, x)
+    torch.testing.assert_close(got_loss, expect_loss.detach(), rtol=1e-12, atol=0)
+    assert_close_grads(grads_of(model, got_loss), expect)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_accumulation_over_packs_equals_one_unpacked_batch(model, mode):
+    x = step_inputs(1)
+    parts = [slice(0, 4), slice(4, 11), slice(11, N)]
+    packs = [TreePack.from_sequences(SEQS[p]) for p in parts]
+    den = losses.global_denominators([x["mask"][p] for p in parts])
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for pack, rows in zip(packs, parts):
+        logps, ent = packed(model, pack)
+        # each pack's [N_k, L_k] layout: pad the step inputs' columns to this pack's width
+        width = pack.max_length
+        sub = {k: (v[rows][..., :width] if v.dim() == 2 else v[rows]) for k, v in x.items()}
+        loss = loss_fn("ppo", mode, logps, ent, {k: v for k, v in sub.items()}, den)
+        loss.backward()
+        total += loss.item()
+    accumulated = {k: p.grad.clone() for k, p in model.named_parameters()}
+    ref_logps, ref_ent = alone(model, SEQS)
+    expect_loss = loss_fn("ppo", mode, ref_logps, ref_ent, x)
+    assert total == pytest.approx(expect_loss.item(), rel=1e-10)
+    assert_close_grads(accumulated, grads_of(model, expect_loss))
+
+
+def test_advantages_are_not_averaged_across_a_shared_row(model):
+    # Two rollouts share a prompt; opposite advantages on the first response token must not
+    # cancel into the shared prompt row: its gradient carries both, through each occurrence.
+    prompt = SEQS[0][:8]
+    a = torch.cat((prompt, torch.tensor([5, 6, 7])))
+    b = torch.cat((prompt, torch.tensor([9, 10, 11])))
+    pack = TreePack.from_sequences([a, b])
+    logps, _ = packed(model, pack)
+    mask = torch.zeros_like(pack.prediction_mask)
+    mask[:, 8:] = True
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss = losses.policy_loss(logps, logps.detach(), adv, mask, clip=0.2).loss
+    got = grads_of(model, loss)
+    ref_logps, _ = alone(model, [a, b])
+    expect = grads_of(model, losses.policy_loss(ref_logps, ref_logps.detach(), adv, mask,
+                                                clip=0.2).loss)
+    assert_close_grads(got, expect)
+    assert any(g.abs().max() > 0 for g in got.values())
