@@ -128,6 +128,8 @@ def test_logits_shape_and_device_errors():
         pack.token_logprobs(torch.zeros(pack.num_tokens, V))  # forgot the padding rows
     with pytest.raises(ValueError, match="pack.to"):
         pack.token_logprobs(torch.zeros(8, V, device="meta"))
+    with pytest.raises(ValueError, match="token id 3 but the logits cover a vocabulary of 3"):
+        pack.token_logprobs(torch.zeros(8, 3))
 
 
 # ---------------------------------------------------------------------- lean log-probs
@@ -226,3 +228,5 @@ def test_lean_logprobs_bad_input():
             logprobs_from_hidden(pack, h, weight, chunk_size=chunk)
     with pytest.raises(ValueError, match="pack.to"):
         logprobs_from_hidden(pack, h.to("meta"), weight.to("meta"))
+    with pytest.raises(ValueError, match="vocabulary of 2"):
+        logprobs_from_hidden(pack, h, weight[:2])

@@ -36,9 +36,14 @@ def sort_and_lcp(ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """
     n = len(ids)
     # Big-endian bytes compare like the id sequences (a prefix sorts first), so Python's
-    # C-level sort on bytes keys orders the sequences lexicographically.
-    fmt = ">u8" if max(int(a.max()) for a in ids) >= 2**32 else ">u4"
-    keys = [a.astype(fmt).tobytes() for a in ids]
+    # C-level sort on bytes keys orders the sequences lexicographically. One conversion for
+    # the whole batch, then one bytes slice per sequence.
+    flat = np.concatenate(ids)
+    width = 8 if flat.max() >= 2**32 else 4
+    raw = flat.astype(f">u{width}").tobytes()
+    ends = np.cumsum(np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)) * width
+    bounds = zip([0, *ends[:-1].tolist()], ends.tolist())
+    keys = [raw[a:b] for a, b in bounds]
     order = np.array(sorted(range(n), key=keys.__getitem__), dtype=np.int64)
     lcp = np.zeros(n, dtype=np.int64)
     if n == 1:

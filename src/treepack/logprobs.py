@@ -37,8 +37,17 @@ def _scaled_logits(pack: TreePack, logits: Tensor, temperature: float, what: str
         )
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be > 0")
+    _check_vocab(pack, logits.shape[1])
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [T', V]
     return z if temperature == 1.0 else z / temperature
+
+
+def _check_vocab(pack: TreePack, vocab: int) -> None:
+    if pack.max_token_id >= vocab:
+        raise ValueError(
+            f"the pack has token id {pack.max_token_id} but the logits cover a vocabulary of "
+            f"{vocab}: use the model (or LM head) that matches the tokenizer"
+        )
 
 
 def _to_layout(pack: TreePack, values: Tensor) -> Tensor:
@@ -225,6 +234,7 @@ def logprobs_from_hidden(
                          f"pack's device ({pack.device}); move the pack with pack.to(...)")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be > 0")
+    _check_vocab(pack, weight.shape[0])
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive number of rows")

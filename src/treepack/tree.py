@@ -145,12 +145,14 @@ class TreePack:
     parent_row: Tensor  # [T'] row of the previous token on the path; -1 at roots and padding
     rows: Tensor  # [N, L] packed row of token p of sequence s, -1 beyond its length
     lengths: Tensor  # [N] length of each input sequence
+    seq_ids: Tensor  # [N] index of each sequence in the caller's batch (arange(N) by default)
     prediction_mask: Tensor  # [N, L] True where logps[s, p] is a real prediction (1 <= p < len)
     segments: Segments
     predictions: Predictions
     num_tokens: int  # T: distinct rows, padding excluded
     num_original_tokens: int  # sum of the input lengths
     num_prediction_rows: int  # distinct rows whose logits predict at least one token
+    max_token_id: int  # the largest token id (-1 for an empty pack): checked against V
     host: HostLayout
     # structures derived on first use (segment plans, edge lists), per pack and device
     _derived: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -164,6 +166,7 @@ class TreePack:
         *,
         pad_to_multiple_of: int | None = None,
         device: torch.device | str | None = None,
+        seq_ids=None,
     ) -> TreePack:
         """Merge token sequences into one prefix forest.
 
@@ -175,8 +178,11 @@ class TreePack:
                 attention block size or a compile-friendly bucket). Padding rows have id 0
                 and position 0, see only themselves, and are never read back.
             device: where the tensors live (default CPU); see also :meth:`to`.
+            seq_ids: the index of each sequence in the caller's batch (default
+                ``0 .. N-1``), kept as :attr:`seq_ids` so outputs can be matched back.
         """
         ids = _as_id_arrays(sequences)
+        seq_ids = _check_seq_ids(seq_ids, len(ids))
         if pad_to_multiple_of is not None and (
             not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1
         ):
@@ -185,11 +191,33 @@ class TreePack:
                 "for no padding)"
             )
         layout = build_layout(ids, pad_to_multiple_of or 1)
-        pack = cls._from_layout(layout)
+        pack = cls._from_layout(layout, seq_ids)
         return pack if device is None else pack.to(device)
 
     @classmethod
-    def _from_layout(cls, lay: Layout) -> TreePack:
+    def empty(cls, num_rows: int = 1, *, device: torch.device | str | None = None) -> TreePack:
+        """A pack of no sequences: ``num_rows`` padding rows, no predictions.
+
+        For ranks that have fewer packs than others in a step: running it keeps collectives
+        (DDP, FSDP) in step and adds nothing to any loss or gradient.
+        """
+        if not isinstance(num_rows, int) or num_rows < 1:
+            raise ValueError(f"num_rows={num_rows!r} must be a positive int")
+        none = np.zeros(0, dtype=np.int64)
+        pad = np.arange(num_rows)
+        layout = Layout(
+            input_ids=np.zeros(num_rows, dtype=np.int64), position_ids=np.zeros_like(pad),
+            subtree_end=pad + 1, parent_row=np.full_like(pad, -1),
+            rows=np.zeros((0, 0), dtype=np.int64), lengths=none,
+            prediction_mask=np.zeros((0, 0), dtype=bool), seg_start=none, seg_end=none,
+            seg_parent=none, seg_sequence=none, pred_source=none, pred_target=none,
+            pred_index=none, num_tokens=0, num_prediction_rows=0,
+        )
+        pack = cls._from_layout(layout, none)
+        return pack if device is None else pack.to(device)
+
+    @classmethod
+    def _from_layout(cls, lay: Layout, seq_ids: np.ndarray) -> TreePack:
         t = torch.from_numpy
         host = HostLayout(
             subtree_end=lay.subtree_end,
@@ -209,12 +237,14 @@ class TreePack:
             parent_row=t(lay.parent_row),
             rows=t(lay.rows),
             lengths=t(lay.lengths),
+            seq_ids=t(seq_ids),
             prediction_mask=t(lay.prediction_mask),
             segments=Segments(t(lay.seg_start), t(lay.seg_end), t(lay.seg_parent)),
             predictions=Predictions(t(lay.pred_source), t(lay.pred_target), t(lay.pred_index)),
             num_tokens=lay.num_tokens,
             num_original_tokens=int(lay.lengths.sum()),
             num_prediction_rows=lay.num_prediction_rows,
+            max_token_id=int(lay.input_ids[: lay.num_tokens].max(initial=-1)),
             host=host,
         )
 
@@ -273,7 +303,7 @@ class TreePack:
     @property
     def token_ratio(self) -> float:
         """Distinct rows over original tokens (padding excluded): the share of work left."""
-        return self.num_tokens / self.num_original_tokens
+        return self.num_tokens / max(self.num_original_tokens, 1)
 
     def __repr__(self) -> str:
         pad = f", padded_rows={self.num_rows}" if self.num_rows != self.num_tokens else ""
@@ -349,6 +379,16 @@ class TreePack:
 
 
 # ---------------------------------------------------------------------- input checking
+
+
+def _check_seq_ids(seq_ids, n: int) -> np.ndarray:
+    if seq_ids is None:
+        return np.arange(n, dtype=np.int64)
+    out = np.asarray(seq_ids.cpu() if isinstance(seq_ids, Tensor) else seq_ids)
+    if out.shape != (n,) or (n and out.dtype.kind not in "iu"):
+        raise ValueError(f"seq_ids must be {n} integers, one per sequence; got shape "
+                         f"{out.shape} of {out.dtype}")
+    return out.astype(np.int64, copy=False)
 
 
 def _as_id_arrays(sequences) -> list[np.ndarray]:

@@ -1,0 +1,109 @@
+"""Planner benchmark: rows vs the one-forest minimum, rank balance, planning time.
+
+    python bench/plan.py [--json OUT.json]
+
+Workloads (built-in, deterministic):
+  mixed  32 GRPO groups x 8 rollouts (prompts ~1024, responses ~512, +-50 %) and
+         16 agent prompts x 4 trajectories x 4 steps (prompts ~1024, responses ~256, tool
+         outputs ~192, +-50 %): 512 sequences
+  64k    6144 GRPO groups x 8 rollouts (prompts ~64, responses ~32) and 1024 agent prompts x
+         4 trajectories x 4 steps (prompts ~48, responses ~16, tools ~8): 65,536 sequences
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import numpy as np
+
+import treepack
+from treepack.plan import plan
+from treepack.synthetic import agent_batch, grpo_batch
+
+
+def mixed():
+    return grpo_batch(groups=32, rollouts=8, prompt_len=1024, response_len=512, jitter=0.5) + \
+        agent_batch(prompts=16, trajectories=4, steps=4, prompt_len=1024, response_len=256,
+                    tool_len=192, jitter=0.5, seed=1)
+
+
+def many():
+    return grpo_batch(groups=6144, rollouts=8, prompt_len=64, response_len=32, jitter=0.5) + \
+        agent_batch(prompts=1024, trajectories=4, steps=4, prompt_len=48, response_len=16,
+                    tool_len=8, jitter=0.5, seed=3)
+
+
+def largest_tree(seqs) -> int:
+    firsts = {}
+    for s in seqs:
+        firsts.setdefault(int(s[0]), []).append(s)
+    return max(treepack.forest_stats(group).packed_tokens for group in firsts.values())
+
+
+def best_time(fn, repeats=3):
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = {"rows": [], "balance": [], "speed": []}
+
+    seqs = mixed()
+    tokens = sum(len(s) for s in seqs)
+    big = largest_tree(seqs)
+    print(f"mixed: {len(seqs)} sequences, {tokens:,} tokens, one-forest minimum "
+          f"{treepack.forest_stats(seqs).packed_tokens:,} rows, largest tree {big:,} rows")
+    print(f"  {'budget':>8} {'x largest':>9} {'ranks':>6} {'packs/rank':>10} {'rows / min':>10} "
+          f"{'imbalance':>9}")
+    for budget in (big // 2, big, 2 * big, 4 * big):
+        for world in (1, 8):
+            p = plan(seqs, max_tokens=budget, world_size=world)
+            row = dict(budget=budget, x_largest=budget / big, world=world,
+                       packs_per_rank=p.packs_per_rank, efficiency=p.efficiency,
+                       imbalance=p.imbalance)
+            results["rows"].append(row)
+            print(f"  {budget:>8,} {budget / big:>9.2f} {world:>6} {p.packs_per_rank:>10} "
+                  f"{p.efficiency:>10.4f} {p.imbalance:>9.3f}")
+    for world in (2, 4, 8, 16):
+        p = plan(seqs, max_tokens=16384, world_size=world)
+        results["balance"].append(dict(world=world, imbalance=p.imbalance,
+                                       packs_per_rank=p.packs_per_rank))
+    print("  imbalance at 16,384 rows per pack: " + ", ".join(
+        f"{r['world']} ranks {r['imbalance']:.3f}" for r in results["balance"]))
+
+    seqs = many()
+    tokens = sum(len(s) for s in seqs)
+    print(f"64k: {len(seqs):,} sequences, {tokens:,} tokens")
+    for world in (1, 8):
+        seconds, p = best_time(lambda: plan(seqs, max_tokens=8192, world_size=world))
+        build, _ = best_time(lambda: p.packs(0), repeats=1)
+        results["speed"].append(dict(world=world, seconds=seconds, packs=p.packs_per_rank,
+                                     build_rank0_s=build))
+        print(f"  {world} ranks: planned in {seconds:.3f} s ({p.packs_per_rank} packs per rank, "
+              f"rows / min {p.efficiency:.4f}, imbalance {p.imbalance:.3f}); building rank 0's "
+              f"packs {build:.3f} s")
+
+    ok_rows = all(r["efficiency"] <= 1.05 for r in results["rows"] if r["x_largest"] >= 2)
+    ok_bal = all(r["imbalance"] <= 1.1 for r in results["balance"])
+    ok_speed = all(r["seconds"] < 1.0 for r in results["speed"])
+    print(f"machine: {platform.machine()}, numpy {np.__version__}")
+    print(f"bars: rows <= 1.05 x min at budgets >= 2 x the largest tree "
+          f"{'PASS' if ok_rows else 'FAIL'}; imbalance <= 1.1 {'PASS' if ok_bal else 'FAIL'}; "
+          f"planning 64k sequences < 1 s {'PASS' if ok_speed else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

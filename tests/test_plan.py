@@ -1,0 +1,132 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import treepack
+from treepack import TreePack
+from treepack.plan import plan
+from treepack.synthetic import agent_batch, grpo_batch
+
+from strategies import forests
+
+
+def check_plan(seqs, p, budget):
+    """Every structural promise of a plan, checked on the built packs."""
+    world = p.world_size
+    assert all(len(rank) == p.packs_per_rank for rank in p.specs)  # equal micro-steps
+    seen = []
+    rows = 0
+    for r in range(world):
+        for spec, pack in zip(p.specs[r], p.packs(r)):
+            ids = pack.seq_ids.tolist()
+            assert ids == spec.seq_ids.tolist() == sorted(ids)
+            seen += ids
+            assert pack.num_tokens == spec.rows <= budget
+            assert int((pack.position_ids[: pack.num_tokens] + 1).sum()) == spec.pairs
+            for k, i in enumerate(ids):  # the pack holds exactly those sequences, whole
+                n = int(pack.lengths[k])
+                assert pack.input_ids[pack.rows[k, :n]].tolist() == list(seqs[i])
+            rows += pack.num_tokens
+            if not ids:
+                assert pack.num_predictions == 0
+    assert sorted(seen) == list(range(len(seqs)))  # each sequence in exactly one pack
+    assert rows == p.rows
+    assert p.rows >= p.min_rows == treepack.forest_stats(seqs).packed_tokens
+
+
+@settings(max_examples=80, deadline=None)
+@given(forests(vocab=2, max_sequences=12, max_len=15), st.integers(0, 40), st.integers(1, 4))
+def test_random_plans_keep_every_promise(seqs, extra, world):
+    budget = max(map(len, seqs)) + extra
+    p = plan(seqs, max_tokens=budget, world_size=world)
+    check_plan(seqs, p, budget)
+    largest_tree = max(treepack.forest_stats([s for s in seqs if s[0] == t]).packed_tokens
+                       for t in {s[0] for s in seqs})
+    if budget >= largest_tree:
+        assert p.efficiency == 1.0  # whole trees: no prefix is ever computed twice
+
+
+def test_a_tree_bigger_than_the_budget_repeats_only_its_prompt():
+    seqs = grpo_batch(groups=1, rollouts=8, prompt_len=100, response_len=50)  # 500 rows
+    p = plan(seqs, max_tokens=260, world_size=1)
+    check_plan(seqs, p, 260)
+    assert p.packs_per_rank == 3  # 100 + 3 x 50 = 250 rows each, the last 100 + 2 x 50
+    assert p.rows == 500 + 2 * 100  # each further pack repeats the 100-token prompt
+
+
+def test_cuts_go_between_trajectories_not_inside_one():
+    # Two agent trajectories of one prompt: each step repeats the whole history, so cutting
+    # inside a trajectory would repeat that history; cutting between them only the prompt.
+    seqs = agent_batch(prompts=1, trajectories=2, steps=4, prompt_len=50, response_len=20,
+                       tool_len=10)
+    one_trajectory = treepack.forest_stats(seqs[:4]).packed_tokens
+    p = plan(seqs, max_tokens=one_trajectory, world_size=1)
+    check_plan(seqs, p, one_trajectory)
+    assert sorted(tuple(s.seq_ids.tolist()) for s in p.specs[0]) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert p.rows == treepack.forest_stats(seqs).packed_tokens + 50
+
+
+def test_balances_a_mixed_workload_across_ranks():
+    seqs = grpo_batch(groups=32, rollouts=8, prompt_len=256, response_len=128, jitter=0.5) + \
+        agent_batch(prompts=16, trajectories=4, steps=4, prompt_len=256, response_len=64,
+                    tool_len=48, jitter=0.5, seed=1)
+    p = plan(seqs, max_tokens=8192, world_size=8)
+    check_plan(seqs, p, 8192)
+    assert p.efficiency == 1.0 and p.imbalance <= 1.1, str(p)
+
+
+def test_ranks_with_fewer_packs_get_empty_ones():
+    seqs = [[1, 2, 3, 4, 5, 6]] + [[7, 8]] * 1
+    p = plan(seqs, max_tokens=6, world_size=3, pad_to_multiple_of=4)
+    check_plan(seqs, p, 6)
+    assert p.packs_per_rank == 1
+    empties = [pk for rank in p.ranks for pk in rank if pk.num_sequences == 0]
+    assert len(empties) == 1 and empties[0].num_rows == 4  # padded like every pack
+
+
+def test_a_sequence_longer_than_the_budget_is_named():
+    with pytest.raises(ValueError, match=r"sequence 1 has 9 tokens, more than max_tokens=8"):
+        plan([[1, 2], list(range(9))], max_tokens=8)
+    with pytest.raises(ValueError, match="max_tokens"):
+        plan([[1, 2]], max_tokens=0)
+    with pytest.raises(ValueError, match="world_size"):
+        plan([[1, 2]], max_tokens=4, world_size=0)
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        plan([[1, 2], []], max_tokens=4)
+
+
+def test_packs_are_built_on_demand_per_rank():
+    seqs = grpo_batch(groups=4, rollouts=2, prompt_len=20, response_len=10)
+    p = plan(seqs, max_tokens=40, world_size=2, device="meta")
+    assert p._built == {}
+    packs = p.packs(1)
+    assert set(p._built) == {1} and packs is p.packs(1)
+    assert all(pk.input_ids.device.type == "meta" for pk in packs)
+    assert len(p.ranks) == 2 and set(p._built) == {0, 1}
+    assert "2 ranks x" in str(p)
+
+
+def test_seq_ids_map_outputs_back_to_the_batch():
+    seqs = grpo_batch(groups=3, rollouts=3, prompt_len=12, response_len=6, jitter=0.5, vocab=50)
+    p = plan(seqs, max_tokens=30, world_size=2)
+    logits = {}
+    for rank in p.ranks:
+        for pack in rank:
+            z = torch.randn(pack.num_rows, 50, dtype=torch.float64)
+            lp = pack.token_logprobs(z)
+            for k, i in enumerate(pack.seq_ids.tolist()):
+                logits[i] = lp[k, : len(seqs[i])]
+    assert sorted(logits) == list(range(len(seqs)))
+    for i, s in enumerate(seqs):
+        assert logits[i].shape == (len(s),) and logits[i][0] == 0
+    assert np.all([len(logits[i]) for i in range(len(seqs))] == np.array([len(s) for s in seqs]))
+
+
+def test_empty_pack_runs_through_attention_and_log_probs():
+    pack = TreePack.empty(8)
+    assert pack.num_rows == 8 and pack.num_sequences == 0 and pack.num_predictions == 0
+    z = torch.randn(8, 5, requires_grad=True)
+    pack.token_logprobs(z).sum().backward()
+    assert torch.equal(z.grad, torch.zeros_like(z))
