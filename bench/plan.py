@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import treepack
-from treepack.plan import plan
+from treepack.planner import plan
 from treepack.synthetic import agent_batch, grpo_batch
 
 

@@ -277,3 +277,12 @@ def test_lean_logprobs_from_hidden_equal_the_logits_path(family):
     hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
     got = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model), chunk_size=5)
     torch.testing.assert_close(got, expect, rtol=0, atol=1e-12)
+
+
+def test_lm_head_refuses_an_unknown_logit_transform():
+    model = zoo.tiny_model("cohere")  # multiplies its logits by logit_scale = 0.5
+    hf.lm_head(model)  # known: passes its self-check
+    other = zoo.tiny_model("cohere", seed=3)
+    other.config.logit_scale = None  # now the transform is invisible to lm_head
+    with pytest.raises(NotImplementedError, match="transforms its logits"):
+        hf.lm_head(other)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import treepack
 from treepack import TreePack
-from treepack.plan import plan
+from treepack.planner import plan
 from treepack.synthetic import agent_batch, grpo_batch
 
 from strategies import forests

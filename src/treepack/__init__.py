@@ -13,13 +13,16 @@ first use, never by ``import treepack``.
 
 import importlib
 
+from treepack.collation import collate
 from treepack.forest import ForestStats
 from treepack.logprobs import TokenLogprobs, logprobs_from_hidden
+from treepack.planner import PackSpec, Plan, plan
 from treepack.tree import HostLayout, Predictions, Segments, TreePack, forest_stats
 from treepack.verification import VerifyReport, verify
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "ForestStats", "forest_stats",
-           "logprobs_from_hidden", "TokenLogprobs", "verify", "VerifyReport"]
+           "logprobs_from_hidden", "TokenLogprobs", "plan", "Plan", "PackSpec", "collate",
+           "verify", "VerifyReport"]
 __version__ = "0.1.0"
 
 _LAZY = {"hf", "zoo", "attention", "synthetic", "benchmark", "losses"}

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import re
 import sys
+import weakref
 
 import torch
 from torch import Tensor
@@ -40,8 +42,8 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "treepack.hf needs transformers >= 5: pip install 'treepack[hf]'"
     ) from e
 
-__all__ = ["forward", "prepare", "unprepare", "is_prepared", "lm_head", "row_multiplicity",
-           "router_aux_loss"]
+__all__ = ["forward", "HiddenOutput", "prepare", "unprepare", "is_prepared", "unwrap", "lm_head",
+           "row_multiplicity", "router_aux_loss"]
 
 PACK_KWARG = "treepack_attention"  # the forward keyword that carries the TreeAttention
 _PREFIX = "treepack_"
@@ -126,7 +128,7 @@ def _mask(*args, config=None, **kwargs):
 
 
 def is_prepared(model) -> bool:
-    return model.config._attn_implementation in _ORIGINAL
+    return unwrap(model).config._attn_implementation in _ORIGINAL
 
 
 def prepare(model, *, check: bool = True):
@@ -136,14 +138,15 @@ def prepare(model, *, check: bool = True):
     implementation. With ``check`` (the default) two 2-token forwards verify, once, that the
     model reads ``position_ids``: treepack's depths reach the model only that way.
     """
-    if is_prepared(model):
+    core = unwrap(model)
+    if is_prepared(core):
         return model
-    config = model.config
+    config = core.config
     layer_types = set(getattr(config, "layer_types", None) or ())
     if not layer_types <= _ATTENTION_LAYER_TYPES:
         other = sorted(layer_types - _ATTENTION_LAYER_TYPES)
         raise ValueError(
-            f"{type(model).__name__} has {other} layers: their recurrent or linear state would "
+            f"{type(core).__name__} has {other} layers: their recurrent or linear state would "
             "run across the whole packed forest, mixing sequences. treepack supports models "
             f"whose layers are all {sorted(_ATTENTION_LAYER_TYPES)}; run this one unpacked"
         )
@@ -151,7 +154,7 @@ def prepare(model, *, check: bool = True):
     config._attn_implementation = _registered_name(original)
     if check:
         try:
-            _check_reads_position_ids(model)
+            _check_reads_position_ids(core)
         except Exception:
             config._attn_implementation = original
             raise
@@ -161,7 +164,8 @@ def prepare(model, *, check: bool = True):
 def unprepare(model):
     """Restore the model's original attention implementation; returns the model."""
     if is_prepared(model):
-        model.config._attn_implementation = _ORIGINAL[model.config._attn_implementation]
+        config = unwrap(model).config
+        config._attn_implementation = _ORIGINAL[config._attn_implementation]
     return model
 
 
@@ -234,42 +238,80 @@ def _check_calls(model, attend: _Attend) -> None:
         )
 
 
+@dataclasses.dataclass
+class HiddenOutput:
+    """What :func:`forward` returns with ``return_hidden=True``."""
+
+    last_hidden_state: Tensor  # [1, T', H]: the input of the LM head (after the final norm)
+    aux_loss: Tensor | None = None  # MoE load-balancing loss of the original tokens
+    router_logits: tuple | None = None
+
+
+def unwrap(model):
+    """The transformers model inside DDP / FSDP / ``torch.compile`` wrappers."""
+    from transformers import PreTrainedModel
+
+    seen = model
+    while not isinstance(seen, PreTrainedModel):
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(
+                f"{type(model).__name__} is not a transformers PreTrainedModel (nor a DDP / FSDP "
+                "/ torch.compile wrapper of one); treepack.hf runs transformers causal LMs — "
+                "use treepack.attention.TreeAttention in your own model"
+            )
+        seen = inner
+    return seen
+
+
 def forward(model, pack: TreePack, backend: str = "segment", *, return_hidden: bool = False,
             block_size: int = 128, **kwargs):
     """Run a causal LM once over ``pack`` and return its output.
 
     The model sees ``pack.input_ids`` with depth ``position_ids`` and tree attention from
-    ``backend`` ('segment', 'flex' or 'dense'), without a cache. The output's ``.logits`` is
-    ``[1, T', V]``; with ``return_hidden=True`` the LM head is skipped and the base model's
-    output is returned (``.last_hidden_state`` ``[1, T', H]``, for
-    :func:`treepack.logprobs_from_hidden`). Extra ``kwargs`` go to the model (e.g.
-    ``output_router_logits=True``). For an MoE model with router logits, ``out.aux_loss`` is
-    the load-balancing loss of the original tokens (see :func:`router_aux_loss`).
+    ``backend`` ('segment', 'flex' or 'dense'), without a cache. ``model`` may be wrapped
+    (DDP, FSDP, ``torch.compile``): the call goes through the wrapper, so its gradient
+    synchronisation runs as usual. The output's ``.logits`` is ``[1, T', V]``; with
+    ``return_hidden=True`` the LM head runs on one row only and a :class:`HiddenOutput` is
+    returned (``.last_hidden_state`` ``[1, T', H]``, for :func:`treepack.logprobs_from_hidden`).
+    Extra ``kwargs`` go to the model (e.g. ``output_router_logits=True``). For an MoE model
+    with router logits, ``out.aux_loss`` is the load-balancing loss of the original tokens
+    (see :func:`router_aux_loss`).
     """
     for key in kwargs:
         if key in _REFUSED_KWARGS:
             raise ValueError(f"treepack.hf.forward does not take {key!r}: {_REFUSED_KWARGS[key]}")
     if kwargs.get("use_cache"):
         raise ValueError("use_cache=True: a pack is one forward from scratch, without a cache")
-    device = next(model.parameters()).device
+    core = unwrap(model)
+    device = next(core.parameters()).device
     if pack.device != device:
         raise ValueError(
             f"the pack is on {pack.device} but the model is on {device}; pass "
             f"pack.to({str(device)!r})"
         )
-    prepare(model)
+    prepare(core)
     attend = _Attend(pack, backend, block_size)
-    target = model.base_model if return_hidden else model
+    if return_hidden:  # the LM head on one row; the final norm's output is the last hidden state
+        kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
     with _tree_forward():
-        out = target(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
-                     use_cache=False, **{PACK_KWARG: attend}, **kwargs)
-    _check_calls(model, attend)
-    if not return_hidden and getattr(out, "aux_loss", None) is not None:
-        out.aux_loss = router_aux_loss(model, pack, out.router_logits)
+        out = model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
+                    use_cache=False, **{PACK_KWARG: attend}, **kwargs)
+    _check_calls(core, attend)
+    aux = None
+    if getattr(out, "aux_loss", None) is not None:
+        aux = router_aux_loss(core, pack, out.router_logits)
+    if return_hidden:
+        return HiddenOutput(out.hidden_states[-1], aux, getattr(out, "router_logits", None))
+    if aux is not None:
+        out.aux_loss = aux
     return out
 
 
-def lm_head(model) -> dict:
+_LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def lm_head(model, *, check: bool = True) -> dict:
     """The LM head of ``model`` as keyword arguments of :func:`treepack.logprobs_from_hidden`.
 
     ``weight`` and ``bias`` of the output projection, plus what the model does to the logits
@@ -278,7 +320,46 @@ def lm_head(model) -> dict:
 
         hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
         logps = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
+
+    With ``check`` (the default), the first call per model runs one 3-token forward and
+    raises if these keywords do not reproduce the model's own logits (a logit transform
+    treepack does not know). A sharded (FSDP2) head weight is gathered.
     """
+    model = unwrap(model)
+    kwargs = _lm_head_kwargs(model)
+    if check and model not in _LM_HEAD_CHECKED:
+        _check_lm_head(model, kwargs)
+        _LM_HEAD_CHECKED[model] = True
+    return kwargs
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _check_lm_head(model, kwargs: dict) -> None:
+    from treepack.logprobs import _chunk_logits
+
+    device = kwargs["weight"].device
+    ids = torch.tensor([[1, 2, 3]], device=device) % model.config.get_text_config().vocab_size
+    with _eval_no_grad(model):
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        z = _chunk_logits(out.hidden_states[-1][0], kwargs["weight"], kwargs.get("bias"),
+                          kwargs.get("scale", 1.0), kwargs.get("softcap"), 1.0)
+    logits = out.logits[0].to(z.dtype)
+    tol = (1e-2 if kwargs["weight"].dtype in (torch.bfloat16, torch.float16) else 1e-4)
+    if not torch.allclose(z, logits, rtol=tol, atol=tol * float(logits.abs().max())):
+        raise NotImplementedError(
+            f"{type(model).__name__} transforms its logits after the LM head in a way "
+            "treepack.hf.lm_head does not know (it knows final_logit_softcapping, logit_scale "
+            "and logits_scaling): log-probs from hidden states would be wrong. Use "
+            "pack.token_logprobs(hf.forward(model, pack).logits[0]) for this model"
+        )
+
+
+def _lm_head_kwargs(model) -> dict:
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise NotImplementedError(
@@ -287,7 +368,8 @@ def lm_head(model) -> dict:
         )
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else \
         model.config
-    kwargs = {"weight": head.weight, "bias": head.bias}
+    kwargs = {"weight": _full(head.weight),
+              "bias": None if head.bias is None else _full(head.bias)}
     if getattr(config, "final_logit_softcapping", None):
         kwargs["softcap"] = float(config.final_logit_softcapping)
     scale = 1.0
@@ -315,6 +397,7 @@ def router_aux_loss(model, pack: TreePack, router_logits) -> Tensor:
     Uses the model's own ``load_balancing_loss_func`` with every packed row weighted by the
     number of original tokens it stands for, which is what the unpacked batch computes.
     """
+    model = unwrap(model)
     module = sys.modules[type(model).__module__]
     loss_fn = getattr(module, "load_balancing_loss_func", None)
     if loss_fn is None:

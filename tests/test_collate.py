@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+import torch
+
+import treepack
+from treepack import losses
+from treepack.collation import rollouts_from_padded
+from treepack.synthetic import agent_batch, grpo_batch
+
+
+def make_rollouts(seed=0, vocab=50):
+    g = torch.Generator().manual_seed(seed)
+    seqs = grpo_batch(groups=3, rollouts=4, prompt_len=9, response_len=6, jitter=0.5,
+                      vocab=vocab, seed=seed)
+    out = []
+    for i, s in enumerate(seqs):
+        s = torch.as_tensor(s)
+        prompt, completion = s[:9], s[9:]
+        n = len(completion)
+        out.append(dict(prompt=prompt, completion=completion, group=i // 4,
+                        advantage=float(torch.randn((), generator=g)),
+                        old_logps=-torch.rand(n, generator=g),
+                        loss_mask=torch.rand(n, generator=g) < 0.8))
+    return out
+
+
+def all_batches(collated):
+    return [b for r in range(collated.plan.world_size) for b in collated.batches(r)]
+
+
+def test_fields_land_where_their_tokens_are_predicted():
+    rollouts = make_rollouts()
+    collated = treepack.collate(rollouts, max_tokens=30, world_size=2)
+    seen = []
+    for batch in all_batches(collated):
+        for k, i in enumerate(batch.pack.seq_ids.tolist()):
+            seen.append(i)
+            r = rollouts[i]
+            p, c = len(r["prompt"]), len(r["completion"])
+            old = batch.fields["old_logps"][k]
+            assert torch.equal(old[p:p + c], r["old_logps"])
+            assert (old[:p] == 0).all() and (old[p + c:] == 0).all()
+            assert batch.fields["advantage"][k].item() == pytest.approx(r["advantage"])
+            assert batch.groups[k] == r["group"]
+            expect_mask = torch.zeros_like(batch.mask[k])
+            expect_mask[p:p + c] = r["loss_mask"]
+            assert torch.equal(batch.mask[k], expect_mask)
+            # the pack's token at the completion positions is the completion
+            rows = batch.pack.rows[k, p:p + c]
+            assert torch.equal(batch.pack.input_ids[rows], r["completion"])
+            # completion(): back to one column per completion token
+            back = batch.completion(batch.fields["old_logps"])[k]
+            assert torch.equal(back[:c], r["old_logps"]) and (back[c:] == 0).all()
+    assert sorted(seen) == list(range(len(rollouts)))
+
+
+def test_a_step_over_ranks_and_packs_equals_the_unpacked_loss():
+    # Random logits stand in for a model: the sum over every pack of every rank of the
+    # per-pack policy losses (global denominators) is the loss of the whole batch.
+    rollouts = make_rollouts(1)
+    collated = treepack.collate(rollouts, max_tokens=30, world_size=3)
+    batches = all_batches(collated)
+    den = losses.global_denominators([b.mask for b in batches])  # one process: all ranks
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 50, generator=g, dtype=torch.float64)  # logits by previous token
+    total = 0.0
+    for b in batches:
+        logits = table[b.pack.input_ids]  # a stand-in model: logits from the row's own token
+        logps = b.pack.token_logprobs(logits)
+        total += losses.policy_loss(logps, b.fields["old_logps"].double(),
+                                    b.fields["advantage"].double(), b.mask,
+                                    mode="seq-mean-token-mean", denominators=den).loss
+    # unpacked: each rollout alone, in the completion layout
+    per_seq, count = [], 0
+    for r in rollouts:
+        seq = torch.cat((r["prompt"], r["completion"]))
+        logp = table[seq[:-1]].log_softmax(-1).gather(-1, seq[1:, None])[:, 0]
+        c = len(r["completion"])
+        lp = logp[-c:]
+        ratio = torch.exp(lp - r["old_logps"].double())
+        a = r["advantage"]
+        tok = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+        m = r["loss_mask"]
+        if m.any():
+            per_seq.append(tok[m].mean())
+            count += 1
+    expect = torch.stack(per_seq).sum() / count
+    assert total.item() == pytest.approx(expect.item(), rel=1e-12)
+
+
+def test_rollouts_from_padded_tensors():
+    # verl / TRL keep left-padded prompts and right-padded completions
+    prompts = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    prompt_mask = (prompts != 0).long()
+    completions = torch.tensor([[11, 12, 0], [13, 14, 15]])
+    completion_mask = (completions != 0).long()
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-3.0, -4.0, -5.0]])
+    adv = torch.tensor([0.5, -0.5])
+    rollouts = rollouts_from_padded(prompts, prompt_mask, completions, completion_mask,
+                                    old_logps=old, advantage=adv)
+    assert rollouts[0]["prompt"].tolist() == [5, 6]
+    assert rollouts[0]["completion"].tolist() == [11, 12]
+    assert rollouts[0]["old_logps"].tolist() == [-1.0, -2.0]
+    assert rollouts[1]["advantage"].item() == -0.5
+    batch = treepack.collate(rollouts, max_tokens=16).batches(0)[0]
+    assert torch.equal(batch.completion(batch.fields["old_logps"]), old[batch.pack.seq_ids])
+
+
+def test_agent_steps_share_their_history_across_rollouts():
+    steps = agent_batch(prompts=1, trajectories=2, steps=3, prompt_len=8, response_len=4,
+                        tool_len=3, vocab=50)
+    # each step: the history so far is the prompt, its response is the completion
+    rollouts = [dict(prompt=s[:-4], completion=s[-4:]) for s in steps]
+    collated = treepack.collate(rollouts, max_tokens=64)
+    (batch,) = collated.batches(0)
+    assert batch.pack.num_tokens == treepack.forest_stats(steps).packed_tokens
+    assert batch.mask.sum() == 4 * len(steps)
+    assert collated.denominators(0).tokens == 4 * len(steps)
+
+
+@pytest.mark.parametrize(
+    "rollouts, words",
+    [
+        ([], "at least one"),
+        ([{"prompt": [1, 2]}], "'completion'"),
+        ([{"prompt": [], "completion": [1]}], "empty prompt"),
+        ([{"prompt": [1], "completion": [2, 3], "x": [1.0]}], "one value per completion token"),
+        ([{"prompt": [1], "completion": [2], "x": 1.0}, {"prompt": [1], "completion": [3]}],
+         "same fields"),
+        ([{"prompt": [1.5], "completion": [2]}], "token ids"),
+    ],
+)
+def test_bad_rollouts_are_named(rollouts, words):
+    with pytest.raises(ValueError, match=words):
+        treepack.collate(rollouts, max_tokens=8)
+
+
+def test_per_sequence_fields_keep_their_dtype():
+    rollouts = [dict(prompt=[1, 2], completion=[3], reward=np.float32(1.5), idx=np.int64(4))]
+    batch = treepack.collate(rollouts, max_tokens=8).batches(0)[0]
+    assert batch.fields["reward"].dtype == torch.float32 and batch.fields["idx"].item() == 4
