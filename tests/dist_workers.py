@@ -6,6 +6,16 @@ import torch
 import torch.distributed as dist
 
 
+def shutdown() -> None:
+    """Tear down in order: every rank done, wrappers (and their gloo threads) collected, then
+    the process group; exiting with a live group can abort a gloo thread."""
+    import gc
+
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def init(rank: int, world: int, port: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -29,7 +39,7 @@ def global_denominators_worker(rank: int, world: int, port: int) -> None:
         assert den.tokens == float(sum(m.sum() for m in every)), den
         assert den.sequences == float(sum(m.any(-1).sum() for m in every)), den
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 # ---------------------------------------------------------------------- one training step
@@ -109,8 +119,9 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
                    lambda last: contextlib.nullcontext() if last else model.no_sync())
         if rank == 0:
             torch.save({k: p.grad for k, p in core.named_parameters()}, out)
+        del model, core
     finally:
-        dist.destroy_process_group()
+        shutdown()
 
 
 def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -136,5 +147,6 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, out)
+        del model
     finally:
-        dist.destroy_process_group()
+        shutdown()

@@ -130,3 +130,21 @@ def test_verify_command_reports_flex_cpu_backward_clearly(capsys):
     code, out, err = run(capsys, "verify", "--family", "llama", "--backend", "flex")
     assert code == 2 and out == ""
     assert "no FlexAttention backward on CPU" in err and "segment" in err
+
+
+def test_bench_command_writes_table_json_and_plot(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    code, out, err = run(capsys, "bench", "--prompts", "1", "--rollouts", "3", "--steps", "2",
+                         "--prefix-len", "24", "--branch-len", "8", "--tool-len", "4",
+                         "--json", str(out_json), "--plot", str(out_png), "--repeats", "1")
+    assert code == 0, err
+    for word in ("step time", "peak memory", "FLOP-ratio limit", "equivalence", "Claw-R1",
+                 "0.500", "~0.53"):
+        assert word in out
+    result = json.loads(out_json.read_text())
+    assert result["sequences"] == 6 and result["packed_rows"] < result["original_tokens"]
+    assert result["grad_max_rel_error"] < 1e-4 and len(result["claw_r1"]) == 3
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "treepack bench" in err  # the progress bar

@@ -19,7 +19,7 @@ def test_readme_python_blocks_run():
 def test_readme_opens_with_the_two_setup_commands():
     text = README.read_text()
     first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).splitlines()
-    assert first_block[0].endswith("treepack stats") and "torch==2.13.0" in first_block[0]
+    assert first_block[0].endswith("treepack bench --quick") and "torch==2.13.0" in first_block[0]
     assert first_block[1].endswith("python -m pytest") and "torch==2.13.0" in first_block[1]
     ci = (README.parent / ".ci" / "run").read_text()
     assert first_block[1] in ci

@@ -1,4 +1,4 @@
-"""The ``treepack`` command line: ``stats`` and ``verify``."""
+"""The ``treepack`` command line: ``bench``, ``stats`` and ``verify``."""
 
 from __future__ import annotations
 
@@ -107,6 +107,55 @@ def _stats(args) -> int:
 
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+BENCH_TOLERANCE = 1e-4  # largest relative gradient error accepted from a float32 bench step
+
+
+def _bench(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from treepack import benchmark
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise InputError("treepack bench runs a transformers model: pip install "
+                         "'treepack[bench]'") from None
+    work = benchmark.workload(quick=args.quick, prompts=args.prompts, rollouts=args.rollouts,
+                              steps=args.steps, prefix_len=args.prefix_len,
+                              branch_len=args.branch_len, tool_len=args.tool_len)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    phases = ["building the pack", "building the model", "unpacked step",
+              f"packed step ({args.backend})", f"packed step ({args.backend}, lean log-probs)"]
+    with tqdm(total=len(phases), desc="treepack bench", file=sys.stderr,
+              bar_format="{desc} {n}/{total} {bar} {elapsed}") as bar:
+        def progress(msg):
+            if bar.n or msg != phases[0]:
+                bar.update(1)
+            bar.set_description(f"treepack bench: {msg}")
+
+        try:
+            result = benchmark.run_bench(work, device=device, backend=args.backend,
+                                         repeats=args.repeats, progress=progress)
+        except (RuntimeError, ValueError) as e:
+            raise InputError(str(e)) from None
+        bar.update(1)
+        bar.set_description("treepack bench: done")
+    print(benchmark.render(result))
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    written = [args.json]
+    if not args.no_plot:
+        try:
+            benchmark.plot(result, args.plot)
+            written.append(args.plot)
+        except ImportError:
+            print("  (no plot: pip install matplotlib, or 'treepack[bench]')", file=sys.stderr)
+    print(f"\n  wrote {', '.join(written)}")
+    ok = result["grad_max_rel_error"] <= BENCH_TOLERANCE
+    if not ok:
+        print(f"  FAIL: gradients differ by more than {BENCH_TOLERANCE:g}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def _verify(args) -> int:
@@ -135,6 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact prefix-tree packing for LLM training on prefix-sharing data.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    from treepack.attention import BACKENDS
+
+    bench = sub.add_parser(
+        "bench",
+        help="one training step unpacked vs packed on a random Qwen2-like model",
+        description="Run one training step (forward, loss, backward) of a random Qwen2-like "
+        "model (39M parameters) on a built-in workload, unpacked and packed, and print the "
+        "token ratio, FLOP-ratio limit, time and peak-memory ratios and equivalence errors, "
+        "and Claw-R1's token-ratio scenarios measured. Workload options replace the "
+        "built-in GRPO + agent mix with PROMPTS x ROLLOUTS trajectories of STEPS steps.",
+    )
+    bench.add_argument("--quick", action="store_true", help="a small workload (< 2 minutes "
+                       "on 2 CPU cores)")
+    for flag, what in (("--prompts", "distinct prompts"), ("--rollouts", "rollouts per prompt"),
+                       ("--steps", "steps per trajectory (1: GRPO rollouts)"),
+                       ("--prefix-len", "prompt tokens"), ("--branch-len", "tokens per response"),
+                       ("--tool-len", "tool-output tokens between steps")):
+        bench.add_argument(flag, type=int, default=None, help=what)
+    bench.add_argument("--backend", default="segment", choices=sorted(BACKENDS))
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    bench.add_argument("--repeats", type=int, default=1, help="timed steps after a warm-up")
+    bench.add_argument("--json", default="treepack-bench.json", help="results file")
+    bench.add_argument("--plot", default="treepack-bench.png", help="PNG plot file")
+    bench.add_argument("--no-plot", action="store_true")
+    bench.set_defaults(run=_bench)
+
     stats = sub.add_parser(
         "stats",
         help="what packing a batch into a prefix forest saves",
@@ -146,7 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(run=_stats)
 
-    from treepack.attention import BACKENDS
     from treepack.zoo import FAMILIES
 
     verify = sub.add_parser(

@@ -1,0 +1,108 @@
+"""Generate docs/api.md from the docstrings of treepack's public API.
+
+    python docs/gen_api.py          # rewrites docs/api.md
+    python docs/gen_api.py --check  # exit 1 if docs/api.md is out of date
+
+tests/test_docs.py runs the check, so the reference cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).with_name("api.md")
+
+SECTIONS = [
+    ("treepack", ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
+                  "ForestStats", "logprobs_from_hidden", "TokenLogprobs", "plan", "Plan",
+                  "PackSpec", "collate", "verify", "VerifyReport"]),
+    ("treepack.attention", ["TreeAttention", "BACKENDS"]),
+    ("treepack.hf", ["forward", "HiddenOutput", "prepare", "unprepare", "is_prepared", "unwrap",
+                     "lm_head", "row_multiplicity", "router_aux_loss"]),
+    ("treepack.losses", ["MODES", "Denominators", "global_denominators", "aggregate",
+                         "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty",
+                         "entropy_bonus"]),
+    ("treepack.collation", ["Batch", "Collated", "rollouts_from_padded"]),
+    ("treepack.trl", ["TreepackGRPOTrainer", "patch", "per_token_logps_and_entropies"]),
+    ("treepack.zoo", ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config"]),
+    ("treepack.synthetic", ["grpo_batch", "agent_batch", "agentic_batch"]),
+]
+
+
+def _doc(obj) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return f"```text\n{doc}\n```\n" if doc else ""
+
+
+def _signature(obj) -> str:
+    try:
+        text = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        return ""
+    text = re.sub(r"(: |-> )'([^']*)'", r"\1\2", text)  # postponed annotations: unquote
+    return text.replace("(self, ", "(").replace("(self)", "()")
+
+
+def _members(cls) -> list[str]:
+    out = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") or name in ("count", "index"):
+            continue
+        if isinstance(value, property):
+            doc = inspect.getdoc(value)
+            out.append(f"- `.{name}` (property){': ' + doc.splitlines()[0] if doc else ''}")
+        elif isinstance(value, (classmethod, staticmethod)) or inspect.isfunction(value):
+            fn = getattr(cls, name)
+            doc = inspect.getdoc(fn)
+            first = doc.split("\n\n")[0].replace("\n", " ") if doc else ""
+            out.append(f"- `.{name}{_signature(fn)}`{': ' + first if first else ''}")
+    return out
+
+
+def _value(obj) -> str:
+    if isinstance(obj, dict):
+        items = (f"{k!r}: {_value(v)}" for k, v in obj.items())
+        return "{" + ", ".join(items) + "}"
+    if callable(obj):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    return repr(obj)
+
+
+def render() -> str:
+    parts = ["# API reference", "",
+             "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand.", ""]
+    for module_name, names in SECTIONS:
+        module = importlib.import_module(module_name)
+        parts += [f"## `{module_name}`", ""]
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.isclass(obj):
+                parts += [f"### class `{name}`", "", _doc(obj)]
+                members = _members(obj)
+                if members:
+                    parts += members + [""]
+            elif callable(obj):
+                parts += [f"### `{name}{_signature(obj)}`", "", _doc(obj)]
+            else:
+                parts += [f"### `{name}`", "", f"```text\n{_value(obj)}\n```\n"]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> int:
+    text = render()
+    if "--check" in sys.argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run python docs/gen_api.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
