@@ -100,7 +100,7 @@ def test_segment_groups_equal_shapes_into_one_call():
     attend = TreeAttention(pack, "segment")
     q, k, v = qkv(pack)
     attend(q, k, v)
-    plan = attend._cache[("segment", None)]
+    plan = pack._derived[("attention", "segment", None)]
     assert [(g.q, g.kv, g.kv_rows.shape[0]) for g in plan.groups] == [(4, 10, 8), (6, 6, 1)]
 
 

@@ -44,11 +44,11 @@ BACKENDS: dict[str, Callable] = {
 
 
 class TreeAttention:
-    """Tree attention for one pack with one backend; reuse it in every layer of a forward.
+    """Tree attention for one pack with one backend.
 
-    Structures derived from the pack (block masks, segment plans, dense masks) are built on
-    first use for each window size and cached on this object, so a model with full and
-    sliding layers builds each once per pack.
+    Structures derived from the pack (segment plans, block masks, dense masks) are built on
+    first use for each window size and cached on the pack, so a model with full and sliding
+    layers builds each once per pack, however many forwards run over it.
     """
 
     def __init__(self, pack: TreePack, backend: str = "segment", *, block_size: int = 128):
@@ -61,13 +61,10 @@ class TreeAttention:
         self.pack = pack
         self.backend = backend
         self.block_size = block_size
-        self._cache: dict = {}
 
     def cached(self, key, build: Callable):
-        """The structure ``build()`` for ``key``, built once per pack."""
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+        """The structure ``build()`` for ``key``, built once per pack (and device)."""
+        return self.pack.derived(("attention", *key), build)
 
     def __call__(
         self,

@@ -42,7 +42,7 @@ def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
         raise RuntimeError("backend='flex' cannot run here: " + "; ".join(reasons))
     pack = ctx.pack
     block_mask = ctx.cached(
-        ("flex", window), lambda: pack.block_mask(ctx.block_size, window=window)
+        ("flex", ctx.block_size, window), lambda: pack.block_mask(ctx.block_size, window=window)
     )
     score_mod = None if softcap is None else _softcap_score_mod(softcap)
     return compiled_flex()(
