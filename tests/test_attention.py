@@ -171,3 +171,23 @@ def test_input_errors():
     with pytest.raises(ValueError, match="window"):
         attend(q, k, v, window=0)
     assert sorted(BACKENDS) == ["dense", "flex", "segment"]
+
+
+def test_flex_refuses_to_fall_back_to_the_unfused_path(monkeypatch):
+    from treepack.attention import flex
+
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 2)
+    flex.compiled_flex.cache_clear()  # a fresh compiled function, no shapes yet
+    rng = __import__("random").Random(5)
+    try:
+        with pytest.raises(RuntimeError, match="compiled for 2 distinct pack shapes.*segment"):
+            for length in (48, 64, 80):
+                seqs = [[rng.randint(0, 2) for _ in range(rng.randint(1, 6))] for _ in range(4)]
+                pack = TreePack.from_sequences(seqs, pad_to_multiple_of=length)
+                q, k, v = qkv(pack, 2, 2, 16, dtype=torch.float32)
+                with torch.no_grad():
+                    out = TreeAttention(pack, "flex", block_size=16)(q, k, v, scale=0.25)
+                ref = TreeAttention(pack, "dense")(q, k, v, scale=0.25)
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        flex.compiled_flex.cache_clear()

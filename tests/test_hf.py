@@ -286,3 +286,45 @@ def test_lm_head_refuses_an_unknown_logit_transform():
     other.config.logit_scale = None  # now the transform is invisible to lm_head
     with pytest.raises(NotImplementedError, match="transforms its logits"):
         hf.lm_head(other)
+
+
+def test_a_pack_scored_under_inference_mode_still_trains():
+    import treepack
+
+    model = zoo.tiny_model("qwen2")
+    pack = TreePack.from_sequences(SEQS)
+    with torch.inference_mode():  # old log-probs, the usual way
+        old = pack.token_logprobs(hf.forward(model, pack).logits[0])
+        hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+        treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
+    logps = pack.token_logprobs(hf.forward(model, pack).logits[0])
+    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+    lean = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
+    ((logps - old.clone()) * pack.prediction_mask).sum().backward()
+    lean.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_moe_aux_loss_of_an_empty_pack_is_zero_and_of_several_packs_is_the_batch_loss():
+    model = zoo.tiny_model("mixtral", dtype=torch.float64)
+    out = hf.forward(model, TreePack.empty(4), output_router_logits=True)
+    assert out.aux_loss.item() == 0.0 and out.aux_loss.requires_grad
+    packs = [TreePack.from_sequences(SEQS[:7]), TreePack.from_sequences(SEQS[7:])]
+    logits = [hf.forward(model, p, output_router_logits=True).router_logits for p in packs]
+    whole = hf.forward(model, TreePack.from_sequences(SEQS), output_router_logits=True)
+    both = hf.router_aux_loss(model, packs + [TreePack.empty(2)],
+                              logits + [hf.forward(model, TreePack.empty(2),
+                                                   output_router_logits=True).router_logits])
+    torch.testing.assert_close(both, whole.aux_loss, rtol=1e-12, atol=0)
+
+
+def test_refuses_a_window_that_the_model_keeps_in_its_own_mask():
+    # Qwen2-MoE builds sliding-window masks but does not pass sliding_window to the
+    # attention interface: a tree forward would silently attend without the window.
+    config = transformers.Qwen2MoeConfig(
+        **zoo._COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["sliding_attention"] * 2, sliding_window=3, use_sliding_window=True)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(NotImplementedError, match="sliding window of 3 on 2 layers, but 0"):
+        hf.forward(model, TreePack.from_sequences(SEQS))

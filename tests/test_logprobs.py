@@ -230,3 +230,63 @@ def test_lean_logprobs_bad_input():
         logprobs_from_hidden(pack, h.to("meta"), weight.to("meta"))
     with pytest.raises(ValueError, match="vocabulary of 2"):
         logprobs_from_hidden(pack, h, weight[:2])
+
+
+def test_lean_logprobs_under_autocast_backpropagate_the_forward_they_computed():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3, 4] * 3, [1, 2, 3, 0] * 3, [4, 4, 2, 1]])
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(pack.num_rows, 16, generator=g, requires_grad=True)
+    weight = (torch.randn(V, 16, generator=g) * 0.3).requires_grad_()
+    w = torch.randn(pack.rows.shape, generator=g)
+
+    def loss(lp, ent):
+        return (lp * w).sum() + (ent * w).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = logprobs_from_hidden(pack, h, weight, with_entropy=True)
+        z = h @ weight.T  # what the lean forward computes under autocast (bfloat16)
+        lean = torch.autograd.grad(loss(*out), (h, weight))
+        auto = torch.autograd.grad(loss(pack.token_logprobs(z), pack.token_entropy(z)),
+                                   (h, weight))
+    z64 = h.double() @ weight.double().T
+    exact = torch.autograd.grad(loss(pack.token_logprobs(z64), pack.token_entropy(z64)),
+                                (h, weight))
+    for a, b, e in zip(lean, auto, exact):
+        # the lean gradient is autograd's of the same bfloat16 forward, to within the
+        # rounding that separates autograd's own from the exact one
+        assert (a - b).norm() <= (b.double() - e).norm().float()
+    # bfloat16 hidden states and a float32 head under autocast: backward must not break
+    hb = h.detach().bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs_from_hidden(pack, hb, weight).sum().backward()
+    assert hb.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+
+
+def test_lean_logprobs_with_a_float32_head_and_bfloat16_hidden_states():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 0]])
+    h = torch.randn(pack.num_rows, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(V, 8, requires_grad=True)  # e.g. TRL's cast_lm_head_to_fp32
+    out = logprobs_from_hidden(pack, h, weight)
+    expect = pack.token_logprobs(h.float() @ weight.T)
+    torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
+    out.sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+
+
+def test_lean_entropy_with_masked_out_tokens_is_finite():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 0]])
+    h = torch.randn(pack.num_rows, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, 4, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(V, dtype=torch.float64)
+    bias[4] = float("-inf")  # token 4 masked out through the bias
+    out = logprobs_from_hidden(pack, h, weight, bias=bias, with_entropy=True)
+    ref = pack.token_entropy(h @ weight.T + bias)
+    torch.testing.assert_close(out.entropy, ref, rtol=0, atol=1e-12)
+    out.entropy.sum().backward()
+    assert torch.isfinite(h.grad).all() and torch.isfinite(weight.grad).all()

@@ -104,6 +104,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             "do not implement yet; run this model unpacked"
         )
     attend.calls += 1
+    attend.windowed += kwargs.get("sliding_window") is not None
     out = attend.attention(
         query, key, value,
         scale=kwargs.get("scaling"),
@@ -182,7 +183,7 @@ def _eval_no_grad(model):
 
 def _check_reads_position_ids(model) -> None:
     device = next(model.parameters()).device
-    ids = torch.tensor([[1, 2]], device=device) % model.config.vocab_size
+    ids = torch.tensor([[1, 2]], device=device) % _text_config(model).vocab_size
     pack = TreePack.from_sequences([[1, 2]], device=device)
     outs = []
     with _eval_no_grad(model):
@@ -211,6 +212,7 @@ class _Attend:
     def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
         self.attention = TreeAttention(pack, backend, block_size=block_size)
         self.calls = 0
+        self.windowed = 0  # calls that passed a sliding window
 
 
 @contextlib.contextmanager
@@ -222,19 +224,39 @@ def _tree_forward():
         _TREE_FORWARD.reset(token)
 
 
-def _expected_attention_calls(model) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return config.num_hidden_layers
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _expected_windowed_calls(config) -> int:
+    """Layers the model gives a sliding window, by its config."""
+    if getattr(config, "sliding_window", None) is None:
+        return 0
+    types = getattr(config, "layer_types", None)
+    if types:
+        return sum(t == "sliding_attention" for t in types)
+    return config.num_hidden_layers if getattr(config, "use_sliding_window", True) else 0
 
 
 def _check_calls(model, attend: _Attend) -> None:
-    expected = _expected_attention_calls(model)
+    config = _text_config(model)
+    expected = config.num_hidden_layers
     if attend.calls != expected:
         raise RuntimeError(
             f"{type(model).__name__} has {expected} layers but {attend.calls} of them attended "
             "through transformers' attention interface: the others would attend across the "
             "packed forest (siblings would see each other). treepack supports models whose "
             "every layer uses the attention interface; run this one unpacked"
+        )
+    windowed = _expected_windowed_calls(config)
+    if attend.windowed != windowed:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses a sliding window of {config.sliding_window} on "
+            f"{windowed} layers, but {attend.windowed} of them passed it to the attention "
+            "interface (the model applies it through its own mask, which a tree forward "
+            "cannot use): those layers would attend without their window. Run this model "
+            "unpacked"
         )
 
 
@@ -343,10 +365,13 @@ def _check_lm_head(model, kwargs: dict) -> None:
     from treepack.logprobs import _chunk_logits
 
     device = kwargs["weight"].device
-    ids = torch.tensor([[1, 2, 3]], device=device) % model.config.get_text_config().vocab_size
+    ids = torch.tensor([[1, 2, 3]], device=device) % _text_config(model).vocab_size
     with _eval_no_grad(model):
         out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        z = _chunk_logits(out.hidden_states[-1][0], kwargs["weight"], kwargs.get("bias"),
+        hidden = out.hidden_states[-1][0]
+        if not torch.is_autocast_enabled(device.type):
+            hidden = hidden.to(kwargs["weight"].dtype)
+        z = _chunk_logits(hidden, kwargs["weight"], kwargs.get("bias"),
                           kwargs.get("scale", 1.0), kwargs.get("softcap"), 1.0)
     logits = out.logits[0].to(z.dtype)
     tol = (1e-2 if kwargs["weight"].dtype in (torch.bfloat16, torch.float16) else 1e-4)
@@ -366,8 +391,7 @@ def _lm_head_kwargs(model) -> dict:
             f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a Linear "
             "layer; compute log-probs from out.logits with pack.token_logprobs instead"
         )
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else \
-        model.config
+    config = _text_config(model)
     kwargs = {"weight": _full(head.weight),
               "bias": None if head.bias is None else _full(head.bias)}
     if getattr(config, "final_logit_softcapping", None):
@@ -391,12 +415,23 @@ def row_multiplicity(pack: TreePack) -> Tensor:
     return torch.bincount(rows, minlength=pack.num_rows).float()
 
 
-def router_aux_loss(model, pack: TreePack, router_logits) -> Tensor:
+def router_aux_loss(model, pack, router_logits) -> Tensor:
     """The MoE load-balancing loss of the original tokens, from the packed router logits.
 
     Uses the model's own ``load_balancing_loss_func`` with every packed row weighted by the
     number of original tokens it stands for, which is what the unpacked batch computes.
+    ``pack`` and ``router_logits`` may be lists (several packs of one batch, with each pack's
+    per-layer router logits): the loss is then the whole batch's, not a mean of per-pack
+    losses. Packs without tokens (``TreePack.empty``) contribute nothing; with no tokens at
+    all the loss is a zero still connected to the router.
     """
+    packs = list(pack) if isinstance(pack, (list, tuple)) else [pack]
+    per_pack = list(router_logits) if isinstance(pack, (list, tuple)) else [router_logits]
+    live = [(p, r) for p, r in zip(packs, per_pack) if p.num_original_tokens > 0]
+    if not live:
+        return sum(layer.sum() for r in per_pack for layer in r) * 0.0
+    layers = tuple(torch.cat(per_layer) for per_layer in zip(*(r for _, r in live)))
+    weights = torch.cat([row_multiplicity(p) for p, _ in live])[None]  # [1, rows]
     model = unwrap(model)
     module = sys.modules[type(model).__module__]
     loss_fn = getattr(module, "load_balancing_loss_func", None)
@@ -405,7 +440,6 @@ def router_aux_loss(model, pack: TreePack, router_logits) -> Tensor:
             f"{type(model).__name__} has an auxiliary router loss treepack does not know how to "
             "weight by original tokens; disable it (output_router_logits=False) or run unpacked"
         )
-    config = model.config
+    config = _text_config(model)
     num_experts = getattr(config, "num_local_experts", None) or config.num_experts
-    weights = row_multiplicity(pack)[None]  # [1, T']
-    return loss_fn(router_logits, num_experts, config.num_experts_per_tok, weights)
+    return loss_fn(layers, num_experts, config.num_experts_per_tok, weights)

@@ -139,16 +139,25 @@ class _LeanLogprobs(torch.autograd.Function):
                 child_logp[edges.child[lo:hi]] = z[local, edges.token[lo:hi]] - lse[a:b][local]
             if with_entropy:
                 p = torch.exp(z - lse[a:b, None])
-                entropy[a:b] = lse[a:b] - (p * z).sum(-1)
+                entropy[a:b] = lse[a:b] - (p * _finite(z)).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, lse, entropy)
         ctx.edges, ctx.chunks = edges, chunks
         ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
+        device = hidden.device.type  # backward recomputes under the same autocast state
+        ctx.autocast = (device, torch.is_autocast_enabled(device),
+                        torch.get_autocast_dtype(device))
         if with_entropy:
             return child_logp, entropy
         return child_logp
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _LeanLogprobs._backward(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, lse, entropy = ctx.saved_tensors
         edges = ctx.edges
         # d logp(child) / d z[parent] = onehot(token) - softmax: every parent needs the sum
@@ -170,7 +179,7 @@ class _LeanLogprobs(torch.autograd.Function):
                 gz.index_put_((local, edges.token[lo:hi]), g_child[lo:hi], accumulate=True)
             if grad_entropy is not None:  # dH/dz = p * (E_p[z] - z), E_p[z] = lse - H
                 mean_z = (lse[a:b] - entropy[a:b])[:, None]
-                gz += grad_entropy[a:b, None] * p * (mean_z - z)
+                gz += grad_entropy[a:b, None] * p * (mean_z - _finite(z))
             if ctx.temperature != 1.0:
                 gz /= ctx.temperature
             if ctx.softcap is not None:  # z = cap * tanh(u / cap): dz/du = 1 - (z / cap)^2
@@ -186,6 +195,11 @@ class _LeanLogprobs(torch.autograd.Function):
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return (grad_hidden, grad_weight.to(weight.dtype), grad_bias,
                 None, None, None, None, None, None)
+
+
+def _finite(z: Tensor) -> Tensor:
+    """``z`` with -inf logits (tokens masked out) as 0: they have p = 0 and must add 0."""
+    return z.masked_fill(z.isneginf(), 0)
 
 
 def default_chunk_size(vocab: int) -> int:
@@ -218,6 +232,10 @@ def logprobs_from_hidden(
     ``softcap(scale * (hidden @ weight.T + bias)) / temperature``; see
     :func:`treepack.hf.lm_head`. With ``with_entropy`` returns ``(logprobs, entropy)``, the
     entropy of each prediction's distribution in the same layout.
+
+    The matmul runs in the head's dtype (hidden states are cast to it), or under autocast in
+    autocast's; the rest in float32 at least. Backward recomputes under the forward's
+    autocast state, so its gradient is that of the computed forward.
     """
     if hidden.dim() != 2 or hidden.shape[0] != pack.num_rows:
         hint = "; for a model output [1, T', H] pass out.last_hidden_state[0]" if (
@@ -238,6 +256,8 @@ def logprobs_from_hidden(
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive number of rows")
+    if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        hidden = hidden.to(weight.dtype)  # the head's dtype decides (e.g. an fp32 LM head)
     edges = _edges(pack)
     bounds = np.searchsorted(edges.parent_host, np.arange(0, pack.num_tokens + chunk, chunk))
     chunks = [(a, min(a + chunk, pack.num_tokens), int(bounds[i]), int(bounds[i + 1]))

@@ -265,9 +265,15 @@ class TreePack:
         )
 
     def derived(self, key, build):
-        """``build()``, computed once per pack (and device) and cached under ``key``."""
+        """``build()``, computed once per pack (and device) and cached under ``key``.
+
+        Built outside inference mode: a pack first used to score under
+        ``torch.inference_mode()`` must still train afterwards, and inference tensors cannot
+        be saved for backward.
+        """
         if key not in self._derived:
-            self._derived[key] = build()
+            with torch.inference_mode(False):
+                self._derived[key] = build()
         return self._derived[key]
 
     # ------------------------------------------------------------------ sizes

@@ -88,7 +88,7 @@ def per_token_logps_and_entropies(
         if ent is not None:
             entropies.append(torch.nn.functional.pad(ent, (0, pad)))
         if compute_aux_loss:
-            aux.append(out.aux_loss * pack.num_original_tokens)
+            aux.append(out.router_logits)
         seq_ids.append(pack.seq_ids)
     order = torch.cat(seq_ids).argsort()  # back to the trainer's row order
     logps = torch.cat(logps)[order]  # [B, width] label-aligned, padding stripped
@@ -100,9 +100,7 @@ def per_token_logps_and_entropies(
     out_ent = None
     if compute_entropy:
         out_ent = torch.where(keep, torch.cat(entropies)[order].gather(1, pos), zero)
-    aux_loss = None
-    if compute_aux_loss:
-        aux_loss = torch.stack(aux).sum() / sum(p.num_original_tokens for p in packs)
+    aux_loss = hf.router_aux_loss(model, packs, aux) if compute_aux_loss else None
     return out_logps, out_ent, aux_loss
 
 
