@@ -16,7 +16,6 @@ import torch
 
 import treepack
 from treepack import hf, losses, zoo
-from treepack.synthetic import grpo_batch
 
 torch.manual_seed(0)
 policy = zoo.tiny_model("qwen2", layers=2)  # any transformers causal LM
@@ -24,11 +23,17 @@ reference = copy.deepcopy(policy).eval()
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
 
 # ---- rollouts: prompt + completion ids, one reward per completion (from your environment)
-G, PROMPT = 6, 24
-sequences = [torch.as_tensor(s) for s in grpo_batch(groups=4, rollouts=G, prompt_len=PROMPT,
-                                                    response_len=16, jitter=0.5,
-                                                    vocab=zoo.VOCAB, seed=0)]
-rewards = torch.randn(len(sequences))
+G = 6
+gen = torch.Generator().manual_seed(0)
+prompts = [torch.randint(3, zoo.VOCAB, (int(n),), generator=gen) for n in (18, 24, 30, 21)]
+sequences, prompt_lengths = [], []
+for prompt in prompts:
+    for _ in range(G):
+        completion = torch.randint(3, zoo.VOCAB, (int(torch.randint(8, 24, (1,), generator=gen)),),
+                                   generator=gen)
+        sequences.append(torch.cat((prompt, completion)))
+        prompt_lengths.append(len(prompt))
+rewards = torch.randn(len(sequences), generator=gen)
 group = rewards.view(-1, G)
 advantages = ((group - group.mean(1, keepdim=True)) / (group.std(1, keepdim=True) + 1e-6))
 advantages = advantages.flatten()  # [N], one per rollout: GRPO's group-normalised reward
@@ -36,7 +41,8 @@ advantages = advantages.flatten()  # [N], one per rollout: GRPO's group-normalis
 # ---- treepack: one pack for the whole batch (a planner splits bigger batches)
 pack = treepack.TreePack.from_sequences(sequences, pad_to_multiple_of=64)
 mask = pack.prediction_mask.clone()
-mask[:, :PROMPT] = False  # supervise the completion only; the prompt still gets gradient
+for s, n in enumerate(prompt_lengths):
+    mask[s, :n] = False  # supervise the completion only; the prompt still gets gradient
 
 
 def logprobs(model, with_entropy=False):

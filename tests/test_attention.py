@@ -191,3 +191,26 @@ def test_flex_refuses_to_fall_back_to_the_unfused_path(monkeypatch):
                 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     finally:
         flex.compiled_flex.cache_clear()
+
+
+@settings(max_examples=30, deadline=None)
+@given(forests(vocab=2, max_sequences=5, max_len=20), st.sampled_from([(None, 3), (2.0, None),
+                                                                       (1.5, 4)]))
+def test_segment_masked_groups_in_small_chunks_equal_the_reference(seqs, cap_window):
+    from treepack.attention import segment
+
+    softcap, window = cap_window
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=4)
+    q, k, v = (x.requires_grad_() for x in qkv(pack, 4, 2))
+    kw = dict(scale=0.3, softcap=softcap, window=window)
+    original = segment.CHUNK_ELEMENTS
+    segment.CHUNK_ELEMENTS = 16  # a handful of queries per chunk
+    try:
+        got = TreeAttention(pack, "segment")(q, k, v, **kw)
+    finally:
+        segment.CHUNK_ELEMENTS = original
+    expect = reference_attention(q, k, v, pack, **kw)
+    torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)),
+                    torch.autograd.grad(expect.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -139,3 +139,41 @@ def test_per_sequence_fields_keep_their_dtype():
     rollouts = [dict(prompt=[1, 2], completion=[3], reward=np.float32(1.5), idx=np.int64(4))]
     batch = treepack.collate(rollouts, max_tokens=8).batches(0)[0]
     assert batch.fields["reward"].dtype == torch.float32 and batch.fields["idx"].item() == 4
+
+
+def test_field_dtypes_come_from_every_rollout_not_the_first():
+    rollouts = [dict(prompt=[1, 2], completion=[3, 4], adv=[1, 0]),
+                dict(prompt=[1, 2], completion=[5, 6, 7], adv=[0.5, 0.25, -0.75]),
+                dict(prompt=[8], completion=[9], adv=torch.tensor([0.5], dtype=torch.bfloat16))]
+    batch = treepack.collate(rollouts, max_tokens=16).batches(0)[0]
+    assert batch.fields["adv"].dtype == torch.float64
+    assert batch.completion(batch.fields["adv"])[1].tolist() == [0.5, 0.25, -0.75]
+    with pytest.raises(ValueError, match="field 'uid' is <U3, not numeric"):
+        treepack.collate([dict(prompt=[1], completion=[2], uid="abc")], max_tokens=8)
+
+
+def test_rollouts_from_padded_keeps_tool_tokens_in_context():
+    prompts = torch.tensor([[0, 5, 6]])
+    completions = torch.tensor([[11, 12, 13, 0]])  # 12 is a tool token: context, not loss
+    padding = (completions != 0).long()
+    loss_mask = torch.tensor([[1, 0, 1, 0]])
+    old = torch.tensor([[0.1, 0.2, 0.3, 0.0]])
+    (r,) = rollouts_from_padded(prompts, (prompts != 0).long(), completions, padding,
+                                loss_mask=loss_mask, old_logps=old)
+    assert r["completion"].tolist() == [11, 12, 13]
+    assert r["old_logps"].tolist() == pytest.approx([0.1, 0.2, 0.3])
+    batch = treepack.collate([r], max_tokens=8).batches(0)[0]
+    assert batch.mask[0].tolist() == [False, False, True, False, True]  # tool token skipped
+    holes = torch.tensor([[1, 0, 1, 0]])
+    with pytest.raises(ValueError, match="has holes.*loss_mask"):
+        rollouts_from_padded(prompts, (prompts != 0).long(), completions, holes)
+
+
+def test_denominators_without_distributed_count_every_rank():
+    rollouts = make_rollouts(2)
+    collated = treepack.collate(rollouts, max_tokens=30, world_size=3)
+    den = collated.denominators(0)
+    every = [b.mask for b in all_batches(collated)]
+    assert den.tokens == float(sum(m.sum() for m in every))
+    assert den.sequences == float(sum(m.any(-1).sum() for m in every))
+    assert den.world_size == 1  # one process: no gradient averaging to undo

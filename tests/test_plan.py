@@ -79,8 +79,8 @@ def test_balances_a_mixed_workload_across_ranks():
 
 def test_ranks_with_fewer_packs_get_empty_ones():
     seqs = [[1, 2, 3, 4, 5, 6]] + [[7, 8]] * 1
-    p = plan(seqs, max_tokens=6, world_size=3, pad_to_multiple_of=4)
-    check_plan(seqs, p, 6)
+    p = plan(seqs, max_tokens=8, world_size=3, pad_to_multiple_of=4)
+    check_plan(seqs, p, 8)
     assert p.packs_per_rank == 1
     empties = [pk for rank in p.ranks for pk in rank if pk.num_sequences == 0]
     assert len(empties) == 1 and empties[0].num_rows == 4  # padded like every pack
@@ -130,3 +130,10 @@ def test_empty_pack_runs_through_attention_and_log_probs():
     z = torch.randn(8, 5, requires_grad=True)
     pack.token_logprobs(z).sum().backward()
     assert torch.equal(z.grad, torch.zeros_like(z))
+
+
+def test_padding_must_keep_packs_within_the_budget():
+    with pytest.raises(ValueError, match="not a multiple of pad_to_multiple_of=128.*max_tokens=256"):
+        plan([[1, 2]], max_tokens=300, pad_to_multiple_of=128)
+    with pytest.raises(ValueError, match="pad_to_multiple_of"):
+        plan([[1, 2]], max_tokens=8, pad_to_multiple_of=0)

@@ -273,3 +273,17 @@ def test_unpack_gradient_accumulates_shared_rows():
 @given(forests(vocab=2, max_sequences=40, max_len=80))
 def test_large_random_forests_match_naive_trie(seqs):
     check_against_trie(seqs, TreePack.from_sequences(seqs, pad_to_multiple_of=16))
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (torch.tensor([1, 2, 3]), ["one 1-D Tensor", "[ids]"]),
+        ([1, 2, 3], ["sequence 0 is a single value (1)", "[[1, 2, 3]]"]),
+    ],
+)
+def test_a_single_flat_sequence_is_told_to_wrap_it(bad, words):
+    with pytest.raises(TypeError) as info:
+        TreePack.from_sequences(bad)
+    for w in words:
+        assert w in str(info.value)

@@ -25,7 +25,7 @@ __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "ForestStats", "
            "verify", "VerifyReport"]
 __version__ = "0.1.0"
 
-_LAZY = {"hf", "zoo", "attention", "synthetic", "benchmark", "losses"}
+_LAZY = {"hf", "zoo", "synthetic", "benchmark", "trl"}
 
 
 def __getattr__(name):

@@ -32,7 +32,10 @@ def _ids_from_line(value, where: str) -> np.ndarray:
     if any(type(x) is not int for x in ids):
         bad = next(x for x in ids if type(x) is not int)
         raise InputError(f"{where}: token ids must be integers, found {bad!r}")
-    arr = np.asarray(ids, dtype=np.int64)
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        raise InputError(f"{where}: a token id is beyond int64 (max {max(ids)})") from None
     if arr.min() < 0:
         raise InputError(f"{where}: token ids must be >= 0, found {int(arr.min())}")
     return arr

@@ -70,6 +70,7 @@ class Collated:
     _completion_lengths: np.ndarray
     _per_token: dict[str, list[np.ndarray]]
     _per_sequence: dict[str, np.ndarray]
+    _dtypes: dict[str, np.dtype]  # per-token fields: one dtype over every rollout
     _groups: list
     _device: torch.device | str | None
 
@@ -77,28 +78,46 @@ class Collated:
         return [self._batch(pack) for pack in self.plan.packs(rank)]
 
     def denominators(self, rank: int = 0, *, group=None) -> Denominators:
-        """The step's loss denominators over every pack of every rank (an all-reduce when
-        torch.distributed is initialised: call it on every rank)."""
-        return global_denominators([b.mask for b in self.batches(rank)], group=group)
+        """The step's loss denominators over every pack of every rank.
+
+        With torch.distributed initialised, each rank counts its own packs and the counts
+        are all-reduced (call it on every rank); without it, this process counts the packs of
+        every rank of the plan (one process running every rank's packs, whose losses then add
+        up to the batch's)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        ranks = [rank] if distributed else range(self.plan.world_size)
+        masks = [self._in_completion(p)[0] & p.prediction_mask.cpu().numpy()
+                 for r in ranks for p in self.plan.packs(r)]
+        # without torch.distributed nothing averages gradients: world_size stays 1
+        return global_denominators([torch.from_numpy(m) for m in masks], group=group)
+
+    def _in_completion(self, pack: TreePack):
+        """[N, L] True at each rollout's completion tokens, and the rollouts' indices."""
+        ids = pack.seq_ids.cpu().numpy()
+        plen, clen = self._prompt_lengths[ids], self._completion_lengths[ids]
+        pos = np.arange(pack.max_length)
+        mask = (pos >= plen[:, None]) & (pos < (plen + clen)[:, None])
+        if "loss_mask" in self._per_token and len(ids):
+            keep = np.zeros_like(mask)
+            keep[mask] = np.concatenate([self._per_token["loss_mask"][i] for i in ids]) != 0
+            mask = keep
+        return mask, ids
 
     def _batch(self, pack: TreePack) -> Batch:
-        ids = pack.seq_ids.cpu().numpy()
-        n, width = pack.num_sequences, pack.max_length
+        in_completion, ids = self._in_completion(pack)
         plen, clen = self._prompt_lengths[ids], self._completion_lengths[ids]
-        pos = np.arange(width)
-        in_completion = (pos >= plen[:, None]) & (pos < (plen + clen)[:, None])  # [N, L]
+        positions = (np.arange(pack.max_length) >= plen[:, None]) & (
+            np.arange(pack.max_length) < (plen + clen)[:, None])
         dev = pack.device
         fields = {}
         for name, values in self._per_token.items():
-            out = np.zeros((n, width), dtype=values[0].dtype if values else np.float32)
-            if n:
-                out[in_completion] = np.concatenate([values[i] for i in ids])
+            out = np.zeros(positions.shape, dtype=self._dtypes[name])
+            if len(ids):
+                out[positions] = np.concatenate([values[i] for i in ids])
             fields[name] = torch.from_numpy(out).to(dev)
         for name, values in self._per_sequence.items():
             fields[name] = torch.from_numpy(values[ids]).to(dev)
         mask = torch.from_numpy(in_completion).to(dev) & pack.prediction_mask
-        if "loss_mask" in fields:
-            mask &= fields["loss_mask"].bool()
         return Batch(pack=pack, mask=mask, fields=fields, groups=[self._groups[i] for i in ids],
                      prompt_lengths=torch.from_numpy(plen).to(dev),
                      completion_lengths=torch.from_numpy(clen).to(dev))
@@ -140,8 +159,7 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
             raise ValueError(f"rollout {i} has fields {keys}, rollout 0 has {names}: every "
                              "rollout needs the same fields")
         for k in keys:
-            v = r[k]
-            v = v.detach().cpu().numpy() if isinstance(v, Tensor) else np.asarray(v)
+            v = _field(r[k], i, k)
             if v.ndim == 0:
                 per_sequence.setdefault(k, []).append(v)
             elif v.shape == (completion.size,):
@@ -160,21 +178,52 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
         groups.append(r.get("group"))
     p = plan(sequences, max_tokens=max_tokens, world_size=world_size,
              pad_to_multiple_of=pad_to_multiple_of, device=device)
+    dtypes = {k: np.result_type(*v) for k, v in per_token.items()}
     return Collated(p, np.array(plen, dtype=np.int64), np.array(clen, dtype=np.int64),
-                    per_token, {k: np.stack(v) for k, v in per_sequence.items()}, groups,
-                    device)
+                    per_token, {k: np.stack(v) for k, v in per_sequence.items()}, dtypes,
+                    groups, device)
+
+
+def _field(value, i: int, name: str) -> np.ndarray:
+    """A rollout field as a numeric numpy array (bfloat16 / float16 tensors become float32)."""
+    if isinstance(value, Tensor):
+        value = value.detach().cpu()
+        if value.dtype in (torch.bfloat16, torch.float16):
+            value = value.float()
+        value = value.numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(
+            f"rollout {i}'s field {name!r} is {arr.dtype}, not numeric: fields become tensors "
+            "in the pack's layout; keep labels such as ids in 'group' or outside the rollouts"
+        )
+    return arr
 
 
 def rollouts_from_padded(prompts: Tensor, prompt_mask: Tensor, completions: Tensor,
-                         completion_mask: Tensor, **fields: Tensor) -> list[dict]:
+                         completion_mask: Tensor, *, loss_mask: Tensor | None = None,
+                         **fields: Tensor) -> list[dict]:
     """Rollouts from the padded tensors verl and TRL keep: left-padded prompts ``[B, P]``,
-    right-padded completions ``[B, C]``, their masks, and fields ``[B, C]`` (per completion
-    token) or ``[B]`` (per sequence)."""
+    right-padded completions ``[B, C]``, their padding masks, and fields ``[B, C]`` (per
+    completion token) or ``[B]`` (per sequence).
+
+    ``completion_mask`` marks padding only (a prefix of each row): every completion token is
+    context for the next. Tokens the loss should skip (tool outputs in a multi-turn response,
+    verl's ``response_mask``) go in ``loss_mask`` ``[B, C]``.
+    """
+    if loss_mask is not None:
+        fields = {**fields, "loss_mask": loss_mask}
     out = []
     for b in range(prompts.shape[0]):
         pm, cm = prompt_mask[b].bool(), completion_mask[b].bool()
         n = int(cm.sum())
-        r = {"prompt": prompts[b][pm], "completion": completions[b][cm]}
+        if not cm[:n].all():
+            raise ValueError(
+                f"completion_mask row {b} has holes: it must mark padding only (a prefix of "
+                "real tokens), since masked tokens would vanish from the context of the "
+                "tokens after them; pass tokens to skip in the loss as loss_mask"
+            )
+        r = {"prompt": prompts[b][pm], "completion": completions[b][:n]}
         for k, v in fields.items():
             r[k] = v[b][:n] if v.dim() == 2 else v[b]
         out.append(r)

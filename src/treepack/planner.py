@@ -161,13 +161,22 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     :class:`TreePack`, every rank the same length; each pack's ``seq_ids`` are the indices of
     its sequences in ``sequences``. Every sequence is in exactly one pack. ``plan.efficiency``
     is rows over the one-forest minimum and ``plan.imbalance`` the most loaded rank's cost over
-    the mean. With ``pad_to_multiple_of``, keep ``max_tokens`` a multiple of it so padded packs
-    stay within the budget.
+    the mean. With ``pad_to_multiple_of``, ``max_tokens`` must be a multiple of it (padded
+    packs stay within the budget).
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r} must be a positive int (rows per pack)")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
+    if pad_to_multiple_of is not None:
+        if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int")
+        if max_tokens % pad_to_multiple_of:
+            raise ValueError(
+                f"max_tokens={max_tokens} is not a multiple of pad_to_multiple_of="
+                f"{pad_to_multiple_of}: a padded pack could exceed the budget; use "
+                f"max_tokens={max_tokens // pad_to_multiple_of * pad_to_multiple_of or pad_to_multiple_of}"
+            )
     ids = _as_id_arrays(sequences)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
     too_long = np.flatnonzero(lengths > max_tokens)

@@ -7,7 +7,7 @@ Shape legend (used in comments across the package)::
     S   compressed segments         M   prediction occurrences (sum of len - 1)
     V   vocabulary                  H   hidden size
 
-Invariants (DESIGN.md): rows are laid out in depth-first pre-order, so every row's subtree
+Invariants (docs/design.md): rows are laid out in depth-first pre-order, so every row's subtree
 is the contiguous range ``[j, subtree_end[j])`` and key row ``j`` is visible to query row
 ``i`` iff ``j <= i < subtree_end[j]``; ``position_ids`` are depths on the original
 sequences; ``rows[s, p]`` is the packed row of token ``p`` of sequence ``s``.
@@ -399,6 +399,11 @@ def _check_seq_ids(seq_ids, n: int) -> np.ndarray:
 
 def _as_id_arrays(sequences) -> list[np.ndarray]:
     """Validate the input sequences and return them as 1-D int64 numpy arrays."""
+    if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim == 1:
+        raise TypeError(
+            f"sequences is one 1-D {type(sequences).__name__}; pass a list of sequences, e.g. "
+            "[ids] for a single one"
+        )
     if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim != 1:
         raise TypeError(
             f"sequences is a {sequences.ndim}-D {type(sequences).__name__}; pass a list of "
@@ -424,6 +429,11 @@ def _as_id_arrays(sequences) -> list[np.ndarray]:
             arr = seq.detach().cpu().numpy()
         else:
             arr = np.asarray(seq)
+        if arr.ndim == 0:
+            raise TypeError(
+                f"sequence {i} is a single value ({arr.item()!r}), not a sequence; pass a list "
+                "of sequences, e.g. [[1, 2, 3]] rather than [1, 2, 3]"
+            )
         if arr.ndim != 1:
             raise ValueError(
                 f"sequence {i} has shape {tuple(arr.shape)}; each sequence must be 1-D"

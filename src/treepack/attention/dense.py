@@ -32,10 +32,9 @@ def math_attention(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
 
 
 def sdpa(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
-    """SDPA with a boolean mask or attention bias, or the eager formula for soft-capping."""
+    """SDPA with a boolean mask or attention bias, or the eager formula for soft-capping
+    (which needs a boolean mask)."""
     if softcap is not None:
-        if not isinstance(mask, Tensor):  # a CausalBias
-            mask = mask._materialize(q.device)
         return math_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,

@@ -5,8 +5,13 @@ path at depths ``lo .. d0+q-1`` (``lo = 0``, or ``d0 - window + 1`` with a slidi
 causally, aligned bottom-right: query t sees path position u iff ``u <= off + t`` (and
 ``u > off + t - window``) with ``off = kv - q``. That path is a slice of ``rows`` for any
 sequence through the segment, so the keys are one gather. Segments with the same
-``(q, kv)`` share one mask and run as one batched call. Per forward: one gather of queries,
-keys and values per group, one attention call per group, one permutation back.
+``(q, kv)`` run as one batched call. Per forward: one gather of keys and values for all
+groups, one gather of queries and one attention call per group, one permutation back.
+
+Plain groups use SDPA's bottom-right causal bias (no mask is materialised). Groups with a
+sliding window or soft-capping need an explicit mask (and, for soft-capping, the eager
+formula's scores), so they run in query chunks whose key range is cut to what the chunk can
+see: memory stays O(chunk x keys), never a segment's full [q, kv].
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from torch.nn.attention.bias import causal_lower_right
 from treepack.attention.dense import sdpa
 
 
+CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
+
+
 class Group(NamedTuple):
     q_rows: Tensor  # [G * q] packed rows of the group's queries, segment by segment
     kv_rows: Tensor  # [G, kv] packed rows of each segment's visible path
-    mask: Tensor | None  # [q, kv] bool for windowed groups; None: bottom-right causal
     q: int
     kv: int
 
@@ -56,16 +63,11 @@ def build_plan(pack, window: int | None) -> Plan:
         q_rows = np.concatenate((start[segs][:, None] + np.arange(q), pads.repeat(q, 1)))
         path = h.rows[h.segment_sequence[segs][:, None], lo[segs][:, None] + np.arange(kv)]
         kv_rows = np.concatenate((path, pads.repeat(kv, 1)))
-        mask = None
-        if window is not None:
-            t, u = np.arange(q)[:, None], np.arange(kv)[None, :]
-            off = kv - q
-            mask = torch.from_numpy((u <= off + t) & (u > off + t - window)).to(pack.device)
         placed.append(q_rows.reshape(-1))
         groups.append(Group(
             q_rows=torch.from_numpy(q_rows.reshape(-1)).to(pack.device),
             kv_rows=torch.from_numpy(kv_rows).to(pack.device),
-            mask=mask, q=q, kv=kv,
+            q=q, kv=kv,
         ))
     inverse = np.empty(pack.num_rows, dtype=np.int64)
     inverse[np.concatenate(placed)] = np.arange(pack.num_rows)
@@ -108,11 +110,36 @@ def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
         qg = q0[:, g.q_rows].unflatten(1, (n, g.q)).transpose(0, 1)  # [G, Hq, q, D]
         kg = kg.unflatten(1, (n, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
         vg = vg.unflatten(1, (n, g.kv)).transpose(0, 1)
-        mask = g.mask
-        if mask is None:
-            mask = causal_lower_right(g.q, g.kv)
-            if softcap is not None:  # the eager formula needs the mask itself
-                mask = torch.ones(g.q, g.kv, dtype=torch.bool, device=q.device).tril(g.kv - g.q)
-        out = sdpa(qg, kg, vg, mask, scale=scale, softcap=softcap, dropout=dropout)
+        if window is None and softcap is None:
+            out = sdpa(qg, kg, vg, causal_lower_right(g.q, g.kv), scale=scale, softcap=None,
+                       dropout=dropout)
+        else:
+            out = _masked_chunks(qg, kg, vg, window, scale=scale, softcap=softcap,
+                                 dropout=dropout)
         outs.append(out.transpose(0, 1).flatten(1, 2))  # [Hq, G * q, D]
     return torch.cat(outs, dim=1)[:, plan.inverse][None]  # [1, Hq, T', D]
+
+
+def _masked_chunks(qg, kg, vg, window, **kw) -> Tensor:
+    """Bottom-right causal (and windowed) attention, a chunk of queries at a time.
+
+    Query t (of q) sees path position u (of kv) iff ``u <= off + t`` and, with a window,
+    ``u > off + t - window`` (``off = kv - q``); a chunk ``[t0, t1)`` needs keys
+    ``[max(0, off + t0 - window + 1), off + t1)`` only.
+    """
+    G, H, q, _ = qg.shape
+    kv = kg.shape[2]
+    off = kv - q
+    chunk = max(1, min(q, CHUNK_ELEMENTS // max(1, G * H * kv)))
+    outs = []
+    for t0 in range(0, q, chunk):
+        t1 = min(t0 + chunk, q)
+        a = 0 if window is None else max(0, off + t0 - window + 1)
+        b = off + t1
+        t = torch.arange(t0, t1, device=qg.device)[:, None]
+        u = torch.arange(a, b, device=qg.device)[None, :]
+        mask = u <= off + t  # [t1 - t0, b - a]
+        if window is not None:
+            mask &= u > off + t - window
+        outs.append(sdpa(qg[:, :, t0:t1], kg[:, :, a:b], vg[:, :, a:b], mask, **kw))
+    return torch.cat(outs, dim=2)
