@@ -24,12 +24,12 @@ import json
 import platform
 import subprocess
 import sys
-import time
 
 import numpy as np
 import torch
 
 from treepack import TreePack
+from treepack.benchmark import best_of
 from treepack.synthetic import agent_batch, grpo_batch
 
 WORKLOADS = {
@@ -80,15 +80,6 @@ def naive_pack(seqs):
         dense[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
     bm = create_block_mask(lambda b, h, q, kv: dense[q, kv], None, None, T, T, device="cpu")
     return torch.tensor(ids), torch.tensor(pos), bm
-
-
-def best_of(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
 
 
 def bench_workload(name, repeats):

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 
 import numpy as np
 
 import treepack
+from treepack.benchmark import best_of
 from treepack.planner import plan
 from treepack.synthetic import agent_batch, grpo_batch
 
@@ -41,15 +41,6 @@ def largest_tree(seqs) -> int:
     for s in seqs:
         firsts.setdefault(int(s[0]), []).append(s)
     return max(treepack.forest_stats(group).packed_tokens for group in firsts.values())
-
-
-def best_time(fn, repeats=3):
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
 
 
 def main():
@@ -85,8 +76,8 @@ def main():
     tokens = sum(len(s) for s in seqs)
     print(f"64k: {len(seqs):,} sequences, {tokens:,} tokens")
     for world in (1, 8):
-        seconds, p = best_time(lambda: plan(seqs, max_tokens=8192, world_size=world))
-        build, _ = best_time(lambda: p.packs(0), repeats=1)
+        seconds, p = best_of(lambda: plan(seqs, max_tokens=8192, world_size=world))
+        build, _ = best_of(lambda: p.packs(0), repeats=1)
         results["speed"].append(dict(world=world, seconds=seconds, packs=p.packs_per_rank,
                                      build_rank0_s=build))
         print(f"  {world} ranks: planned in {seconds:.3f} s ({p.packs_per_rank} packs per rank, "

@@ -17,7 +17,7 @@ from torch import nn
 
 from treepack.tree import TreePack, forest_stats
 
-__all__ = ["Flops", "step_flops", "Measurement", "measure", "unpacked_step", "packed_step",
+__all__ = ["Flops", "step_flops", "best_of", "Measurement", "measure", "unpacked_step", "packed_step",
            "Workload", "workload", "run_bench", "render", "plot", "claw_r1_scenarios"]
 
 
@@ -49,6 +49,17 @@ def step_flops(model: nn.Module, tokens: int, pairs: int) -> Flops:
     """FLOPs of a forward + backward over ``tokens`` rows with ``pairs`` visible pairs/layer."""
     linear, width, layers = _linear_params_per_token(model)
     return Flops(linear=3 * 2 * linear * tokens, attention=3 * 4 * width * layers * pairs)
+
+
+def best_of(fn: Callable, repeats: int = 3):
+    """``(fastest wall time in seconds, last result)`` of ``repeats`` calls of ``fn``."""
+    times = []
+    out = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return min(times), out
 
 
 class Measurement(NamedTuple):
