@@ -119,7 +119,7 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
                    lambda last: contextlib.nullcontext() if last else model.no_sync())
         if rank == 0:
             torch.save({k: p.grad for k, p in core.named_parameters()}, out)
-        del model, core
+        model = core = None  # release the wrapper (and its gloo state) before shutdown
     finally:
         shutdown()
 
@@ -147,6 +147,6 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, out)
-        del model
+        model = None  # release the sharded module before shutdown
     finally:
         shutdown()

@@ -86,38 +86,44 @@ class Collated:
         up to the batch's)."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         ranks = [rank] if distributed else range(self.plan.world_size)
-        masks = [self._in_completion(p)[0] & p.prediction_mask.cpu().numpy()
-                 for r in ranks for p in self.plan.packs(r)]
+        masks = []
+        for r in ranks:
+            for p in self.plan.packs(r):
+                ids, _, _, positions = self._completion(p)
+                masks.append(self._train_mask(ids, positions) & p.prediction_mask.cpu().numpy())
         # without torch.distributed nothing averages gradients: world_size stays 1
         return global_denominators([torch.from_numpy(m) for m in masks], group=group)
 
-    def _in_completion(self, pack: TreePack):
-        """[N, L] True at each rollout's completion tokens, and the rollouts' indices."""
+    def _completion(self, pack: TreePack):
+        """The pack's rollout indices, their prompt and completion lengths, and the [N, L]
+        positions of their completion tokens."""
         ids = pack.seq_ids.cpu().numpy()
         plen, clen = self._prompt_lengths[ids], self._completion_lengths[ids]
         pos = np.arange(pack.max_length)
-        mask = (pos >= plen[:, None]) & (pos < (plen + clen)[:, None])
-        if "loss_mask" in self._per_token and len(ids):
-            keep = np.zeros_like(mask)
-            keep[mask] = np.concatenate([self._per_token["loss_mask"][i] for i in ids]) != 0
-            mask = keep
-        return mask, ids
+        return ids, plen, clen, (pos >= plen[:, None]) & (pos < (plen + clen)[:, None])
+
+    def _scatter(self, name: str, ids, positions) -> np.ndarray:
+        """Per-token field ``name`` of rollouts ``ids`` placed at ``positions`` [N, L]."""
+        out = np.zeros(positions.shape, dtype=self._dtypes[name])
+        if len(ids):
+            out[positions] = np.concatenate([self._per_token[name][i] for i in ids])
+        return out
+
+    def _train_mask(self, ids, positions) -> np.ndarray:
+        """Completion positions, and'ed with the ``loss_mask`` field if there is one."""
+        if "loss_mask" in self._per_token:
+            return self._scatter("loss_mask", ids, positions) != 0
+        return positions
 
     def _batch(self, pack: TreePack) -> Batch:
-        in_completion, ids = self._in_completion(pack)
-        plen, clen = self._prompt_lengths[ids], self._completion_lengths[ids]
-        positions = (np.arange(pack.max_length) >= plen[:, None]) & (
-            np.arange(pack.max_length) < (plen + clen)[:, None])
+        ids, plen, clen, positions = self._completion(pack)
         dev = pack.device
-        fields = {}
-        for name, values in self._per_token.items():
-            out = np.zeros(positions.shape, dtype=self._dtypes[name])
-            if len(ids):
-                out[positions] = np.concatenate([values[i] for i in ids])
-            fields[name] = torch.from_numpy(out).to(dev)
+        arrays = {name: self._scatter(name, ids, positions) for name in self._per_token}
+        fields = {name: torch.from_numpy(a).to(dev) for name, a in arrays.items()}
         for name, values in self._per_sequence.items():
             fields[name] = torch.from_numpy(values[ids]).to(dev)
-        mask = torch.from_numpy(in_completion).to(dev) & pack.prediction_mask
+        train = arrays["loss_mask"] != 0 if "loss_mask" in arrays else positions
+        mask = torch.from_numpy(train).to(dev) & pack.prediction_mask
         return Batch(pack=pack, mask=mask, fields=fields, groups=[self._groups[i] for i in ids],
                      prompt_lengths=torch.from_numpy(plen).to(dev),
                      completion_lengths=torch.from_numpy(clen).to(dev))
