@@ -20,7 +20,7 @@ SECTIONS = [
     ("treepack", ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
                   "ForestStats", "logprobs_from_hidden", "TokenLogprobs", "plan", "Plan",
                   "PackSpec", "collate", "verify", "VerifyReport"]),
-    ("treepack.attention", ["TreeAttention", "BACKENDS"]),
+    ("treepack.attention", ["TreeAttention", "BACKENDS", "CHOICES", "choose_backend"]),
     ("treepack.hf", ["forward", "HiddenOutput", "prepare", "unprepare", "is_prepared", "unwrap",
                      "lm_head", "row_multiplicity", "router_aux_loss"]),
     ("treepack.losses", ["MODES", "Denominators", "global_denominators", "aggregate",

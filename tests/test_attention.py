@@ -1,10 +1,13 @@
+import contextlib
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treepack import TreePack
-from treepack.attention import BACKENDS, TreeAttention
+from treepack.attention import BACKENDS, TreeAttention, segment
 
 from strategies import forests
 
@@ -55,53 +58,109 @@ options = st.fixed_dictionaries({
     "window": st.sampled_from([None, 1, 3, 7]),
     "heads": st.sampled_from([(4, 4), (4, 2), (4, 1)]),
     "pad": st.sampled_from([None, 8]),
+    # segment: every shape its own call, the default cost model, or one padded call
+    "call_cost": st.sampled_from([0, segment.CALL_COST, 1 << 50]),
 })
 
 
-@settings(max_examples=80, deadline=None)
-@given(forests(vocab=3, max_sequences=6, max_len=14), options, st.sampled_from(["segment", "dense"]))
-def test_backends_equal_each_sequence_alone(seqs, opt, backend):
-    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+@contextlib.contextmanager
+def call_cost(value):
+    """The segment backend's grouping with ``value`` as the cost of a call."""
+    original = segment.CALL_COST
+    segment.CALL_COST = value
+    try:
+        yield
+    finally:
+        segment.CALL_COST = original
+
+
+@settings(max_examples=120, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=14), options,
+       st.sampled_from(["segment", "dense", "varlen", "auto"]), st.booleans())
+def test_backends_equal_each_sequence_alone(seqs, opt, backend, share):
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"], share_prefixes=share)
     q, k, v = qkv(pack, *opt["heads"])
     kw = dict(scale=0.3, softcap=opt["softcap"], window=opt["window"])
-    got = TreeAttention(pack, backend)(q, k, v, **kw)
+    if backend == "varlen" and opt["softcap"]:
+        with pytest.raises(RuntimeError, match="no logit soft-capping.*flex.*segment"):
+            TreeAttention(pack, backend)(q, k, v, **kw)
+        return
+    with call_cost(opt["call_cost"]):
+        got = TreeAttention(pack, backend)(q, k, v, **kw)
     expect = reference_attention(q, k, v, pack, **kw)
     torch.testing.assert_close(got, expect, rtol=1e-12, atol=1e-12)
 
 
-@settings(max_examples=25, deadline=None)
-@given(forests(vocab=3, max_sequences=5, max_len=10), options)
-def test_segment_gradients_equal_reference(seqs, opt):
+@settings(max_examples=40, deadline=None)
+@given(forests(vocab=3, max_sequences=5, max_len=10), options, st.sampled_from(["segment",
+                                                                               "varlen"]))
+def test_gradients_equal_reference(seqs, opt, backend):
     pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    if backend == "varlen":
+        opt["softcap"] = None
     q, k, v = (x.requires_grad_() for x in qkv(pack, *opt["heads"]))
     kw = dict(scale=0.3, softcap=opt["softcap"], window=opt["window"])
     weight = torch.randn(1, q.shape[1], pack.num_rows, q.shape[-1], dtype=q.dtype)
-    got = torch.autograd.grad((TreeAttention(pack, "segment")(q, k, v, **kw) * weight).sum(),
-                              (q, k, v))
+    with call_cost(opt["call_cost"]):
+        got = torch.autograd.grad((TreeAttention(pack, backend)(q, k, v, **kw) * weight).sum(),
+                                  (q, k, v))
     expect = torch.autograd.grad((reference_attention(q, k, v, pack, **kw) * weight).sum(),
                                  (q, k, v))
     for a, b in zip(got, expect):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_segment_gradcheck_with_shared_rows():
+@pytest.mark.parametrize("backend, softcap", [("segment", 1.5), ("varlen", None)])
+def test_gradcheck_with_shared_rows(backend, softcap):
     pack = TreePack.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [1, 2], [7, 8]],
                                    pad_to_multiple_of=4)
     q, k, v = (x.requires_grad_() for x in qkv(pack, 2, 1, 4))
-    attend = TreeAttention(pack, "segment")
-    assert torch.autograd.gradcheck(lambda q, k, v: attend(q, k, v, window=3, softcap=1.5),
+    attend = TreeAttention(pack, backend)
+    assert torch.autograd.gradcheck(lambda q, k, v: attend(q, k, v, window=3, softcap=softcap),
                                     (q, k, v))
 
 
 def test_segment_groups_equal_shapes_into_one_call():
-    # 8 rollouts of one prompt with equal lengths: one group for the prompt, one for the rest.
+    # 8 rollouts of one prompt with equal lengths: the first rollout continues the prompt's
+    # chain (10 rows, no context); the other 7 read the prompt as context, one call for them.
+    # A call is worth about 8k scores at 8 heads of 64: the two shapes run as one padded call.
+    from treepack.attention import segment
+
     seqs = [[1] * 6 + [10 + i] * 4 for i in range(8)]
     pack = TreePack.from_sequences(seqs)
-    attend = TreeAttention(pack, "segment")
-    q, k, v = qkv(pack)
-    attend(q, k, v)
-    plan = pack._derived[("attention", "segment", None)]
-    assert [(g.q, g.kv, g.kv_rows.shape[0]) for g in plan.groups] == [(4, 10, 8), (6, 6, 1)]
+    groups = segment.shape_groups(pack, None, width=8 * 64).groups
+    assert [(g.q, g.kv, g.size, g.padding is None) for g in groups] == [(10, 10, 8, False)]
+    big = TreePack.from_sequences([[1] * 600 + [10 + i] * 400 for i in range(8)])
+    groups = segment.shape_groups(big, None, width=8 * 64).groups  # padding would cost more
+    assert sorted((g.q, g.kv, g.size, g.padding) for g in groups) == [(400, 1000, 7, None),
+                                                                       (1000, 1000, 1, None)]
+
+
+def test_merge_shapes_is_the_cheapest_partition_into_runs():
+    import itertools
+
+    from treepack.attention.segment import merge_shapes
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 7))
+        kv = np.sort(rng.integers(1, 60, n))
+        q = np.minimum(rng.integers(1, 60, n), kv)
+        count = rng.integers(1, 5, n)
+        call_cost = float(rng.choice([0, 10, 300, 5000]))
+        best = np.inf
+        for cuts in itertools.product([False, True], repeat=n - 1):  # every run partition
+            ends = [i + 1 for i, c in enumerate(cuts) if c] + [n]
+            cost, a = 0.0, 0
+            for b in ends:
+                cost += call_cost + count[a:b].sum() * q[a:b].max() * kv[a:b].max()
+                a = b
+            best = min(best, cost)
+        call = merge_shapes(q, kv, count, call_cost)
+        assert np.all(np.diff(call) <= 0) or np.all(np.diff(call) >= 0)  # runs
+        got = sum(call_cost + count[call == r].sum() * q[call == r].max() * kv[call == r].max()
+                  for r in np.unique(call))
+        assert got == pytest.approx(best)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +229,7 @@ def test_input_errors():
         attend(q[:, :3], k, v)
     with pytest.raises(ValueError, match="window"):
         attend(q, k, v, window=0)
-    assert sorted(BACKENDS) == ["dense", "flex", "segment"]
+    assert sorted(BACKENDS) == ["dense", "flex", "segment", "varlen"]
 
 
 def test_flex_refuses_to_fall_back_to_the_unfused_path(monkeypatch):
@@ -180,7 +239,7 @@ def test_flex_refuses_to_fall_back_to_the_unfused_path(monkeypatch):
     flex.compiled_flex.cache_clear()  # a fresh compiled function, no shapes yet
     rng = __import__("random").Random(5)
     try:
-        with pytest.raises(RuntimeError, match="compiled for 2 distinct pack shapes.*segment"):
+        with pytest.raises(RuntimeError, match="compiled for 2 distinct bucket lengths.*segment"):
             for length in (48, 64, 80):
                 seqs = [[rng.randint(0, 2) for _ in range(rng.randint(1, 6))] for _ in range(4)]
                 pack = TreePack.from_sequences(seqs, pad_to_multiple_of=length)
@@ -214,3 +273,50 @@ def test_segment_masked_groups_in_small_chunks_equal_the_reference(seqs, cap_win
     for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)),
                     torch.autograd.grad(expect.sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_auto_runs_segment_on_cpu_and_logs_its_choice_once(caplog):
+    import logging
+
+    from treepack import attention
+
+    attention._LOGGED.clear()
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]])
+    q, k, v = qkv(pack)
+    with caplog.at_level(logging.INFO, logger="treepack"):
+        for _ in range(3):
+            got = TreeAttention(pack)(q, k, v)
+    assert TreeAttention(pack).backend == "auto"
+    torch.testing.assert_close(got, TreeAttention(pack, "segment")(q, k, v), rtol=0, atol=0)
+    assert [r.getMessage() for r in caplog.records].count(
+        "treepack attention backend='auto' runs 'segment' (on cpu, where varlen and flex cannot "
+        "train)") == 1
+
+
+@pytest.mark.parametrize("dtype, head_dim, softcap, dropout, expect, why", [
+    (torch.bfloat16, 64, None, 0.0, "varlen", "applies"),
+    (torch.float16, 128, None, 0.0, "varlen", "applies"),
+    (torch.float32, 64, None, 0.0, "flex", "float16 / bfloat16, not torch.float32"),
+    (torch.bfloat16, 64, 50.0, 0.0, "flex", "no logit soft-capping"),
+    (torch.bfloat16, 100, None, 0.0, "flex", "head_dim=100"),
+    (torch.bfloat16, 64, None, 0.1, "segment", "FlexAttention has no attention dropout"),
+])
+def test_auto_on_cuda_prefers_varlen_then_flex_then_segment(monkeypatch, dtype, head_dim,
+                                                            softcap, dropout, expect, why):
+    # The decision alone, on stand-ins for CUDA tensors (this machine has no GPU).
+    from types import SimpleNamespace
+
+    from treepack.attention import choose_backend, varlen
+
+    monkeypatch.setattr(varlen, "_capability", lambda index: (9, 0))
+    fake = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0), dtype=dtype,
+                           shape=(1, 8, 128, head_dim), requires_grad=True)
+    backend, reason = choose_backend(fake, fake, fake, softcap=softcap, dropout=dropout)
+    assert backend == expect and why in reason
+
+
+def test_varlen_refuses_what_flash_cannot_do_and_says_why():
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]])
+    q, k, v = qkv(pack)
+    with pytest.raises(RuntimeError, match="varlen.*dropout=0.1.*segment"):
+        TreeAttention(pack, "varlen")(q, k, v, dropout=0.1)

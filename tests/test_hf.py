@@ -30,9 +30,15 @@ def test_every_family_equals_each_sequence_alone_float64(family):
     model = zoo.tiny_model(family, dtype=torch.float64)
     expect = alone_logprobs(model, SEQS)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
-    for backend in ("segment", "dense"):
-        got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack, backend).logits[0]))
-        tol = 16 * torch.finfo(torch.float32).eps if family in EAGER_REFERENCE else 1e-12
+    flat = TreePack.from_sequences(SEQS, share_prefixes=False)  # the padding-free baseline
+    tol = 16 * torch.finfo(torch.float32).eps if family in EAGER_REFERENCE else 1e-12
+    softcapped = bool(getattr(model.config, "attn_logit_softcapping", None))
+    for p, backend in ((pack, "segment"), (pack, "dense"), (pack, "varlen"), (flat, "auto")):
+        if backend == "varlen" and softcapped:
+            with pytest.raises(RuntimeError, match="no logit soft-capping"):
+                hf.forward(model, p, backend)
+            continue
+        got = packed_flat(p, p.token_logprobs(hf.forward(model, p, backend).logits[0]))
         torch.testing.assert_close(got, expect, rtol=0, atol=tol)
 
 
@@ -42,6 +48,14 @@ def test_verify_passes_float32(family):
     assert report.passed, str(report)
     assert report.errors["grads"].max_rel <= 1e-5
     assert report.packed_rows < report.original_tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "phi3", "mixtral"])
+def test_verify_passes_float32_through_the_varlen_plan(family):
+    # On CPU, backend='varlen' runs the exact reference of the FlashAttention varlen call on
+    # the same chain index plan the GPU kernel gets (windows included).
+    report = verify(zoo.tiny_model(family).eval(), SEQS, backend="varlen")
+    assert report.passed, str(report)
 
 
 @pytest.mark.parametrize("family, backend", [("llama", "segment"), ("gemma2", "dense"),

@@ -287,3 +287,27 @@ def test_a_single_flat_sequence_is_told_to_wrap_it(bad, words):
         TreePack.from_sequences(bad)
     for w in words:
         assert w in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=10), st.sampled_from([None, 8]))
+def test_padding_free_layout_is_the_sequences_back_to_back(seqs, pad):
+    pack = TreePack.from_sequences(seqs, share_prefixes=False, pad_to_multiple_of=pad)
+    lengths = [len(s) for s in seqs]
+    offsets = np.cumsum([0] + lengths)
+    T = offsets[-1]
+    assert pack.num_tokens == pack.num_original_tokens == T and pack.token_ratio == 1.0
+    assert pack.input_ids[:T].tolist() == [t for s in seqs for t in s]
+    assert pack.position_ids[:T].tolist() == [p for n in lengths for p in range(n)]
+    for s, n in enumerate(lengths):
+        assert pack.rows[s, :n].tolist() == list(range(offsets[s], offsets[s] + n))
+    # Each sequence sees itself causally, nothing else: block-diagonal causal.
+    seq_of = torch.tensor([s for s, n in enumerate(lengths) for _ in range(n)])
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    assert torch.equal(pack.dense_mask()[:T, :T], causal & (seq_of[:, None] == seq_of[None, :]))
+    shared = TreePack.from_sequences(seqs)
+    assert torch.equal(pack.prediction_mask, shared.prediction_mask)
+    assert torch.equal(pack.predictions.target, shared.predictions.target)
+    assert torch.equal(pack.predictions.index, shared.predictions.index)
+    with pytest.raises(TypeError, match="share_prefixes=1 must be True or False"):
+        TreePack.from_sequences(seqs, share_prefixes=1)

@@ -4,7 +4,7 @@ Merge sequences that share prefixes into one forest, run the model once over it,
 every original next-token log-prob back in the original ``[N, L]`` layout::
 
     pack = treepack.TreePack.from_sequences(token_ids)
-    out = treepack.hf.forward(model, pack, backend="segment")
+    out = treepack.hf.forward(model, pack)
     logps = pack.token_logprobs(out.logits[0])
 
 Adapters for other libraries (``treepack.hf``, ``treepack.zoo``) are imported lazily, on

@@ -262,7 +262,7 @@ def _grads(model) -> dict:
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def run_bench(work: Workload, *, device: torch.device, backend: str = "segment",
+def run_bench(work: Workload, *, device: torch.device, backend: str = "auto",
               repeats: int = 1, micro_batch: int = 8, progress: Callable | None = None) -> dict:
     """One training step of a random Qwen2-like model on ``work``, unpacked and packed."""
     import transformers

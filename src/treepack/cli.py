@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exact prefix-tree packing for LLM training on prefix-sharing data.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from treepack.attention import BACKENDS
+    from treepack.attention import CHOICES
 
     bench = sub.add_parser(
         "bench",
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--prefix-len", "prompt tokens"), ("--branch-len", "tokens per response"),
                        ("--tool-len", "tool-output tokens between steps")):
         bench.add_argument(flag, type=int, default=None, help=what)
-    bench.add_argument("--backend", default="segment", choices=sorted(BACKENDS))
+    bench.add_argument("--backend", default="auto", choices=CHOICES)
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     bench.add_argument("--repeats", type=int, default=1, help="timed steps after a warm-up")
     bench.add_argument("--json", default="treepack-bench.json", help="results file")
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--family", required=True, choices=sorted(FAMILIES))
     verify.add_argument("--layers", type=int, default=2)
-    verify.add_argument("--backend", default="segment", choices=sorted(BACKENDS))
+    verify.add_argument("--backend", default="auto", choices=CHOICES)
     verify.add_argument("--dtype", default="float32", choices=DTYPES)
     verify.add_argument("--seed", type=int, default=0)
     verify.add_argument("--pad-to-multiple-of", type=int, default=None)

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["sort_and_lcp", "previous_smaller", "build_layout", "Layout", "forest_stats",
-           "ForestStats"]
+__all__ = ["sort_and_lcp", "previous_smaller", "ragged_arange", "build_layout", "Layout",
+           "forest_stats", "ForestStats"]
 
 
 def sort_and_lcp(ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -83,6 +83,13 @@ def previous_smaller(a: np.ndarray, *, strict: bool = True) -> np.ndarray:
     return np.maximum(pos, -1)
 
 
+def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(a, a + n) for a, n in zip(starts, counts)])``, vectorised."""
+    counts = np.asarray(counts, dtype=np.int64)
+    before = np.cumsum(counts) - counts  # where each run starts in the output
+    return np.arange(int(counts.sum())) + np.repeat(np.asarray(starts) - before, counts)
+
+
 class Layout(NamedTuple):
     """Host-side layout of a TreePack (see ``treepack.tree`` for the shape legend)."""
 
@@ -104,11 +111,18 @@ class Layout(NamedTuple):
     num_prediction_rows: int
 
 
-def build_layout(ids: list[np.ndarray], multiple: int = 1) -> Layout:
-    """The whole layout from validated 1-D int64 id arrays (see the module doc)."""
+def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True) -> Layout:
+    """The whole layout from validated 1-D int64 id arrays (see the module doc).
+
+    With ``share=False`` nothing is merged: the sequences are laid out back to back in input
+    order, each its own tree (padding-free packing), as if no two shared a prefix.
+    """
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
-    order, lcp = sort_and_lcp(ids)
+    if share:
+        order, lcp = sort_and_lcp(ids)
+    else:
+        order, lcp = np.arange(n), np.zeros(n, dtype=np.int64)
     s_len = lengths[order]  # sorted order from here on
     new = s_len - lcp  # rows each sequence adds; 0 only for an exact duplicate
     base = np.concatenate(([0], np.cumsum(new)))  # [N + 1]
@@ -201,9 +215,7 @@ def _rows(order, lcp, s_len, base, pse, lengths) -> tuple[np.ndarray, np.ndarray
     # Pieces in (original sequence, depth) order are the row-major order of valid entries.
     pick = np.lexsort((lo, order[seq]))
     own, lo, hi = own[pick], lo[pick], hi[pick]
-    count = hi - lo
-    tok_start = np.cumsum(count) - count
-    values = np.arange(int(count.sum())) + np.repeat(base[own] - lcp[own] + lo - tok_start, count)
+    values = ragged_arange(base[own] - lcp[own] + lo, hi - lo)
     L = int(lengths.max())
     rows = np.full((n, L), -1, dtype=np.int64)
     rows[rows_mask(lengths, L)] = values

@@ -1,7 +1,7 @@
 """Run transformers causal LMs on a TreePack (transformers >= 5; imported lazily).
 
-    out = treepack.hf.forward(model, pack, backend="segment")   # out.logits: [1, T', V]
-    logps = pack.token_logprobs(out.logits[0])                   # [N, L]
+    out = treepack.hf.forward(model, pack)            # out.logits: [1, T', V]
+    logps = pack.token_logprobs(out.logits[0])        # [N, L]
 
 ``forward`` prepares the model once (:func:`prepare`): its attention implementation becomes a
 treepack one that runs the tree backend when a pack is given and the model's original
@@ -286,12 +286,14 @@ def unwrap(model):
     return seen
 
 
-def forward(model, pack: TreePack, backend: str = "segment", *, return_hidden: bool = False,
+def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool = False,
             block_size: int = 128, **kwargs):
     """Run a causal LM once over ``pack`` and return its output.
 
     The model sees ``pack.input_ids`` with depth ``position_ids`` and tree attention from
-    ``backend`` ('segment', 'flex' or 'dense'), without a cache. ``model`` may be wrapped
+    ``backend`` ('auto', the default: FlashAttention varlen on a GPU where it applies, else
+    flex, else segment; or 'varlen', 'segment', 'flex', 'dense'; see
+    :mod:`treepack.attention`), without a cache. ``model`` may be wrapped
     (DDP, FSDP, ``torch.compile``): the call goes through the wrapper, so its gradient
     synchronisation runs as usual. The output's ``.logits`` is ``[1, T', V]``; with
     ``return_hidden=True`` the LM head runs on one row only and a :class:`HiddenOutput` is

@@ -167,6 +167,7 @@ class TreePack:
         pad_to_multiple_of: int | None = None,
         device: torch.device | str | None = None,
         seq_ids=None,
+        share_prefixes: bool = True,
     ) -> TreePack:
         """Merge token sequences into one prefix forest.
 
@@ -180,6 +181,15 @@ class TreePack:
             device: where the tensors live (default CPU); see also :meth:`to`.
             seq_ids: the index of each sequence in the caller's batch (default
                 ``0 .. N-1``), kept as :attr:`seq_ids` so outputs can be matched back.
+            share_prefixes: with ``False`` nothing is merged: every sequence is its own
+                chain of rows, back to back in input order. That is standard padding-free
+                packing (one row per original token), through the same code path, backends
+                and outputs: the baseline to compare tree packing with, and a layout for data
+                without shared prefixes.
+
+        Raises:
+            TypeError / ValueError: a sequence that is empty, not 1-D, not integer, or holds a
+                negative id (the message names it); a bad ``pad_to_multiple_of`` or ``seq_ids``.
         """
         ids = _as_id_arrays(sequences)
         seq_ids = _check_seq_ids(seq_ids, len(ids))
@@ -190,7 +200,9 @@ class TreePack:
                 f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int (or None "
                 "for no padding)"
             )
-        layout = build_layout(ids, pad_to_multiple_of or 1)
+        if not isinstance(share_prefixes, bool):
+            raise TypeError(f"share_prefixes={share_prefixes!r} must be True or False")
+        layout = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes)
         pack = cls._from_layout(layout, seq_ids)
         return pack if device is None else pack.to(device)
 

@@ -5,7 +5,7 @@
 
 or, for a trainer you already have (or a subclass of GRPOTrainer)::
 
-    treepack.trl.patch(trainer, backend="segment")
+    treepack.trl.patch(trainer)
 
 The seam is ``GRPOTrainer._get_per_token_logps_and_entropies(model, input_ids,
 attention_mask, logits_to_keep, ...)``. TRL calls it with each prompt + completion row
@@ -44,7 +44,7 @@ def per_token_logps_and_entropies(
     temperature: float = 1.0,
     compute_entropy: bool = False,
     compute_aux_loss: bool = False,
-    backend: str = "segment",
+    backend: str = "auto",
     max_tokens: int | None = None,
     pad_to_multiple_of: int | None = None,
     cast_lm_head_to_fp32: bool = False,
@@ -123,7 +123,7 @@ def _seam(self, model, input_ids, attention_mask, logits_to_keep, batch_size=Non
         )
 
 
-def patch(trainer: GRPOTrainer, *, backend: str = "segment", max_tokens: int | None = None,
+def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None = None,
           pad_to_multiple_of: int | None = None) -> GRPOTrainer:
     """Make ``trainer`` compute per-token log-probs from packed forwards; returns it.
 
@@ -141,12 +141,12 @@ def patch(trainer: GRPOTrainer, *, backend: str = "segment", max_tokens: int | N
 class TreepackGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose per-token log-probs come from packed forwards.
 
-    Extra keyword arguments: ``treepack_backend`` ('segment', 'flex', 'dense'),
+    Extra keyword arguments: ``treepack_backend`` ('auto', 'varlen', 'segment', 'flex', 'dense'),
     ``treepack_max_tokens`` (rows per forward; default: the whole batch in one pack) and
     ``treepack_pad_to_multiple_of``.
     """
 
-    def __init__(self, *args, treepack_backend: str = "segment",
+    def __init__(self, *args, treepack_backend: str = "auto",
                  treepack_max_tokens: int | None = None,
                  treepack_pad_to_multiple_of: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)

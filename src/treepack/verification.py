@@ -255,7 +255,7 @@ def _compare(got: _Step, ref: _Step, lr: float | None = None, l2: bool = False
     }
 
 
-def verify(model: nn.Module, sequences, *, backend: str = "segment", dtype=None,
+def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
            lr: float = 1e-3, pad_to_multiple_of: int | None = None) -> VerifyReport:
     """One training step packed and unpacked from identical copies of ``model``; compare.
 

@@ -1,9 +1,8 @@
 """Attention over a packed forest: ancestors and self only, windows counted in depth.
 
-One signature for every backend, chosen explicitly; an unusable choice raises and lists
-every reason, never falling back silently::
+One signature for every backend::
 
-    attend = TreeAttention(pack, backend="segment")
+    attend = TreeAttention(pack, backend="auto")
     out = attend(q, k, v, scale=..., softcap=None, window=None, dropout=0.0)
 
 ``q`` is ``[1, Hq, T', D]`` and ``k``/``v`` are ``[1, Hkv, T', D]`` with ``Hq`` a multiple of
@@ -14,49 +13,80 @@ j iff ``j <= i < subtree_end[j]`` and, with a sliding ``window``, ``pos[i] - pos
 
 Backends:
 
-``segment``  exact sparsity on standard kernels, forward and backward anywhere: each compressed
-             segment's queries attend the keys of its ancestor path plus its own rows causally
-             (bottom-right aligned); segments of equal shape are batched into one call.
-``flex``     FlexAttention with the pack's BlockMask, compiled; forward and backward on GPU,
-             forward only on CPU (PyTorch has no CPU flex backward).
+``varlen``   one FlashAttention variable-length call per layer (``torch.nn.attention.varlen``):
+             each chain's queries (contiguous packed rows) against its gathered ancestor path
+             and its own rows, causal aligned bottom-right. GPU, float16 / bfloat16; on CPU an
+             exact slow reference of the same index plan (for tests).
+``segment``  exact sparsity on standard SDPA kernels, forward and backward anywhere: chains of
+             equal shape batched into one call each.
+``flex``     FlexAttention with the pack's BlockMask, compiled for a few bucketed lengths;
+             forward and backward on GPU, forward only on CPU (PyTorch has no CPU flex
+             backward).
 ``dense``    SDPA (or the eager formula, for soft-capping) with the dense T' x T' mask; the
              reference, for small packs.
+``auto``     the default: on CUDA ``varlen`` where it applies, else ``flex``, else
+             ``segment``; on CPU ``segment``. Never ``dense``. Chosen per call (a model may mix
+             soft-capped and plain layers), logged once per choice.
+
+An explicit backend never falls back: if it cannot run, it raises and lists every reason.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor
 
-from treepack.attention import dense, flex, segment
+from treepack.attention import dense, flex, segment, varlen
 
 if TYPE_CHECKING:
     from treepack.tree import TreePack
 
-__all__ = ["TreeAttention", "BACKENDS"]
+__all__ = ["TreeAttention", "BACKENDS", "CHOICES", "choose_backend"]
 
 BACKENDS: dict[str, Callable] = {
     "segment": segment.attention,
+    "varlen": varlen.attention,
     "flex": flex.attention,
     "dense": dense.attention,
 }
+CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
+
+log = logging.getLogger("treepack")
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dropout: float
+                   ) -> tuple[str, str]:
+    """What ``backend="auto"`` runs for these inputs, and why the faster ones do not apply."""
+    if q.device.type != "cuda":
+        return "segment", f"on {q.device.type}, where varlen and flex cannot train"
+    skipped = varlen.unsupported(q, softcap=softcap, dropout=dropout)
+    if not skipped:
+        return "varlen", "FlashAttention varlen applies"
+    why = "not varlen: " + "; ".join(skipped)
+    flex_skipped = flex.unsupported(q, k, v, dropout=dropout)
+    if not flex_skipped:
+        return "flex", why
+    return "segment", why + "; not flex: " + "; ".join(flex_skipped)
 
 
 class TreeAttention:
-    """Tree attention for one pack with one backend.
+    """Tree attention for one pack with one backend (``"auto"`` chooses per call).
 
-    Structures derived from the pack (segment plans, block masks, dense masks) are built on
+    Structures derived from the pack (chain plans, block masks, dense masks) are built on
     first use for each window size and cached on the pack, so a model with full and sliding
     layers builds each once per pack, however many forwards run over it.
     """
 
-    def __init__(self, pack: TreePack, backend: str = "segment", *, block_size: int = 128):
-        if backend not in BACKENDS:
+    def __init__(self, pack: TreePack, backend: str = "auto", *, block_size: int = 128):
+        if backend not in CHOICES:
             raise ValueError(
                 f"backend={backend!r} is not a treepack attention backend; choose one of "
-                f"{sorted(BACKENDS)} ('segment' runs forward and backward anywhere, 'flex' is "
-                "the fast GPU path, 'dense' the small-pack reference)"
+                f"{list(CHOICES)} ('auto' picks the fastest that applies; 'varlen' is "
+                "FlashAttention on a GPU, 'segment' runs forward and backward anywhere, 'flex' "
+                "is FlexAttention, 'dense' the small-pack reference)"
             )
         self.pack = pack
         self.backend = backend
@@ -102,6 +132,13 @@ class TreeAttention:
             raise ValueError(f"window={window!r} must be a positive number of positions")
         if scale is None:
             scale = q.shape[-1] ** -0.5
-        return BACKENDS[self.backend](
-            q, k, v, self, scale=scale, softcap=softcap or None, window=window, dropout=dropout
+        softcap = softcap or None
+        backend = self.backend
+        if backend == "auto":
+            backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
+            if (backend, why) not in _LOGGED:
+                _LOGGED.add((backend, why))
+                log.info("treepack attention backend='auto' runs %r (%s)", backend, why)
+        return BACKENDS[backend](
+            q, k, v, self, scale=scale, softcap=softcap, window=window, dropout=dropout
         )

@@ -1,22 +1,40 @@
-"""The flex backend: FlexAttention with the pack's BlockMask, compiled per pack shape."""
+"""The flex backend: FlexAttention with the pack's BlockMask, compiled for bucketed lengths.
+
+A compiled kernel is specialised to the sequence length, so a training run whose packs all
+differ in length would recompile every step. The backend therefore runs each pack at a
+*bucket* length: its rows rounded up to whole blocks and then to one of 8 steps per doubling
+(at most 1/8 extra rows, see :func:`bucket_length`). The extra rows are padding that sees
+only itself, so they add one diagonal block per padding block and change no real row. A
+planner budget of one size thus compiles a handful of lengths, once each per process.
+"""
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from treepack import mask as _mask
+from treepack.attention.chains import geometric_bucket
 
-RECOMPILE_LIMIT = 32  # distinct pack shapes one process may compile flex for
+RECOMPILE_LIMIT = 32  # distinct bucket lengths one process may compile flex for
+
+
+def bucket_length(rows: int, block_size: int) -> int:
+    """The length flex runs ``rows`` rows at: whole blocks, the block count rounded up to one
+    of 8 steps per doubling past 16 blocks (:func:`geometric_bucket`: at most 1/8 more)."""
+    return geometric_bucket(-(-rows // block_size)) * block_size
 
 
 @functools.cache
 def compiled_flex():
     """``torch.compile(flex_attention)`` for static shapes, shared by every pack and layer.
 
-    Each distinct pack length compiles once. Dynamic shapes would avoid that, but PyTorch
-    2.13's CPU flex template miscompiles them for some lengths (an undeclared
+    Each distinct bucket length compiles once. Dynamic shapes would avoid even that, but
+    PyTorch 2.13's CPU flex template miscompiles them for some lengths (an undeclared
     ``cur_qSplitSize`` in the generated C++). Past dynamo's recompile limit a compiled
     function silently runs the unfused path, which materialises T' x T' scores; ``_run``
     raises instead (see RECOMPILE_LIMIT).
@@ -33,29 +51,47 @@ def _softcap_score_mod(softcap: float):
     return softcap_score
 
 
+def bucket_block_mask(pack, block_size: int, window: int | None, length: int):
+    """The pack's BlockMask over ``length >= T'`` rows, the extra rows padding (see module)."""
+    h = pack.host
+    extra = np.arange(pack.num_rows, length)
+    ends = np.concatenate((h.subtree_end, extra + 1))
+    pos = np.concatenate((h.position_ids, np.zeros_like(extra)))
+    mask_mod = _mask.tree_mask_mod(torch.from_numpy(ends).to(pack.device),
+                                   torch.from_numpy(pos).to(pack.device), window)
+    return _mask.block_mask(ends, block_size=block_size, device=pack.device, mask_mod=mask_mod,
+                            position_ids=pos, window=window)
+
+
 def _run(pack, q, k, v, *, block_size, scale, softcap, window) -> Tensor:
     import torch._dynamo
 
-    block_mask = pack.derived(("attention", "flex", block_size, window),
-                              lambda: pack.block_mask(block_size, window=window))
+    rows = q.shape[2]
+    length = bucket_length(rows, block_size)
+    block_mask = pack.derived(("attention", "flex", block_size, window, length),
+                              lambda: bucket_block_mask(pack, block_size, window, length))
+    if length > rows:
+        q, k, v = (F.pad(x, (0, 0, 0, length - rows)) for x in (q, k, v))
     score_mod = None if softcap is None else _softcap_score_mod(softcap)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
                                     fail_on_recompile_limit_hit=True):
         try:
-            return compiled_flex()(
+            out = compiled_flex()(
                 q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1],
             )
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RuntimeError(
-                f"backend='flex' has compiled for {RECOMPILE_LIMIT} distinct pack shapes in this "
-                "process; running more would fall back to the unfused path (T' x T' scores). "
-                "Pad packs to a few lengths (pad_to_multiple_of=1024 or a planner budget that is "
-                "a multiple of it) or use backend='segment'"
+                f"backend='flex' has compiled for {RECOMPILE_LIMIT} distinct bucket lengths in "
+                "this process; running more would fall back to the unfused path (T' x T' "
+                "scores). Keep pack lengths in a narrower range (a planner budget) or use "
+                "backend='varlen' / 'segment'"
             ) from e
+    return out[:, :, :rows]
 
 
-def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float) -> list[str]:
+    """Why FlexAttention cannot run these inputs (empty when it can)."""
     reasons = []
     if q.device.type == "cpu" and torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
@@ -64,11 +100,19 @@ def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
             "PyTorch has no FlexAttention backward on CPU: run the forward under "
             "torch.no_grad() (scoring, inference) or train with backend='segment'"
         )
+    if q.device.type == "cpu" and q.dtype == torch.float64:
+        reasons.append("FlexAttention's compiled CPU kernel does not take float64; use "
+                       "backend='segment' (or 'dense') for float64")
     if dropout:
         reasons.append(
             f"FlexAttention has no attention dropout (got dropout={dropout}); set the model's "
             "attention dropout to 0 or use backend='segment'"
         )
+    return reasons
+
+
+def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+    reasons = unsupported(q, k, v, dropout=dropout)
     if reasons:
         raise RuntimeError("backend='flex' cannot run here: " + "; ".join(reasons))
     return _run(ctx.pack, q, k, v, block_size=ctx.block_size, scale=scale, softcap=softcap,

@@ -1,17 +1,26 @@
 """The segment backend: exact tree sparsity on standard attention kernels.
 
-A compressed segment's rows ``[a, b)`` at depths ``d0 .. d0+q-1`` see exactly the rows of its
-path at depths ``lo .. d0+q-1`` (``lo = 0``, or ``d0 - window + 1`` with a sliding window),
-causally, aligned bottom-right: query t sees path position u iff ``u <= off + t`` (and
-``u > off + t - window``) with ``off = kv - q``. That path is a slice of ``rows`` for any
-sequence through the segment, so the keys are one gather. Segments with the same
-``(q, kv)`` run as one batched call. Per forward: one gather of keys and values for all
-groups, one gather of queries and one attention call per group, one permutation back.
+The packed rows are cut into chains (:mod:`treepack.attention.chains`): chain ``[a, b)``'s
+``q`` queries see its context rows (its ancestors, by depth) and then its own rows causally,
+``kv`` keys in all, aligned bottom-right: query t sees key u iff ``u <= off + t`` (and
+``u > off + t - window``) with ``off = kv - q``. Chains run batched, one SDPA call per group.
 
-Plain groups use SDPA's bottom-right causal bias (no mask is materialised). Groups with a
-sliding window or soft-capping need an explicit mask (and, for soft-capping, the eager
-formula's scores), so they run in query chunks whose key range is cut to what the chunk can
-see: memory stays O(chunk x keys), never a segment's full [q, kv].
+Grouping is a cost choice. A call has a fixed cost (about 0.5 ms forward + backward on a
+CPU core, whatever its size) besides its ``G x q x kv`` scores, so a ragged batch with dozens
+of distinct chain shapes would be launch-bound if every shape were its own call. Shapes are
+therefore put in buckets (``q`` and ``kv`` each rounded up to one of 8 steps per doubling,
+:func:`~treepack.attention.chains.geometric_bucket`), and a bucket holding several shapes runs
+as one call padded to its largest shape, with an exact mask per chain, when the padding costs
+less than the calls it saves. Padded query slots repeat their chain's last query (their
+output is dropped and their gradient is zero); padded key slots are masked out.
+
+Groups of one exact shape without a window or soft-capping use SDPA's bottom-right causal
+bias (no mask is materialised). Padded groups, sliding windows and soft-capping need an
+explicit mask (and, for soft-capping, the eager formula's scores), so they run in query chunks
+whose key range is cut to what the chunk can see: memory stays O(chunk x keys).
+
+Per forward: one gather each of queries, keys and values for all groups (keys and values with
+float32 gradient accumulation over repeated rows), one call per group, one gather back.
 """
 
 from __future__ import annotations
@@ -23,123 +32,171 @@ import torch
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
+from treepack.attention.chains import chains, gather_rows, geometric_bucket
 from treepack.attention.dense import sdpa
 
-
 CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
+# The fixed cost of one attention call (forward + backward), in scores x heads x head_dim:
+# measured on 2 CPU cores as 0.5-0.7 ms, i.e. ~65k scores at 4 heads of 16 and ~8k at 8 of 64.
+CALL_COST = 1 << 22
+
+
+class Padding(NamedTuple):
+    """The real shape of each chain of a padded group."""
+
+    offset: Tensor  # [G, 1, 1, 1] kv - q of each chain
+    queries: Tensor  # [G, 1, 1, 1] real queries of each chain
+    keys: Tensor  # [G, 1, 1, 1] real keys of each chain
+    last_key: np.ndarray  # [Q] per query slot t, the extremes over chains of the last key
+    first_key: np.ndarray  # it sees, off + min(t, q - 1): both nondecreasing in t
 
 
 class Group(NamedTuple):
-    q_rows: Tensor  # [G * q] packed rows of the group's queries, segment by segment
-    kv_rows: Tensor  # [G, kv] packed rows of each segment's visible path
-    q: int
-    kv: int
+    """Chains attended in one batched call, padded to one shape where they differ."""
+
+    size: int  # G, chains in the group
+    q: int  # query slots per chain
+    kv: int  # key slots per chain
+    padding: Padding | None  # None when every chain has exactly this shape
 
 
-class Plan(NamedTuple):
+class ShapeGroups(NamedTuple):
     groups: list[Group]
-    kv_rows: Tensor  # [sum of G * kv] every group's kv_rows, flattened, in group order
-    inverse: Tensor  # [T'] where each packed row's output sits in the groups' concatenation
+    q_rows: Tensor  # [S] the packed row of every query slot, group by group, chain by chain
+    row_slot: Tensor  # [T'] the query slot holding each packed row's real output
+    kv_rows: Tensor  # [sum of G * kv] the packed row of every key slot, in the same order
 
 
-def build_plan(pack, window: int | None) -> Plan:
-    """Group the segments (and padding rows, as one-row segments) by shape; host work only."""
-    h = pack.host
-    start, end = h.segment_start, h.segment_end
-    q_len = end - start
-    d0 = h.position_ids[start]
-    lo = np.zeros_like(d0) if window is None else np.maximum(d0 - window + 1, 0)
-    kv_len = d0 + q_len - lo
-    pad = np.arange(pack.num_tokens, pack.num_rows)  # padding rows see only themselves
-    key = np.stack((np.append(q_len, np.ones_like(pad)), np.append(kv_len, np.ones_like(pad))))
-    order = np.lexsort(key[::-1])
-    edges = np.flatnonzero(np.any(np.diff(key[:, order], axis=1) != 0, axis=0)) + 1
-    groups, placed = [], []
-    num_segments = start.shape[0]
-    for members in np.split(order, edges):
-        q, kv = (int(x) for x in key[:, members[0]])
-        segs = members[members < num_segments]
-        pads = pad[members[members >= num_segments] - num_segments][:, None]  # only if q == 1
-        q_rows = np.concatenate((start[segs][:, None] + np.arange(q), pads.repeat(q, 1)))
-        path = h.rows[h.segment_sequence[segs][:, None], lo[segs][:, None] + np.arange(kv)]
-        kv_rows = np.concatenate((path, pads.repeat(kv, 1)))
-        placed.append(q_rows.reshape(-1))
-        groups.append(Group(
-            q_rows=torch.from_numpy(q_rows.reshape(-1)).to(pack.device),
-            kv_rows=torch.from_numpy(kv_rows).to(pack.device),
-            q=q, kv=kv,
-        ))
-    inverse = np.empty(pack.num_rows, dtype=np.int64)
-    inverse[np.concatenate(placed)] = np.arange(pack.num_rows)
-    kv_rows = torch.cat([g.kv_rows.reshape(-1) for g in groups])
-    return Plan(groups, kv_rows, torch.from_numpy(inverse).to(pack.device))
+def shape_groups(pack, window: int | None, width: int = 512) -> ShapeGroups:
+    """Group the pack's chains into calls for heads x head_dim = ``width``; host work only."""
+    c = chains(pack, window)
+    shapes, chain_shape = np.unique(np.stack((c.key_length, c.length), 1), axis=0,
+                                    return_inverse=True)  # sorted by keys, then queries
+    call = merge_shapes(shapes[:, 1], shapes[:, 0], np.bincount(chain_shape.reshape(-1)),
+                        CALL_COST / width)[chain_shape.reshape(-1)]
+    key_start = c.key_start
+    groups, q_rows, kv_rows, slots = [], [], [], []
+    order = np.argsort(call, kind="stable")
+    for members in np.split(order, np.flatnonzero(np.diff(call[order])) + 1):
+        q_len, kv_len = c.length[members], c.key_length[members]
+        Q, K = int(q_len.max()), int(kv_len.max())
+        slot_q = np.minimum(np.arange(Q), q_len[:, None] - 1)  # [G, Q] padding repeats the last
+        slot_k = np.minimum(np.arange(K), kv_len[:, None] - 1)  # [G, K] padding is masked
+        q_rows.append((c.start[members][:, None] + slot_q).reshape(-1))
+        kv_rows.append(c.key_rows[(key_start[members][:, None] + slot_k).reshape(-1)])
+        real = np.arange(Q) < q_len[:, None]
+        slots.append(real.reshape(-1))
+        padding = None
+        if (q_len != Q).any() or (kv_len != K).any():
+            per_chain = lambda a: torch.from_numpy(a).view(-1, 1, 1, 1).to(pack.device)  # noqa
+            last = kv_len - q_len + np.minimum(np.arange(Q)[:, None], q_len - 1)  # [Q, G]
+            padding = Padding(per_chain(kv_len - q_len), per_chain(q_len), per_chain(kv_len),
+                              last.max(1), last.min(1))
+        groups.append(Group(len(members), Q, K, padding))
+    q_rows, real = np.concatenate(q_rows), np.concatenate(slots)
+    row_slot = np.empty(pack.num_rows, dtype=np.int64)
+    row_slot[q_rows[real]] = np.flatnonzero(real)
+    move = lambda a: torch.from_numpy(a).to(pack.device)  # noqa: E731
+    return ShapeGroups(groups, move(q_rows), move(row_slot), move(np.concatenate(kv_rows)))
 
 
-class _GatherRows(torch.autograd.Function):
-    """``x[:, rows]`` whose backward sums repeated rows in float32 and rounds once.
+def merge_shapes(q: np.ndarray, kv: np.ndarray, count: np.ndarray, call_cost: float
+                 ) -> np.ndarray:
+    """The call of each shape: an optimal partition of the shapes, in the given order, into
+    runs that each cost ``call_cost + chains x max(q) x max(kv)`` scores (one padded call).
 
-    A shared key row is gathered once per descendant segment; plain indexing would add those
-    gradients one by one in the input dtype (bfloat16: one rounding per addition), where the
-    attention kernel of an unpacked run reduces over all queries with one rounding.
+    ``q``, ``kv``, ``count`` [n] are the distinct shapes (sorted by ``kv``) and their chain
+    counts. Dynamic programming over run ends, O(n^2) vectorised numpy: runs are contiguous
+    in ``kv`` order, where padding keys is cheapest.
+    """
+    n = q.shape[0]
+    best = np.zeros(n + 1)
+    start = np.zeros(n, dtype=np.int64)
+    chains_before = np.concatenate(([0], np.cumsum(count)))
+    for j in range(n):  # the run ending at shape j starts at some i <= j
+        q_max = np.maximum.accumulate(q[j::-1])[::-1]  # max(q[i..j]) for i = 0..j
+        chains_in_run = chains_before[j + 1] - chains_before[: j + 1]
+        cost = best[: j + 1] + call_cost + chains_in_run * q_max * kv[j]  # kv[j] is the max
+        start[j] = int(np.argmin(cost))
+        best[j + 1] = cost[start[j]]
+    call = np.empty(n, dtype=np.int64)
+    j, run = n - 1, 0
+    while j >= 0:  # walk the runs back from the last shape
+        call[start[j]: j + 1] = run
+        j, run = start[j] - 1, run + 1
+    return call
+
+
+class _SelectSlots(torch.autograd.Function):
+    """``x[:, q_rows]``: every packed row into its query slot, plus padding slots.
+
+    Backward is the gather ``grad[:, row_slot]``, not a zero-fill and scatter: each row has
+    one real slot, and a padding slot's gradient is exactly zero (its output is dropped).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, rows: Tensor) -> Tensor:  # x [H, T', D], rows [R]
-        ctx.save_for_backward(rows)
-        ctx.shape, ctx.dtype = x.shape, x.dtype
-        return x[:, rows]
+    def forward(ctx, x: Tensor, q_rows: Tensor, row_slot: Tensor) -> Tensor:
+        ctx.save_for_backward(row_slot)
+        return x.index_select(1, q_rows)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (rows,) = ctx.saved_tensors
-        acc = torch.promote_types(ctx.dtype, torch.float32)
-        out = grad.new_zeros(ctx.shape, dtype=acc)
-        out.index_add_(1, rows, grad.to(acc))
-        return out.to(ctx.dtype), None
+        (row_slot,) = ctx.saved_tensors
+        return grad.index_select(1, row_slot), None, None
 
 
 def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
-    plan = ctx.cached(("segment", window), lambda: build_plan(ctx.pack, window))
-    q0 = q[0]  # [H, T', D]
-    sizes = [g.kv_rows.numel() for g in plan.groups]
-    k_all = _GatherRows.apply(k[0], plan.kv_rows).split(sizes, dim=1)  # one gather, one sum
-    v_all = _GatherRows.apply(v[0], plan.kv_rows).split(sizes, dim=1)
+    width = q.shape[1] * q.shape[3]
+    plan = ctx.cached(("segment", window, width), lambda: shape_groups(ctx.pack, window, width))
+    q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
+    q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
+    sizes = [g.size * g.kv for g in plan.groups]
+    k_all = gather_rows(k[0], plan.kv_rows, 1).split(sizes, dim=1)  # repeated rows summed once
+    v_all = gather_rows(v[0], plan.kv_rows, 1).split(sizes, dim=1)
     outs = []
-    for g, kg, vg in zip(plan.groups, k_all, v_all):
-        n = g.kv_rows.shape[0]
-        qg = q0[:, g.q_rows].unflatten(1, (n, g.q)).transpose(0, 1)  # [G, Hq, q, D]
-        kg = kg.unflatten(1, (n, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
-        vg = vg.unflatten(1, (n, g.kv)).transpose(0, 1)
-        if window is None and softcap is None:
+    for g, qg, kg, vg in zip(plan.groups, q_all, k_all, v_all):
+        qg = qg.unflatten(1, (g.size, g.q)).transpose(0, 1)  # [G, Hq, q, D]
+        kg = kg.unflatten(1, (g.size, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
+        vg = vg.unflatten(1, (g.size, g.kv)).transpose(0, 1)
+        if window is None and softcap is None and g.padding is None:
             out = sdpa(qg, kg, vg, causal_lower_right(g.q, g.kv), scale=scale, softcap=None,
                        dropout=dropout)
         else:
-            out = _masked_chunks(qg, kg, vg, window, scale=scale, softcap=softcap,
+            out = _masked_chunks(qg, kg, vg, g, window, scale=scale, softcap=softcap,
                                  dropout=dropout)
         outs.append(out.transpose(0, 1).flatten(1, 2))  # [Hq, G * q, D]
-    return torch.cat(outs, dim=1)[:, plan.inverse][None]  # [1, Hq, T', D]
+    return torch.cat(outs, dim=1).index_select(1, plan.row_slot)[None]  # [1, Hq, T', D]
 
 
-def _masked_chunks(qg, kg, vg, window, **kw) -> Tensor:
-    """Bottom-right causal (and windowed) attention, a chunk of queries at a time.
+def _masked_chunks(qg, kg, vg, group: Group, window, **kw) -> Tensor:
+    """Bottom-right causal (and windowed) attention with an explicit mask, in query chunks.
 
-    Query t (of q) sees path position u (of kv) iff ``u <= off + t`` and, with a window,
-    ``u > off + t - window`` (``off = kv - q``); a chunk ``[t0, t1)`` needs keys
-    ``[max(0, off + t0 - window + 1), off + t1)`` only.
+    Query t of a chain with ``q`` queries and ``kv`` keys sees key u iff ``u <= off + t``
+    and, with a window, ``u > off + t - window`` (``off = kv - q``). In a padded group each
+    chain has its own ``off`` and ``kv``, and a padding query slot ``t >= q`` takes the mask of
+    query ``q - 1``. A chunk ``[t0, t1)`` needs keys ``[max(0, off_min + t0 - window + 1),
+    off_max + t1)`` only.
     """
-    G, H, q, _ = qg.shape
-    kv = kg.shape[2]
-    off = kv - q
-    chunk = max(1, min(q, CHUNK_ELEMENTS // max(1, G * H * kv)))
+    G, H, Q, _ = qg.shape
+    K = kg.shape[2]
+    pad = group.padding
+    off = K - Q if pad is None else pad.offset
+    chunk = max(1, min(Q, CHUNK_ELEMENTS // max(1, G * H * K)))
     outs = []
-    for t0 in range(0, q, chunk):
-        t1 = min(t0 + chunk, q)
-        a = 0 if window is None else max(0, off + t0 - window + 1)
-        b = off + t1
+    for t0 in range(0, Q, chunk):
+        t1 = min(t0 + chunk, Q)
+        first = K - Q + t0 if pad is None else int(pad.first_key[t0])
+        last = K - Q + t1 - 1 if pad is None else int(pad.last_key[t1 - 1])
+        a = 0 if window is None else max(0, first - window + 1)
+        b = last + 1
         t = torch.arange(t0, t1, device=qg.device)[:, None]
         u = torch.arange(a, b, device=qg.device)[None, :]
-        mask = u <= off + t  # [t1 - t0, b - a]
+        if pad is not None:
+            t = torch.minimum(t, pad.queries - 1)  # [G, 1, chunk, 1]
+        mask = u <= off + t  # [chunk, b - a], or [G, 1, chunk, b - a] when padded
+        if pad is not None:
+            mask = mask & (u < pad.keys)
         if window is not None:
-            mask &= u > off + t - window
+            mask = mask & (u > off + t - window)
         outs.append(sdpa(qg[:, :, t0:t1], kg[:, :, a:b], vg[:, :, a:b], mask, **kw))
     return torch.cat(outs, dim=2)

@@ -1,0 +1,159 @@
+"""Attention chains: the packed rows cut where a tree forks, with the keys each chain reads.
+
+A *chain* is a maximal run of packed rows ``[a, b)`` in which every row's parent is the row
+before it (``parent_row[r] == r - 1``). In DFS pre-order such a run follows first children
+from ``a`` down to a leaf, so chains end only where a tree forks (every later child starts a
+chain) or where a tree ends, never where a sequence ends mid-way: the steps of an agent
+trajectory that extend each other are one chain. Padding rows are one-row chains.
+
+Row ``a + t`` of a chain sees the ancestors of ``a`` and the chain's rows ``a .. a + t``. So
+a chain's keys are one list: its *context*, the rows of its ancestor path at depths
+``lo .. d0 - 1`` (``d0`` the depth of ``a``; ``lo = 0``, or ``d0 - window + 1`` with a
+sliding window), then its own rows. Its queries, the contiguous rows ``[a, b)``, attend them
+causally aligned bottom-right: query ``t`` sees key ``u`` iff ``u <= context + t`` and, with
+a window, ``u > context + t - window``. That is FlashAttention's variable-length contract
+with ``cu_seq_q`` the chain boundaries and ``cu_seq_k`` the running key counts (the
+``varlen`` backend); the ``segment`` backend batches chains of equal shape instead.
+
+Only forks cost a gather: the keys read beyond the rows themselves are the context rows,
+``sum(context)``, bounded by the depths of the forks; a forest without forks (padding-free
+packing, a single agent trajectory) gathers nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack.forest import ragged_arange
+
+if TYPE_CHECKING:
+    from treepack.tree import TreePack
+
+__all__ = ["Chains", "chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
+
+EXACT_UP_TO = 16  # sizes up to this are their own bucket
+
+
+class Chains(NamedTuple):
+    """The packed rows cut into chains, on the host (see the module doc)."""
+
+    start: np.ndarray  # [C] first packed row of each chain, ascending; they tile [0, T')
+    length: np.ndarray  # [C] rows of the chain: its queries
+    context: np.ndarray  # [C] ancestor rows its queries also see, keyed before its own rows
+    key_rows: np.ndarray  # [K] per chain: its context rows (by depth), then its own rows
+
+    @property
+    def key_length(self) -> np.ndarray:
+        """[C] keys of each chain: context plus own rows."""
+        return self.context + self.length
+
+    @property
+    def key_start(self) -> np.ndarray:
+        """[C + 1] where each chain's keys start in ``key_rows`` (the last is K)."""
+        return np.concatenate(([0], np.cumsum(self.key_length)))
+
+    @property
+    def gathers(self) -> bool:
+        """Whether any chain reads context rows (else ``key_rows`` is ``arange(T')``)."""
+        return bool(self.context.any())
+
+
+def chains(pack: TreePack, window: int | None = None) -> Chains:
+    """The chains of ``pack`` and their keys for a sliding ``window`` (None: unbounded).
+
+    Host work, O(T' + K) numpy: no per-row Python.
+    """
+    h = pack.host
+    rows = np.arange(pack.num_rows)
+    first = (h.parent_row != rows - 1) | (rows == 0)
+    start = np.flatnonzero(first)
+    length = np.diff(np.append(start, pack.num_rows))
+    depth = h.position_ids[start]  # padding rows have depth 0: no context
+    lo = np.zeros_like(depth) if window is None else np.maximum(depth - window + 1, 0)
+    context = depth - lo
+    # A chain starts a compressed segment, and any sequence through that segment passes
+    # through the chain's ancestors: its rows at depths lo .. depth - 1 are the context.
+    real = start < pack.num_tokens
+    seq = np.zeros_like(start)
+    seq[real] = h.segment_sequence[np.searchsorted(h.segment_start, start[real])]
+    L = h.rows.shape[1] if h.rows.size else 0
+    context_rows = h.rows.reshape(-1)[ragged_arange(seq * L + lo, context)]
+    key_length = context + length
+    key_start = np.cumsum(key_length) - key_length
+    key_rows = np.empty(int(key_length.sum()), dtype=np.int64)
+    key_rows[ragged_arange(key_start, context)] = context_rows
+    key_rows[ragged_arange(key_start + context, length)] = rows
+    return Chains(start, length, context, key_rows)
+
+
+def geometric_bucket(n):
+    """``n`` rounded up to one of 8 steps per doubling: unchanged up to ``EXACT_UP_TO``, then
+    the next multiple of ``2**(e - 3)`` for ``2**e <= n < 2**(e + 1)`` (at most 1/8 more).
+    Works on ints and integer arrays alike."""
+    n = np.asarray(n, dtype=np.int64)
+    step = np.left_shift(1, np.maximum(np.frexp(np.maximum(n, 1))[1] - 4, 0))  # 2**(e-3)
+    out = np.where(n <= EXACT_UP_TO, n, -(-n // step) * step)
+    return int(out) if out.ndim == 0 else out
+
+
+class VarlenIndex(NamedTuple):
+    """The chains as FlashAttention's varlen arguments, on the pack's device."""
+
+    cu_seq_q: Tensor  # [C + 1] int32 chain boundaries in the packed rows
+    cu_seq_k: Tensor  # [C + 1] int32 chain boundaries in the gathered keys
+    max_q: int
+    max_k: int
+    key_rows: Tensor | None  # [K] rows to gather as keys; None when K = T' in order
+    cu_seq_q_host: np.ndarray  # the same boundaries on the host, for the CPU reference
+    cu_seq_k_host: np.ndarray
+
+
+def varlen_index(pack: TreePack, window: int | None = None) -> VarlenIndex:
+    c = chains(pack, window)
+    cu_q = np.append(c.start, pack.num_rows)
+    cu_k = c.key_start
+
+    def device(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=pack.device, dtype=dtype)
+
+    return VarlenIndex(
+        cu_seq_q=device(cu_q, torch.int32),
+        cu_seq_k=device(cu_k, torch.int32),
+        max_q=int(c.length.max()),
+        max_k=int(c.key_length.max()),
+        key_rows=device(c.key_rows, torch.int64) if c.gathers else None,
+        cu_seq_q_host=cu_q,
+        cu_seq_k_host=cu_k,
+    )
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(dim, rows)`` whose backward sums repeated rows in float32, rounding once.
+
+    A shared key row is gathered once per chain below it; plain indexing would add those
+    gradients one by one in the input dtype (bfloat16: one rounding per addition), where the
+    attention kernel of an unpacked run reduces over all queries with one rounding.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, rows: Tensor, dim: int) -> Tensor:
+        ctx.save_for_backward(rows)
+        ctx.shape, ctx.dtype, ctx.dim = x.shape, x.dtype, dim
+        return x.index_select(dim, rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (rows,) = ctx.saved_tensors
+        acc = torch.promote_types(ctx.dtype, torch.float32)
+        out = grad.new_zeros(ctx.shape, dtype=acc)
+        out.index_add_(ctx.dim, rows, grad.to(acc))
+        return out.to(ctx.dtype), None, None
+
+
+def gather_rows(x: Tensor, rows: Tensor, dim: int) -> Tensor:
+    """``x.index_select(dim, rows)``, with repeated rows' gradients summed in float32."""
+    return _GatherRows.apply(x, rows, dim)
