@@ -1,107 +1,95 @@
-"""Training-step benchmark: unpacked vs packed with each attention backend, side by side.
+"""Training-step benchmark on ragged RL batches: padded, padding-free and tree-packed, per
+attention backend, side by side in one run.
 
-    python bench/step.py [--repeats 2] [--quick] [--json OUT.json]
+    python bench/step.py [--device cpu|cuda] [--model qwen2-40m|qwen2.5-0.5b]
+                         [--dtype float32|bfloat16] [--backends auto segment ...]
+                         [--jitter J] [--scale S] [--repeats R] [--json OUT.json]
 
-Model: a random Qwen2-like model of ~39M parameters (8 layers, hidden 512, GQA 8/2, vocabulary
-32000, tied embedding). Workloads:
-  grpo   8 rollouts of one 1024-token prompt, 256-token responses
-  agent  2 trajectories x 4 steps of one 1024-token prompt, 128-token responses, 128-token
-         tool outputs (each step repeats the whole history)
+Workloads (``treepack.benchmark.rl_workloads``; every length divided by ``--scale``, default 8
+on a CPU and 1 on a GPU): GRPO with a long prompt (2 x 8 rollouts, 4096-token prompts,
+512-token responses +-50 %), GRPO with little sharing (4 x 8, 512-token prompts, 1536-token
+responses +-60 %) and agent trajectories (4 x 8 steps of one 1024-token prompt, 256-token
+responses and tool outputs +-30 %).
 
-One step = forward, mean NLL over every original prediction, backward. Unpacked: right-padded
-micro-batches of similar lengths, SDPA causal with the padding mask. Packed: one TreePack,
-``treepack.hf.forward`` with each backend that can train here (flex needs a GPU for
-backward). Beside every time ratio: the FLOP-ratio limit, packed / unpacked FLOPs of the linear
-layers (tokens) plus attention (visible pairs), forward + backward.
+One step = forward, mean NLL over every original prediction, backward. Compared, per workload:
+``padded`` (right-padded micro-batches of 4, SDPA, full logits), ``padding_free`` (every
+sequence its own chain in one pack, lean log-probs, the backend under test) and ``tree`` (the
+prefix-tree pack, lean log-probs), plus ``tree_logits`` (full logits) with ``--full-logits``.
+Beside every time ratio: the FLOP-ratio limit, tree / unpacked FLOPs of the linear layers
+(tokens) plus attention (visible pairs), forward + backward. The bar: the tree step within
+1.15x of the limit x the padded step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
+import sys
 
 import torch
 
-from treepack import TreePack, zoo
-from treepack.benchmark import measure, packed_step, step_flops, unpacked_step
-from treepack.synthetic import agent_batch, grpo_batch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "src"))
 
-
-def workloads(quick: bool):
-    scale = 4 if quick else 1
-    return {
-        "grpo": grpo_batch(groups=1, rollouts=8, prompt_len=1024 // scale,
-                           response_len=256 // scale, seed=0),
-        "agent": agent_batch(prompts=1, trajectories=2, steps=4, prompt_len=1024 // scale,
-                             response_len=128 // scale, tool_len=128 // scale, seed=1),
-    }
-
-
-def run(name, seqs, model, device, backends, repeats, micro_batch):
-    seqs = [torch.as_tensor(s) for s in seqs]
-    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
-    unpacked_tokens = pack.num_original_tokens
-    unpacked_pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
-    packed_pairs = int((pack.position_ids[: pack.num_tokens] + 1).sum())
-    flops_unpacked = step_flops(model, unpacked_tokens, unpacked_pairs)
-    flops_packed = step_flops(model, pack.num_rows, packed_pairs)
-    limit = flops_packed.total / flops_unpacked.total
-
-    base = measure(unpacked_step(model, seqs, micro_batch), device, repeats)
-    rows = []
-    for backend in backends:
-        m = measure(packed_step(model, pack, backend), device, repeats)
-        rows.append({
-            "workload": name, "backend": backend,
-            "unpacked_s": base.seconds, "packed_s": m.seconds,
-            "time_ratio": m.seconds / base.seconds,
-            "flop_ratio_limit": limit,
-            "time_over_limit": m.seconds / base.seconds / limit,
-            "unpacked_peak_mb": base.peak_bytes / 2**20, "packed_peak_mb": m.peak_bytes / 2**20,
-            "memory_ratio": m.peak_bytes / max(base.peak_bytes, 1),
-            "loss_rel_diff": abs(m.loss - base.loss) / abs(base.loss),
-            "sequences": len(seqs), "tokens": unpacked_tokens, "rows": pack.num_tokens,
-            "token_ratio": pack.token_ratio,
-        })
-    return rows
+from treepack import benchmark  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default=None, help="qwen2-40m (CPU default) or qwen2.5-0.5b "
+                        "(GPU default)")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    parser.add_argument("--backends", nargs="+", default=["auto"])
+    parser.add_argument("--workloads", nargs="+", default=None)
+    parser.add_argument("--jitter", type=float, default=None)
+    parser.add_argument("--scale", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--quick", action="store_true", help="4x shorter sequences")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--full-logits", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backends = ["segment", "flex", "dense"] if device.type == "cuda" else ["segment", "dense"]
-    torch.manual_seed(0)
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_config(zoo.qwen2_40m_config()).to(device)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    model = args.model or ("qwen2.5-0.5b" if gpu else "qwen2-40m")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if gpu else "float32"))
+    scale = args.scale or (1 if gpu else 8)
+    works = benchmark.rl_workloads(scale=scale, jitter=args.jitter)
+    if args.workloads:
+        works = [w for w in works if w.name in args.workloads]
+    net = benchmark.bench_model(model, device, dtype)
+    where = torch.cuda.get_device_name(device) if gpu else \
+        f"CPU, {torch.get_num_threads()} threads"
+    print(f"device: {where}; torch {torch.__version__}; model: random {model} "
+          f"({sum(p.numel() for p in net.parameters()) / 1e6:.1f}M params), {dtype}; "
+          f"scale 1/{scale}; best of {args.repeats} after a warm-up")
+    print(f"{'workload':<12}{'backend':<9}{'tokens':>8}{'rows':>8}{'padded s':>10}"
+          f"{'pad-free s':>11}{'tree s':>9}{'tree/padded':>12}{'FLOP limit':>11}{'/limit':>8}"
+          f"{'tree/pad-free':>14}{'loss diff':>10}")
     results = []
-    for name, seqs in workloads(args.quick).items():
-        results += run(name, seqs, model, device, backends, args.repeats, args.micro_batch)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-    print(f"device: {where}; torch {torch.__version__}; model: Qwen2-like "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params")
-    print(f"{'workload':<8}{'backend':<9}{'tokens':>8}{'rows':>7}{'unpacked s':>11}"
-          f"{'packed s':>10}{'time ratio':>11}{'FLOP limit':>11}{'/limit':>8}"
-          f"{'mem ratio':>10}{'loss diff':>10}")
-    for r in results:
-        print(f"{r['workload']:<8}{r['backend']:<9}{r['tokens']:>8,}{r['rows']:>7,}"
-              f"{r['unpacked_s']:>11.2f}{r['packed_s']:>10.2f}{r['time_ratio']:>11.3f}"
-              f"{r['flop_ratio_limit']:>11.3f}{r['time_over_limit']:>8.2f}"
-              f"{r['memory_ratio']:>10.2f}{r['loss_rel_diff']:>10.1e}")
-    seg = [r for r in results if r["backend"] == "segment"]
-    ok = all(r["time_over_limit"] <= 1.15 for r in seg)
-    print(f"bar: segment time ratio within 1.15x of the FLOP-ratio limit: "
+    for w in works:
+        for backend in args.backends:
+            steps = ["padded", "padding_free", "tree"] + (["tree_logits"] if args.full_logits
+                                                          else [])
+            r = benchmark.compare_step(net, w, backend=backend, repeats=args.repeats,
+                                       micro_batch=args.micro_batch, steps=steps)
+            r["backend"] = backend
+            results.append(r)
+            s = r["steps"]
+            loss = max(x["loss_rel_error"] for x in s.values())
+            print(f"{w.name:<12}{backend:<9}{r['original_tokens']:>8,}{r['packed_rows']:>8,}"
+                  f"{s['padded']['seconds']:>10.2f}{s['padding_free']['seconds']:>11.2f}"
+                  f"{s['tree']['seconds']:>9.2f}{r['tree_vs_padded']:>12.3f}"
+                  f"{r['flop_ratio_limit']:>11.3f}{r['over_limit']:>8.2f}"
+                  f"{r['tree_vs_padding_free']:>14.3f}{loss:>10.1e}", flush=True)
+    ok = all(r["over_limit"] <= 1.15 for r in results)
+    print(f"bar: tree step within 1.15x of the FLOP-ratio limit x the padded step: "
           f"{'PASS' if ok else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump(dict(device=where, torch=torch.__version__, model=model,
+                           dtype=str(dtype), scale=scale, results=results), f, indent=2)
 
 
 if __name__ == "__main__":

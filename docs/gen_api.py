@@ -28,7 +28,8 @@ SECTIONS = [
                          "entropy_bonus"]),
     ("treepack.collation", ["Batch", "Collated", "rollouts_from_padded"]),
     ("treepack.trl", ["TreepackGRPOTrainer", "patch", "per_token_logps_and_entropies"]),
-    ("treepack.zoo", ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config"]),
+    ("treepack.zoo", ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config",
+                      "qwen25_05b_config", "MODELS"]),
     ("treepack.synthetic", ["grpo_batch", "agent_batch", "agentic_batch"]),
 ]
 

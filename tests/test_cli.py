@@ -140,11 +140,30 @@ def test_bench_command_writes_table_json_and_plot(capsys, tmp_path):
                          "--prefix-len", "24", "--branch-len", "8", "--tool-len", "4",
                          "--json", str(out_json), "--plot", str(out_png), "--repeats", "1")
     assert code == 0, err
-    for word in ("step time", "peak memory", "FLOP-ratio limit", "equivalence", "Claw-R1",
-                 "0.500", "~0.53"):
+    for word in ("step time", "peak memory", "FLOP-ratio limit", "padding-free", "vs padded",
+                 "equivalence", "Claw-R1", "0.500", "~0.53"):
         assert word in out
     result = json.loads(out_json.read_text())
-    assert result["sequences"] == 6 and result["packed_rows"] < result["original_tokens"]
-    assert result["grad_max_rel_error"] < 1e-4 and len(result["claw_r1"]) == 3
+    (work,) = result["workloads"]
+    assert work["sequences"] == 6 and work["packed_rows"] < work["original_tokens"]
+    assert set(work["steps"]) == {"padded", "padding_free", "tree_logits", "tree"}
+    assert all(s["grad_max_rel_error"] < 1e-4 and s["loss_rel_error"] < 1e-5
+               for s in work["steps"].values())
+    assert work["tree_vs_padded"] == pytest.approx(
+        work["steps"]["tree"]["seconds"] / work["steps"]["padded"]["seconds"])
+    assert len(result["claw_r1"]) == 3 and result["backend"] == "auto"
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "treepack bench" in err  # the progress bar
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "0 must be at least 1"),
+    (["--prompts", "-1"], "-1 must be at least 1"),
+    (["--jitter", "1.5"], "must be in [0, 1)"),
+    (["--repeats", "0"], "0 must be at least 1"),
+    (["--model", "gpt5"], "invalid choice"),
+])
+def test_bench_refuses_bad_flags_with_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

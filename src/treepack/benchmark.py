@@ -18,7 +18,8 @@ from torch import nn
 from treepack.tree import TreePack, forest_stats
 
 __all__ = ["Flops", "step_flops", "best_of", "Measurement", "measure", "unpacked_step", "packed_step",
-           "Workload", "workload", "run_bench", "render", "plot", "claw_r1_scenarios"]
+           "Workload", "rl_workloads", "custom_workload", "STEPS", "compare_step", "bench_model",
+           "run_bench", "render", "plot", "claw_r1_scenarios"]
 
 
 class Flops(NamedTuple):
@@ -215,46 +216,64 @@ class Workload(NamedTuple):
     description: str
 
 
-def workload(*, quick: bool = False, prompts: int | None = None, rollouts: int | None = None,
-             steps: int | None = None, prefix_len: int | None = None,
-             branch_len: int | None = None, tool_len: int | None = None,
-             seed: int = 0) -> Workload:
-    """The bench workload: the built-in mix (GRPO groups + multi-turn agent trajectories with
-    tool outputs), or, when any option is given, ``prompts x rollouts`` trajectories of
-    ``steps`` steps (``steps=1``: GRPO rollouts) with ``prefix_len``-token prompts,
-    ``branch_len``-token responses and ``tool_len``-token tool outputs between steps."""
+def rl_workloads(*, scale: int = 1, jitter: float | None = None, seed: int = 0,
+                 vocab: int = 32000) -> list[Workload]:
+    """Three ragged RL batches, every length divided by ``scale`` (8 on a CPU):
+
+    - ``grpo_long``: 2 prompts x 8 rollouts, 4096-token prompts, 512-token responses (+-50 %);
+    - ``low_sharing``: 4 x 8, 512-token prompts, 1536-token responses (+-60 %): little to share;
+    - ``agent``: 4 trajectories x 8 steps of one 1024-token prompt, 256-token responses and
+      tool outputs (+-30 %); each step repeats the whole history.
+
+    ``jitter`` replaces every default spread (0: uniform lengths).
+    """
     from treepack.synthetic import agent_batch, grpo_batch
 
-    custom = [prompts, rollouts, steps, prefix_len, branch_len, tool_len]
-    if all(v is None for v in custom):
-        if quick:
-            grpo = dict(groups=2, rollouts=4, prompt_len=256, response_len=96)
-            agent = dict(prompts=1, trajectories=2, steps=3, prompt_len=256, response_len=64,
-                         tool_len=48)
-        else:
-            grpo = dict(groups=2, rollouts=8, prompt_len=1024, response_len=256)
-            agent = dict(prompts=1, trajectories=2, steps=4, prompt_len=1024, response_len=128,
-                         tool_len=96)
-        seqs = grpo_batch(**grpo, jitter=0.5, seed=seed) + \
-            agent_batch(**agent, jitter=0.5, seed=seed + 1)
-        desc = (f"{grpo['groups']} GRPO groups x {grpo['rollouts']} rollouts "
-                f"(~{grpo['prompt_len']}-token prompts, ~{grpo['response_len']}-token responses) + "
-                f"{agent['trajectories']} agent trajectories x {agent['steps']} steps "
-                f"(~{agent['prompt_len']}-token prompt, ~{agent['response_len']}-token responses, "
-                f"~{agent['tool_len']}-token tool outputs)")
-        return Workload("mixed", seqs, desc)
-    prompts, rollouts, steps = prompts or 1, rollouts or 8, steps or 1
-    prefix_len, branch_len = prefix_len or 1024, branch_len or 256
-    tool_len = 0 if tool_len is None else tool_len
+    def j(default):
+        return default if jitter is None else jitter
+
+    def n(tokens):
+        return max(1, tokens // scale)
+
+    grpo = dict(groups=2, rollouts=8, prompt_len=n(4096), response_len=n(512), jitter=j(0.5))
+    low = dict(groups=4, rollouts=8, prompt_len=n(512), response_len=n(1536), jitter=j(0.6))
+    agent = dict(prompts=1, trajectories=4, steps=8, prompt_len=n(1024), response_len=n(256),
+                 tool_len=n(256), jitter=j(0.3))
+
+    def spread(w):
+        return f" (+-{w['jitter']:.0%})" if w["jitter"] else ""
+
+    return [
+        Workload("grpo_long", grpo_batch(**grpo, vocab=vocab, seed=seed),
+                 f"GRPO, 2 x 8 rollouts, {grpo['prompt_len']}-token prompts, "
+                 f"{grpo['response_len']}-token responses{spread(grpo)}"),
+        Workload("low_sharing", grpo_batch(**low, vocab=vocab, seed=seed + 2),
+                 f"GRPO, 4 x 8 rollouts, {low['prompt_len']}-token prompts, "
+                 f"{low['response_len']}-token responses{spread(low)}"),
+        Workload("agent", agent_batch(**agent, vocab=vocab, seed=seed + 1),
+                 f"agent, 4 trajectories x 8 steps, {agent['prompt_len']}-token prompt, "
+                 f"{agent['response_len']}-token responses and tool outputs{spread(agent)}"),
+    ]
+
+
+def custom_workload(*, prompts: int = 1, rollouts: int = 8, steps: int = 1,
+                    prefix_len: int = 1024, branch_len: int = 256, tool_len: int = 0,
+                    jitter: float = 0.5, seed: int = 0, vocab: int = 32000) -> Workload:
+    """``prompts x rollouts`` trajectories of ``steps`` steps (``steps=1``: GRPO rollouts)
+    with ``prefix_len``-token prompts, ``branch_len``-token responses and ``tool_len``-token
+    tool outputs between steps, lengths spread by ``jitter``."""
+    from treepack.synthetic import agent_batch, grpo_batch
+
     if steps == 1:
         seqs = grpo_batch(groups=prompts, rollouts=rollouts, prompt_len=prefix_len,
-                          response_len=branch_len, seed=seed)
+                          response_len=branch_len, jitter=jitter, vocab=vocab, seed=seed)
     else:
         seqs = agent_batch(prompts=prompts, trajectories=rollouts, steps=steps,
                            prompt_len=prefix_len, response_len=branch_len, tool_len=tool_len,
-                           seed=seed)
+                           jitter=jitter, vocab=vocab, seed=seed)
     desc = (f"{prompts} prompts x {rollouts} rollouts x {steps} steps, {prefix_len}-token "
-            f"prompts, {branch_len}-token branches, {tool_len}-token tool outputs")
+            f"prompts, {branch_len}-token branches, {tool_len}-token tool outputs"
+            + (f" (+-{jitter:.0%})" if jitter else ""))
     return Workload("custom", seqs, desc)
 
 
@@ -262,82 +281,137 @@ def _grads(model) -> dict:
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def run_bench(work: Workload, *, device: torch.device, backend: str = "auto",
-              repeats: int = 1, micro_batch: int = 8, progress: Callable | None = None) -> dict:
-    """One training step of a random Qwen2-like model on ``work``, unpacked and packed."""
+def _grad_error(grads: dict, reference: dict) -> float:
+    return max(((grads[k].float() - g.float()).abs().max()
+                / g.float().abs().max().clamp_min(1e-30)).item() for k, g in reference.items())
+
+
+STEPS = {  # what each compared step is, for tables and docs
+    "padded": "right-padded micro-batches, SDPA, full logits (the usual unpacked step)",
+    "padding_free": "every sequence its own chain in one pack (share_prefixes=False), lean "
+                    "log-probs: padding-free packing through the same kernels",
+    "tree_logits": "the prefix-tree pack, log-probs from full [T', V] logits",
+    "tree": "the prefix-tree pack, lean log-probs from hidden states",
+}
+
+
+def compare_step(model: nn.Module, work: Workload, *, backend: str = "auto", repeats: int = 1,
+                 micro_batch: int = 4, steps=("padded", "padding_free", "tree_logits", "tree"),
+                 progress: Callable | None = None) -> dict:
+    """One training step of ``model`` on ``work`` each way of :data:`STEPS`, side by side.
+
+    Returns times, peaks and losses per step, gradient errors against the padded step, the
+    token ratio and the FLOP-ratio limit (tree / unpacked FLOPs)."""
+    say = progress or (lambda msg: None)
+    device = next(model.parameters()).device
+    seqs = [torch.as_tensor(s) for s in work.sequences]
+    tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
+    flat = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
+                                   share_prefixes=False)
+    unpacked_pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
+    tree_pairs = int((tree.position_ids[: tree.num_tokens] + 1).sum())
+    limit = (step_flops(model, tree.num_rows, tree_pairs).total
+             / step_flops(model, tree.num_original_tokens, unpacked_pairs).total)
+    makers = {
+        "padded": lambda: unpacked_step(model, seqs, micro_batch),
+        "padding_free": lambda: packed_step(model, flat, backend, lean=True),
+        "tree_logits": lambda: packed_step(model, tree, backend, lean=False),
+        "tree": lambda: packed_step(model, tree, backend, lean=True),
+    }
+    runs, reference = {}, None
+    for name in ("padded", *(s for s in steps if s != "padded")):
+        say(f"{work.name}: {name.replace('_', ' ')} step")
+        m = measure(makers[name](), device, repeats)
+        grads = _grads(model)
+        reference = reference or grads
+        runs[name] = dict(seconds=m.seconds, peak_mb=m.peak_bytes / 2**20, loss=m.loss,
+                          grad_max_rel_error=_grad_error(grads, reference))
+    base = runs["padded"]
+    for r in runs.values():
+        r["loss_rel_error"] = abs(r["loss"] - base["loss"]) / abs(base["loss"])
+    out = dict(workload=work.name, description=work.description, sequences=len(seqs),
+               original_tokens=tree.num_original_tokens, packed_rows=tree.num_tokens,
+               token_ratio=tree.token_ratio, flop_ratio_limit=limit, steps=runs)
+    if "tree" in runs:
+        t = runs["tree"]["seconds"]
+        out["tree_vs_padded"] = t / base["seconds"]
+        out["over_limit"] = out["tree_vs_padded"] / limit
+        if "padding_free" in runs:
+            out["tree_vs_padding_free"] = t / runs["padding_free"]["seconds"]
+    return out
+
+
+def bench_model(preset: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """A random-weight model of the ``preset`` shape (see ``treepack.zoo.MODELS``)."""
     import transformers
 
     from treepack import zoo
 
-    say = progress or (lambda msg: None)
-    seqs = [torch.as_tensor(s) for s in work.sequences]
-    say("building the pack")
-    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
-    say("building the model")
+    if preset not in zoo.MODELS:
+        raise ValueError(f"model={preset!r}: choose one of {sorted(zoo.MODELS)}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(zoo.qwen2_40m_config()).to(device)
-    unpacked_pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
-    packed_pairs = int((pack.position_ids[: pack.num_tokens] + 1).sum())
-    limit = (step_flops(model, pack.num_rows, packed_pairs).total
-             / step_flops(model, pack.num_original_tokens, unpacked_pairs).total)
-    say("unpacked step")
-    base = measure(unpacked_step(model, seqs, micro_batch), device, repeats)
-    base_grads = _grads(model)
-    runs = {}
-    for name, lean in (("packed", False), ("lean", True)):
-        say(f"packed step ({backend}{', lean log-probs' if lean else ''})")
-        m = measure(packed_step(model, pack, backend, lean=lean), device, repeats)
-        grads = _grads(model)
-        grad_err = max(((grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-                       for k, g in base_grads.items())
-        runs[name] = dict(seconds=m.seconds, peak_mb=m.peak_bytes / 2**20,
-                          time_ratio=m.seconds / base.seconds,
-                          memory_ratio=m.peak_bytes / max(base.peak_bytes, 1),
-                          loss_rel_error=abs(m.loss - base.loss) / abs(base.loss),
-                          grad_max_rel_error=grad_err)
+        model = transformers.AutoModelForCausalLM.from_config(
+            zoo.MODELS[preset](), attn_implementation="sdpa", dtype=dtype).to(device)
+    return model
+
+
+def run_bench(works: list[Workload], *, device: torch.device, model: str = "qwen2-40m",
+              dtype: torch.dtype = torch.float32, backend: str = "auto", repeats: int = 1,
+              micro_batch: int = 4, steps=tuple(STEPS), progress: Callable | None = None
+              ) -> dict:
+    """:func:`compare_step` on each workload with a random ``model`` preset; one result."""
+    import transformers
+
+    say = progress or (lambda msg: None)
+    say("building the model")
+    net = bench_model(model, device, dtype)
+    results = [compare_step(net, w, backend=backend, repeats=repeats, micro_batch=micro_batch,
+                            steps=steps, progress=progress) for w in works]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads"
-    packed, lean = runs["packed"], runs["lean"]
-    return dict(
-        workload=work.name, description=work.description, device=where, backend=backend,
-        torch=torch.__version__, transformers=transformers.__version__,
-        model_params=sum(p.numel() for p in model.parameters()),
-        sequences=len(seqs), original_tokens=pack.num_original_tokens,
-        packed_rows=pack.num_tokens, token_ratio=pack.token_ratio,
-        flop_ratio_limit=limit, micro_batch=micro_batch,
-        unpacked_seconds=base.seconds, unpacked_peak_mb=base.peak_bytes / 2**20,
-        packed_seconds=packed["seconds"], packed_peak_mb=packed["peak_mb"],
-        time_ratio=packed["time_ratio"], memory_ratio=packed["memory_ratio"],
-        lean_seconds=lean["seconds"], lean_peak_mb=lean["peak_mb"],
-        lean_time_ratio=lean["time_ratio"], lean_memory_ratio=lean["memory_ratio"],
-        loss_rel_error=max(packed["loss_rel_error"], lean["loss_rel_error"]),
-        grad_max_rel_error=max(packed["grad_max_rel_error"], lean["grad_max_rel_error"]),
-        claw_r1=claw_r1_scenarios(),
-    )
+    return dict(device=where, torch=torch.__version__, transformers=transformers.__version__,
+                model=model, model_params=sum(p.numel() for p in net.parameters()),
+                dtype=str(dtype).removeprefix("torch."), backend=backend,
+                micro_batch=micro_batch, repeats=repeats, workloads=results,
+                claw_r1=claw_r1_scenarios())
 
 
 def render(result: dict) -> str:
     r = result
+    steps = [s for s in STEPS if s in r["workloads"][0]["steps"]]
     lines = [
-        f"treepack bench: {r['description']}",
-        f"  {r['sequences']} sequences, {r['original_tokens']:,} tokens -> "
-        f"{r['packed_rows']:,} packed rows; random Qwen2-like model "
-        f"({r['model_params'] / 1e6:.1f}M params), {r['device']}, backend={r['backend']}",
-        f"  unpacked: padded micro-batches of {r['micro_batch']}; packed: the whole batch in "
-        "one forward; lean: packed, log-probs from hidden states (no [T', V] logits)",
-        "",
-        f"  {'':<18}{'unpacked':>10}{'packed':>10}{'ratio':>8}{'lean':>10}{'ratio':>8}",
-        f"  {'step time (s)':<18}{r['unpacked_seconds']:>10.2f}{r['packed_seconds']:>10.2f}"
-        f"{r['time_ratio']:>8.3f}{r['lean_seconds']:>10.2f}{r['lean_time_ratio']:>8.3f}",
-        f"  {'peak memory (MB)':<18}{r['unpacked_peak_mb']:>10.0f}{r['packed_peak_mb']:>10.0f}"
-        f"{r['memory_ratio']:>8.3f}{r['lean_peak_mb']:>10.0f}{r['lean_memory_ratio']:>8.3f}",
-        f"  {'tokens / rows':<18}{r['original_tokens']:>10,}{r['packed_rows']:>10,}"
-        f"{r['token_ratio']:>8.3f}",
-        f"  {'FLOP-ratio limit':<18}{'':>20}{r['flop_ratio_limit']:>8.3f}",
-        "",
-        f"  equivalence: loss rel. error {r['loss_rel_error']:.1e}, largest gradient rel. error "
-        f"{r['grad_max_rel_error']:.1e} (packed and lean vs unpacked, float32)",
+        f"treepack bench: one training step (forward, mean NLL over every prediction, "
+        f"backward) of a random {r['model']} ({r['model_params'] / 1e6:.1f}M params), "
+        f"{r['dtype']}, {r['device']}, backend={r['backend']}",
+    ]
+    lines += [f"  {s:<13}{STEPS[s]}" for s in steps]
+    lines += ["", "  step time (s), lower is better; ratios are tree / baseline, measured side "
+              "by side:"]
+    head = (f"  {'workload':<12}{'tokens':>8}{'rows':>8}{'ratio':>7}"
+            + "".join(f"{s.replace('_', '-'):>13}" for s in steps)
+            + f"{'vs padded':>11}{'vs pad-free':>12}{'FLOP-ratio limit':>18}")
+    lines.append(head)
+    for w in r["workloads"]:
+        lines.append(
+            f"  {w['workload']:<12}{w['original_tokens']:>8,}{w['packed_rows']:>8,}"
+            f"{w['token_ratio']:>7.3f}"
+            + "".join(f"{w['steps'][s]['seconds']:>13.2f}" for s in steps)
+            + f"{w.get('tree_vs_padded', float('nan')):>11.3f}"
+            + f"{w.get('tree_vs_padding_free', float('nan')):>12.3f}"
+            + f"{w['flop_ratio_limit']:>18.3f}")
+    lines += ["", "  peak memory (MB):"]
+    lines.append(f"  {'workload':<12}" + "".join(f"{s.replace('_', '-'):>13}" for s in steps))
+    for w in r["workloads"]:
+        lines.append(f"  {w['workload']:<12}"
+                     + "".join(f"{w['steps'][s]['peak_mb']:>13.0f}" for s in steps))
+    loss = max(x["loss_rel_error"] for w in r["workloads"] for x in w["steps"].values())
+    grad = max(x["grad_max_rel_error"] for w in r["workloads"] for x in w["steps"].values())
+    lines += ["", f"  equivalence against the padded step: loss rel. error {loss:.1e}, largest "
+              f"gradient rel. error {grad:.1e} ({r['dtype']})"]
+    for w in r["workloads"]:
+        lines.append(f"  {w['workload']}: {w['description']}")
+    lines += [
         "",
         "  Claw-R1 token-ratio scenarios (n_steps branches of branch_len tokens off one "
         "prefix_len prompt):",
@@ -350,38 +424,47 @@ def render(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """A PNG: time, memory and rows packed vs unpacked; the Claw-R1 scenarios."""
+    """A PNG: per workload, the tree step's time against both baselines beside the FLOP-ratio
+    limit; and Claw-R1's token-ratio scenarios measured beside their published values."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    r = result
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
-    names = ["time", "time\n(lean)", "memory", "memory\n(lean)", "rows /\ntokens"]
-    values = [r["time_ratio"], r["lean_time_ratio"], r["memory_ratio"],
-              r["lean_memory_ratio"], r["token_ratio"]]
-    bars = ax1.bar(names, values, color=["#3b7dd8", "#1c4f99", "#6aa84f", "#38761d", "#999999"])
+    works = result["workloads"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120,
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    x = range(len(works))
+    series = [("tree_vs_padded", "tree / padded", "#1c4f99"),
+              ("tree_vs_padding_free", "tree / padding-free", "#6aa84f"),
+              ("flop_ratio_limit", "FLOP-ratio limit", "#bbbbbb")]
+    width = 0.8 / len(series)
+    top = 1.0
+    for i, (key, label, color) in enumerate(series):
+        values = [w.get(key, float("nan")) for w in works]
+        bars = ax1.bar([j + (i - 1) * width for j in x], values, width, label=label, color=color)
+        for b, v in zip(bars, values):
+            ax1.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom",
+                     fontsize=7)
+        top = max([top, *(v for v in values if v == v)])
     ax1.axhline(1.0, color="black", lw=0.8)
-    ax1.axhline(r["flop_ratio_limit"], color="#cc0000", ls="--", lw=1,
-                label=f"FLOP-ratio limit {r['flop_ratio_limit']:.2f}")
-    for b, v in zip(bars, values):
-        ax1.text(b.get_x() + b.get_width() / 2, v + 0.02, f"{v:.2f}", ha="center")
-    ax1.set_ylim(0, 1.15)
-    ax1.set_ylabel("packed / unpacked")
-    ax1.set_title(f"one training step, {r['original_tokens']:,} tokens")
-    ax1.legend(loc="upper right", fontsize=8)
-    labels = [f"{c['n_steps']}/{c['prefix_len']}/{c['branch_len']}" for c in r["claw_r1"]]
-    x = range(len(labels))
-    ax2.bar([i - 0.2 for i in x], [c["measured"] for c in r["claw_r1"]], 0.4,
+    ax1.set_ylim(0, top * 1.15)
+    ax1.set_xticks(list(x), [w["workload"].replace("_", " ") for w in works])
+    ax1.set_ylabel("step time ratio (lower is better)")
+    ax1.set_title(f"one training step, {result['model']}, {result['device']}", fontsize=9)
+    ax1.legend(fontsize=7, loc="upper left")
+    claw = result["claw_r1"]
+    labels = [f"{c['n_steps']} x {c['branch_len']}\non {c['prefix_len']}" for c in claw]
+    cx = range(len(labels))
+    ax2.bar([i - 0.2 for i in cx], [c["measured"] for c in claw], 0.4,
             label="treepack, measured", color="#3b7dd8")
-    ax2.bar([i + 0.2 for i in x], [c["published"] for c in r["claw_r1"]], 0.4,
-            label="Claw-R1, published (~)", color="#bbbbbb")
-    ax2.set_xticks(list(x), labels)
-    ax2.set_xlabel("n_steps / prefix_len / branch_len")
-    ax2.set_ylabel("token ratio (packed / original)")
-    ax2.set_title("Claw-R1 scenarios")
-    ax2.legend(fontsize=8)
+    ax2.bar([i + 0.2 for i in cx], [c["published"] for c in claw], 0.4,
+            label="Claw-R1 docs (approximate)", color="#bbbbbb")
+    ax2.set_xticks(list(cx), labels, fontsize=8)
+    ax2.set_xlabel("branches x branch tokens on a shared prompt of N tokens", fontsize=8)
+    ax2.set_ylabel("packed rows / original tokens (lower is better)", fontsize=8)
+    ax2.set_title("token ratio on Claw-R1's scenarios", fontsize=9)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

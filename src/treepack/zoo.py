@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_model"]
+__all__ = ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config", "qwen25_05b_config",
+           "MODELS"]
 
 VOCAB = 97
 _IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -98,3 +99,20 @@ def qwen2_40m_config():
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=32768,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+
+
+def qwen25_05b_config():
+    """Qwen2.5-0.5B's shape with random weights (494M parameters): 24 layers, hidden 896, GQA
+    14/2 heads of 64, intermediate 4864, vocabulary 151,936, tied embedding. For GPU
+    benchmarks; nothing is downloaded."""
+    import transformers
+
+    return transformers.Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=65536,
+        tie_word_embeddings=True, rope_theta=1e6, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+MODELS = {"qwen2-40m": qwen2_40m_config, "qwen2.5-0.5b": qwen25_05b_config}  # bench presets

@@ -36,9 +36,16 @@ from treepack.attention.chains import chains, gather_rows, geometric_bucket
 from treepack.attention.dense import sdpa
 
 CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
-# The fixed cost of one attention call (forward + backward), in scores x heads x head_dim:
-# measured on 2 CPU cores as 0.5-0.7 ms, i.e. ~65k scores at 4 heads of 16 and ~8k at 8 of 64.
-CALL_COST = 1 << 22
+# The fixed cost of one attention call (forward + backward) in scores, at heads x head_dim =
+# 64, and how a score's cost grows with that width. Measured on 2 CPU cores (torch 2.13): a
+# call costs 0.5-0.7 ms; a score 6.9 ns at 4 heads of 16 and 36 ns at 8 heads of 64.
+CALL_COST = 80_000
+SCORE_COST_EXPONENT = 0.8
+
+
+def call_cost(width: int) -> float:
+    """One call's fixed cost in scores at heads x head_dim = ``width``."""
+    return CALL_COST * (64 / width) ** SCORE_COST_EXPONENT
 
 
 class Padding(NamedTuple):
@@ -71,9 +78,9 @@ def shape_groups(pack, window: int | None, width: int = 512) -> ShapeGroups:
     """Group the pack's chains into calls for heads x head_dim = ``width``; host work only."""
     c = chains(pack, window)
     shapes, chain_shape = np.unique(np.stack((c.key_length, c.length), 1), axis=0,
-                                    return_inverse=True)  # sorted by keys, then queries
-    call = merge_shapes(shapes[:, 1], shapes[:, 0], np.bincount(chain_shape.reshape(-1)),
-                        CALL_COST / width)[chain_shape.reshape(-1)]
+                                    return_inverse=True)
+    call = group_shapes(shapes[:, 1], shapes[:, 0], np.bincount(chain_shape.reshape(-1)),
+                        call_cost(width))[chain_shape.reshape(-1)]
     key_start = c.key_start
     groups, q_rows, kv_rows, slots = [], [], [], []
     order = np.argsort(call, kind="stable")
@@ -101,13 +108,13 @@ def shape_groups(pack, window: int | None, width: int = 512) -> ShapeGroups:
 
 
 def merge_shapes(q: np.ndarray, kv: np.ndarray, count: np.ndarray, call_cost: float
-                 ) -> np.ndarray:
-    """The call of each shape: an optimal partition of the shapes, in the given order, into
-    runs that each cost ``call_cost + chains x max(q) x max(kv)`` scores (one padded call).
+                 ) -> tuple[np.ndarray, float]:
+    """An optimal partition of the shapes, in the order given, into runs that each cost
+    ``call_cost + chains x max(q) x max(kv)`` scores (one padded call).
 
-    ``q``, ``kv``, ``count`` [n] are the distinct shapes (sorted by ``kv``) and their chain
-    counts. Dynamic programming over run ends, O(n^2) vectorised numpy: runs are contiguous
-    in ``kv`` order, where padding keys is cheapest.
+    ``q``, ``kv``, ``count`` [n] are distinct shapes and their chain counts. Returns the run
+    of each shape and the total cost. Dynamic programming over run ends, O(n^2) vectorised
+    numpy.
     """
     n = q.shape[0]
     best = np.zeros(n + 1)
@@ -115,16 +122,33 @@ def merge_shapes(q: np.ndarray, kv: np.ndarray, count: np.ndarray, call_cost: fl
     chains_before = np.concatenate(([0], np.cumsum(count)))
     for j in range(n):  # the run ending at shape j starts at some i <= j
         q_max = np.maximum.accumulate(q[j::-1])[::-1]  # max(q[i..j]) for i = 0..j
+        kv_max = np.maximum.accumulate(kv[j::-1])[::-1]
         chains_in_run = chains_before[j + 1] - chains_before[: j + 1]
-        cost = best[: j + 1] + call_cost + chains_in_run * q_max * kv[j]  # kv[j] is the max
+        cost = best[: j + 1] + call_cost + chains_in_run * q_max * kv_max
         start[j] = int(np.argmin(cost))
         best[j + 1] = cost[start[j]]
-    call = np.empty(n, dtype=np.int64)
-    j, run = n - 1, 0
+    run = np.empty(n, dtype=np.int64)
+    j, r = n - 1, 0
     while j >= 0:  # walk the runs back from the last shape
-        call[start[j]: j + 1] = run
-        j, run = start[j] - 1, run + 1
-    return call
+        run[start[j]: j + 1] = r
+        j, r = start[j] - 1, r + 1
+    return run, float(best[n])
+
+
+def group_shapes(q: np.ndarray, kv: np.ndarray, count: np.ndarray, call_cost: float
+                 ) -> np.ndarray:
+    """The call of each distinct shape: the cheapest :func:`merge_shapes` partition over a few
+    orders (by keys; by query bucket then keys; by key bucket then queries), since padding
+    one dimension is cheap only among shapes close in the other."""
+    best = None
+    for order in (np.lexsort((q, kv)), np.lexsort((kv, geometric_bucket(q))),
+                  np.lexsort((q, geometric_bucket(kv)))):
+        run, cost = merge_shapes(q[order], kv[order], count[order], call_cost)
+        if best is None or cost < best[1]:
+            call = np.empty_like(run)
+            call[order] = run
+            best = (call, cost)
+    return best[0]
 
 
 class _SelectSlots(torch.autograd.Function):

@@ -1,0 +1,421 @@
+"""The GPU check: equivalence on CUDA for every backend, then speed, in one call.
+
+    python bench/gpu.py             # on a GPU machine, from the checkout; about 6 minutes
+    python bench/gpu.py --dry-run   # anywhere: the same code at toy sizes (a CPU check)
+
+Parts, each printed as a table (and all written to $OUT/gpu.json, else ./gpu.json):
+
+1. verify    ``treepack.verify`` on tiny random models: each backend, float32 and bfloat16,
+             windows (Qwen2) and soft-capping (Gemma 2). A refusal (varlen in float32, varlen
+             with soft-capping) is recorded with its message: it must name the reason.
+2. attention one layer's tree attention forward + backward (14/2 heads of 64, bfloat16) per
+             backend, beside every sequence alone through FlashAttention varlen (no sharing);
+             error against a float32 run.
+3. lean      log-probs from hidden states vs full [T', V] logits at T' ~ 19k, V = 151,936.
+4. flex      compile time over packs of many lengths (bucketed, so few compiles).
+5. step      one training step of a random Qwen2.5-0.5B-shaped model in bfloat16 on three
+             ragged RL batches: padded micro-batches of 4, padding-free packing and the tree
+             pack (auto and flex backends, lean log-probs), with the FLOP-ratio limit.
+
+The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
+FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
+1.1x the time of full logits at no more than 1/10 of their memory. Parts stop early when the
+time budget (--budget seconds) runs out, saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))  # run from a checkout without installing
+
+import treepack  # noqa: E402
+from treepack import TreePack, benchmark, zoo  # noqa: E402
+from treepack.attention import TreeAttention  # noqa: E402
+from treepack.synthetic import agent_batch, grpo_batch  # noqa: E402
+
+RESULTS: dict[str, list] = {}
+START = time.perf_counter()
+BUDGET = [450.0]  # seconds for all parts (--budget)
+
+
+def record(part: str, **row) -> dict:
+    RESULTS.setdefault(part, []).append(row)
+    print("RESULT " + json.dumps({"part": part, **row}, default=str), flush=True)
+    return row
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats=5):
+    """Median seconds of ``fn()`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_during(fn, device) -> float:
+    """Peak extra MiB allocated by ``fn()`` (CUDA only; NaN elsewhere)."""
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+# ---------------------------------------------------------------------- 1. verify
+
+
+def part_verify(device, dry):
+    from treepack.verification import verification_batch
+
+    plan = [("qwen2", b, d) for b in ("auto", "varlen", "segment", "dense")
+            for d in (torch.float32, torch.bfloat16)]
+    plan += [("gemma2", "auto", torch.bfloat16), ("gemma2", "varlen", torch.bfloat16),
+             ("llama", "varlen", torch.bfloat16), ("mixtral", "auto", torch.bfloat16),
+             ("phi3", "auto", torch.float32), ("gpt2", "auto", torch.bfloat16),
+             ("qwen2", "flex", torch.bfloat16), ("gemma2", "flex", torch.float32)]  # compiles
+    for family, backend, dtype in plan:
+        if elapsed() > BUDGET[0] / 3:
+            record("verify", family=family, backend=backend, dtype=str(dtype), result="skipped",
+                   seconds=0, message="a third of the time budget spent")
+            continue
+        t = time.perf_counter()
+        row = dict(family=family, backend=backend, dtype=str(dtype).removeprefix("torch."))
+        try:
+            model = zoo.tiny_model(family).to(device).eval()
+            report = treepack.verify(model, verification_batch(zoo.VOCAB), backend=backend,
+                                     dtype=dtype)
+            quantities = report.errors
+            row.update(result="PASS" if report.passed else "FAIL",
+                       grads=quantities["grads"].max_rel, logprobs=quantities["logprobs"].max_rel)
+            if report.unpacked_errors is not None:
+                row.update(grads_ratio=report.ratio("grads"),
+                           logprobs_ratio=report.ratio("logprobs"))
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            message = str(e)
+            refused = "cannot run here" in message
+            row.update(result="refused" if refused else "ERROR", message=message[:300])
+            if not refused:
+                row["traceback"] = traceback.format_exc()[-1200:]
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        record("verify", **row)
+
+
+# ---------------------------------------------------------------------- 2. attention
+
+
+def attention_workloads(scale):
+    V = 32000
+    return {
+        "grpo_long": grpo_batch(groups=2, rollouts=8, prompt_len=4096 // scale,
+                                response_len=512 // scale, jitter=0.5, vocab=V, seed=0),
+        "low_sharing": grpo_batch(groups=4, rollouts=8, prompt_len=512 // scale,
+                                  response_len=1536 // scale, jitter=0.6, vocab=V, seed=2),
+        "agent": agent_batch(prompts=1, trajectories=4, steps=8, prompt_len=1024 // scale,
+                             response_len=256 // scale, tool_len=256 // scale, jitter=0.3,
+                             vocab=V, seed=1),
+        "grpo_big": grpo_batch(groups=16, rollouts=16, prompt_len=1024 // scale,
+                               response_len=1024 // scale, jitter=0.7, vocab=V, seed=4),
+    }
+
+
+def part_attention(device, dry, scale):
+    Hq, Hk, D = 14, 2, 64
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = ["varlen", "flex", "segment"] if device.type == "cuda" else ["varlen", "segment"]
+    for name, seqs in attention_workloads(scale).items():
+        seqs = [torch.as_tensor(s) for s in seqs]
+        tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
+        flat = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
+                                       share_prefixes=False)
+        row = dict(workload=name, rows=tree.num_tokens, tokens=tree.num_original_tokens)
+        for label, pack, backends_here in (("tree", tree, backends),
+                                           ("padding_free", flat, ["varlen"])):
+            g = torch.Generator(device=device).manual_seed(0)
+            T = pack.num_rows
+            q, k, v = (torch.randn(1, h, T, D, device=device, generator=g, dtype=dtype)
+                       .requires_grad_() for h in (Hq, Hk, Hk))
+            reference = None
+            if label == "tree" and T <= 60000:
+                with torch.no_grad():
+                    reference = TreeAttention(pack, "segment")(q.float(), k.float(), v.float())
+            for backend in backends_here:
+                attend = TreeAttention(pack, backend)
+
+                def step():
+                    q.grad = k.grad = v.grad = None
+                    attend(q, k, v).sum().backward()
+
+                key = f"{label}_{backend}"
+                try:
+                    row[f"{key}_ms"] = timed(step, device) * 1e3
+                    if reference is not None:
+                        with torch.no_grad():
+                            out = attend(q, k, v).float()
+                        row[f"{key}_err"] = float((out - reference).norm() / reference.norm())
+                except Exception as e:  # noqa: BLE001 - a table cell, not a crash
+                    row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+        record("attention", **row)
+
+
+# ---------------------------------------------------------------------- 3. lean
+
+
+def part_lean(device, dry):
+    from treepack.logprobs import default_chunk_size
+
+    V, H = (151936, 896) if not dry else (4096, 64)
+    scale = 1 if not dry else 32
+    seqs = grpo_batch(groups=2, rollouts=8, prompt_len=4096 // scale, response_len=512 // scale,
+                      jitter=0.5, vocab=V - 1, seed=0)
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(pack.num_rows, H, device=device, generator=g, dtype=dtype)
+    hidden.requires_grad_()
+    weight = (torch.randn(V, H, device=device, generator=g, dtype=dtype) * 0.02)
+    weight.requires_grad_()
+    upstream = torch.randn(pack.rows.shape, device=device, generator=g)
+
+    def full():
+        hidden.grad = weight.grad = None
+        (pack.token_logprobs(hidden @ weight.T) * upstream).sum().backward()
+
+    def lean(chunk=None):
+        def run():
+            hidden.grad = weight.grad = None
+            logps = treepack.logprobs_from_hidden(pack, hidden, weight, chunk_size=chunk)
+            (logps * upstream).sum().backward()
+        return run
+
+    def matmuls():  # the three unavoidable matmuls: logits, grad hidden, grad weight
+        z = hidden.detach() @ weight.detach().T
+        z @ weight.detach()
+        z.T @ hidden.detach()
+
+    variants = [("full", full, None), ("lean", lean(), default_chunk_size(V, device)),
+                ("lean_4096", lean(4096), 4096), ("matmuls_only", matmuls, None)]
+    grads = {}
+    for name, fn, chunk in variants:
+        try:
+            seconds = timed(fn, device, repeats=3)
+            peak = peak_during(fn, device)
+            if name != "matmuls_only":
+                grads[name] = (hidden.grad.float().clone(), weight.grad.float().clone())
+            record("lean", variant=name, rows=pack.num_rows, vocab=V, hidden=H,
+                   chunk=chunk,
+                   ms=seconds * 1e3, peak_mb=peak)
+        except Exception as e:  # noqa: BLE001
+            record("lean", variant=name, error=f"{type(e).__name__}: {e}"[:300])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "full" in grads and "lean" in grads:
+        err = max(float((a - b).norm() / b.norm()) for a, b in zip(grads["lean"], grads["full"]))
+        record("lean", variant="lean_vs_full_grad_rel_l2", value=err)
+
+
+# ---------------------------------------------------------------------- 4. flex compiles
+
+
+def part_flex(device, dry):
+    if device.type != "cuda":
+        record("flex", note="skipped: FlexAttention backward needs a GPU")
+        return
+    rng = torch.Generator().manual_seed(0)
+    Hq, Hk, D = 14, 2, 64
+    for i in range(8):  # 8 packs of different lengths between ~6k and ~9k rows
+        n = 6000 + int(torch.randint(0, 3000, (1,), generator=rng))
+        seqs = grpo_batch(groups=2, rollouts=8, prompt_len=n // 4, response_len=n // 32,
+                          jitter=0.3, seed=i)
+        pack = TreePack.from_sequences(seqs, device=device)
+        q, k, v = (torch.randn(1, h, pack.num_rows, D, device=device, dtype=torch.bfloat16)
+                   .requires_grad_() for h in (Hq, Hk, Hk))
+        synchronize(device)
+        t = time.perf_counter()
+        TreeAttention(pack, "flex")(q, k, v).sum().backward()
+        synchronize(device)
+        from treepack.attention.flex import bucket_length
+
+        record("flex", pack=i, rows=pack.num_rows,
+               bucket=bucket_length(pack.num_rows, 128), first_call_s=time.perf_counter() - t)
+
+
+# ---------------------------------------------------------------------- 5. step
+
+
+def part_step(device, dry, scale, repeats):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = "qwen2.5-0.5b" if not dry else "qwen2-40m"
+    model = benchmark.bench_model(preset, device, dtype)
+    works = benchmark.rl_workloads(scale=scale)
+    runs = [(w, "auto") for w in works]
+    if device.type == "cuda":
+        runs += [(w, "flex") for w in works]  # after every auto row: flex compiles take time
+    for w, backend in runs:
+        if elapsed() > BUDGET[0]:
+            record("step", workload=w.name, backend=backend, error="skipped: time budget spent")
+            continue
+        steps = ("padded", "padding_free", "tree") if backend == "auto" else ("padded", "tree")
+        try:
+            r = benchmark.compare_step(model, w, backend=backend, repeats=repeats,
+                                       micro_batch=4, steps=steps)
+        except Exception as e:  # noqa: BLE001
+            record("step", workload=w.name, backend=backend,
+                   error=f"{type(e).__name__}: {e}"[:300],
+                   traceback=traceback.format_exc()[-1200:])
+            continue
+        s = r["steps"]
+        record("step", workload=w.name, backend=backend, model=preset,
+               tokens=r["original_tokens"], rows=r["packed_rows"],
+               token_ratio=r["token_ratio"], limit=r["flop_ratio_limit"],
+               padded_s=s["padded"]["seconds"],
+               padding_free_s=s.get("padding_free", {}).get("seconds"),
+               tree_s=s["tree"]["seconds"], tree_vs_padded=r["tree_vs_padded"],
+               tree_vs_padding_free=r.get("tree_vs_padding_free"),
+               over_limit=r["over_limit"],
+               peak_mb={k: round(v["peak_mb"]) for k, v in s.items()},
+               loss_rel_error=max(v["loss_rel_error"] for v in s.values()))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------- summary
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
+
+
+def summary() -> list[str]:
+    lines = []
+    for row in RESULTS.get("verify", []):
+        extra = row.get("message", "") if row["result"] != "PASS" and row["result"] != "FAIL" \
+            else f"grads {fmt(row.get('grads'), '.1e')}" + (
+                f", ratio {fmt(row.get('grads_ratio'), '.2f')}" if "grads_ratio" in row else "")
+        lines.append(f"verify    {row['family']:<8}{row['backend']:<8}{row['dtype']:<9}"
+                     f"{row['result']:<8}{row['seconds']:>6}s  {extra[:110]}")
+    for row in RESULTS.get("attention", []):
+        cells = "  ".join(f"{k[:-3]} {v:.1f}ms" for k, v in row.items() if k.endswith("_ms"))
+        errs = "  ".join(f"{k[:-4]} {v:.1e}" for k, v in row.items() if k.endswith("_err"))
+        fails = "  ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
+        lines.append(f"attention {row['workload']:<12}rows {row['rows']:>7}  {cells}  err: {errs}"
+                     f"{'  ' + fails if fails else ''}")
+    for row in RESULTS.get("lean", []):
+        if "value" in row:
+            lines.append(f"lean      lean vs full gradient rel. L2 {row['value']:.1e}")
+        elif "error" in row:
+            lines.append(f"lean      {row['variant']:<13}{row['error']}")
+        else:
+            lines.append(f"lean      {row['variant']:<13}{row['ms']:>9.1f} ms {row['peak_mb']:>10.0f}"
+                         f" MiB  (T'={row['rows']}, V={row['vocab']}, chunk={row['chunk']})")
+    for row in RESULTS.get("flex", []):
+        lines.append("flex      " + ", ".join(f"{k}={fmt(v)}" for k, v in row.items()))
+    for row in RESULTS.get("step", []):
+        if "error" in row:
+            lines.append(f"step      {row['workload']:<12}{row['backend']:<6}{row['error']}")
+            continue
+        lines.append(
+            f"step      {row['workload']:<12}{row['backend']:<6}ratio {row['token_ratio']:.3f}  "
+            f"padded {row['padded_s']:.3f}s  padding-free {fmt(row['padding_free_s'])}s  "
+            f"tree {row['tree_s']:.3f}s  tree/padded {row['tree_vs_padded']:.3f} "
+            f"(limit {row['limit']:.3f}, {row['over_limit']:.2f}x)  "
+            f"tree/padding-free {fmt(row['tree_vs_padding_free'])}  loss {row['loss_rel_error']:.1e}")
+    return lines
+
+
+def bars() -> list[str]:
+    out = []
+    steps = [r for r in RESULTS.get("step", []) if "error" not in r and r["backend"] == "auto"]
+    if steps:
+        worst = max(r["over_limit"] for r in steps)
+        out.append(f"bar: tree step <= 1.15 x limit x padded: {'PASS' if worst <= 1.15 else 'FAIL'}"
+                   f" (worst {worst:.2f}x)")
+        pf = [r["tree_vs_padding_free"] for r in steps if r["tree_vs_padding_free"] is not None]
+        if pf:
+            out.append(f"bar: tree never slower than padding-free: "
+                       f"{'PASS' if max(pf) <= 1.0 else 'FAIL'} (worst {max(pf):.3f})")
+    lean = {r["variant"]: r for r in RESULTS.get("lean", []) if "ms" in r}
+    if "full" in lean and "lean" in lean:
+        t = lean["lean"]["ms"] / lean["full"]["ms"]
+        m = lean["lean"]["peak_mb"] / lean["full"]["peak_mb"]
+        verdict = "n/a (no CUDA memory stats)" if m != m else \
+            "PASS" if t <= 1.1 and m <= 0.1 else "FAIL"
+        out.append(f"bar: lean <= 1.1x full-logits time at <= 1/10 memory: {verdict} "
+                   f"(time {t:.2f}x, memory {m:.3f}x)")
+    verify = RESULTS.get("verify", [])
+    if verify:
+        bad = [r for r in verify if r["result"] in ("FAIL", "ERROR")]
+        out.append(f"bar: every backend verifies or refuses with its reason: "
+                   f"{'PASS' if not bad else 'FAIL'} ({len(verify) - len(bad)}/{len(verify)})")
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes (for a CPU)")
+    parser.add_argument("--parts", nargs="+", default=["verify", "lean", "step", "attention",
+                                                       "flex"])
+    parser.add_argument("--budget", type=float, default=450, help="seconds for all parts")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    BUDGET[0] = args.budget
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dry = args.dry_run or device.type != "cuda"
+    scale = 32 if dry else 1
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"treepack bench/gpu.py: {where}, torch {torch.__version__}, "
+          f"{'dry run' if dry else 'full sizes'}", flush=True)
+    parts = {
+        "verify": lambda: part_verify(device, dry),
+        "attention": lambda: part_attention(device, dry, scale),
+        "lean": lambda: part_lean(device, dry),
+        "flex": lambda: part_flex(device, dry),
+        "step": lambda: part_step(device, dry, 64 if dry else 1, 1 if dry else args.repeats),
+    }
+    for name in args.parts:
+        if elapsed() > BUDGET[0]:
+            record("skipped", part=name, reason=f"time budget of {args.budget:.0f} s spent")
+            continue
+        t = time.perf_counter()
+        try:
+            parts[name]()
+        except Exception as e:  # noqa: BLE001 - report and go on to the next part
+            record(name, error=f"{type(e).__name__}: {e}"[:300],
+                   traceback=traceback.format_exc()[-1500:])
+        print(f"-- {name}: {time.perf_counter() - t:.0f} s", flush=True)
+    lines = summary() + [""] + bars()
+    print("\n" + "\n".join(lines))
+    out = os.environ.get("OUT") or "."
+    with open(os.path.join(out, "gpu.json"), "w") as f:
+        json.dump(dict(device=where, torch=torch.__version__, dry_run=dry, results=RESULTS,
+                       seconds=elapsed()), f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
