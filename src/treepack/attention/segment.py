@@ -5,8 +5,8 @@ The packed rows are cut into chains (:mod:`treepack.attention.chains`): chain ``
 ``kv`` keys in all, aligned bottom-right: query t sees key u iff ``u <= off + t`` (and
 ``u > off + t - window``) with ``off = kv - q``. Chains run batched, one SDPA call per group.
 
-Grouping is a cost choice. A call has a fixed cost (about 0.5 ms forward + backward on a
-CPU core, whatever its size) besides its ``G x q x kv`` scores, so a ragged batch with dozens
+Grouping is a cost choice. A call has a fixed cost (forward + backward on a CPU: tenths of a
+millisecond, whatever its size) besides its ``G x q x kv`` scores, so a ragged batch with dozens
 of distinct chain shapes would be launch-bound if every shape were its own call. Shapes are
 therefore put in buckets (``q`` and ``kv`` each rounded up to one of 8 steps per doubling,
 :func:`~treepack.attention.chains.geometric_bucket`), and a bucket holding several shapes runs
@@ -38,8 +38,9 @@ from treepack.attention.dense import sdpa
 CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
 # The fixed cost of one attention call (forward + backward) in scores, at heads x head_dim =
 # 64, and how a score's cost grows with that width. Measured on 2 CPU cores (torch 2.13): a
-# call costs 0.5-0.7 ms; a score 6.9 ns at 4 heads of 16 and 36 ns at 8 heads of 64.
-CALL_COST = 80_000
+# score costs 6.9 ns at 4 heads of 16 and 36 ns at 8 heads of 64 (exponent 0.8); the call
+# cost was tuned on ragged batches (bench/attention.py), where 20k beat 0, 80k and 320k.
+CALL_COST = 20_000
 SCORE_COST_EXPONENT = 0.8
 
 
