@@ -113,7 +113,7 @@ def test_verify_command_passes_and_prints_the_report(capsys):
     for word in ("logprobs", "loss", "grads", "params", "PASS", "Qwen2ForCausalLM"):
         assert word in out
     code, out, _ = run(capsys, "verify", "--family", "llama", "--dtype", "bfloat16")
-    assert code == 0 and "unpacked L2" in out
+    assert code == 0 and "relative L2 error per tensor" in out and "unpacked" in out
 
 
 def test_verify_command_exit_status_1_above_tolerance(capsys, monkeypatch):
@@ -167,3 +167,54 @@ def test_bench_refuses_bad_flags_with_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_and_version_answer_without_importing_torch():
+    code = ("import sys; from treepack import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'building the parser imported torch'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "usage: treepack" in result.stdout
+    version = subprocess.run([sys.executable, "-m", "treepack.cli", "--version"],
+                             capture_output=True, text=True)
+    assert version.stdout.strip() == f"treepack {treepack.__version__}"
+
+
+def test_parser_choices_match_the_library():
+    from treepack import zoo
+    from treepack.attention import CHOICES
+
+    assert cli.BACKEND_CHOICES == CHOICES
+    parser = cli.build_parser()
+    sub = {a.dest: a for a in parser._subparsers._group_actions[0].choices["verify"]._actions}
+    assert sorted(sub["family"].choices) == sorted(zoo.FAMILIES)
+
+
+def test_stats_reads_standard_input(monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"[1, 2, 3]\n[1, 2, 4]\n")))
+    code, out, _ = run(capsys, "stats", "-", "--json")
+    assert code == 0 and json.loads(out)["packed_tokens"] == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--family", "llama", "--layers", "0"], "0 must be at least 1"),
+    (["verify", "--family", "llama", "--seed", "-1"], "-1 must be in [0, 2**32)"),
+    (["verify", "--family", "llama", "--pad-to-multiple-of", "x"], "'x' is not an integer"),
+])
+def test_verify_refuses_bad_flags_with_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_on_cuda_without_cuda_says_so(capsys):
+    pytest.importorskip("transformers")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run(capsys, "bench", "--device", "cuda", "--no-plot")
+    assert code == 2 and "--device cuda: this torch sees no CUDA device" in err

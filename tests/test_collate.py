@@ -177,3 +177,20 @@ def test_denominators_without_distributed_count_every_rank():
     assert den.tokens == float(sum(m.sum() for m in every))
     assert den.sequences == float(sum(m.any(-1).sum() for m in every))
     assert den.world_size == 1  # one process: no gradient averaging to undo
+
+
+def test_a_scalar_loss_mask_covers_the_whole_completion():
+    # loss_mask=0 for a rollout to skip used to be read as a per-sequence field and ignored:
+    # the rollout was trained on and counted in the denominators.
+    rollouts = make_rollouts(3)
+    for i, r in enumerate(rollouts):
+        r["loss_mask"] = 0 if i % 3 == 0 else 1
+    collated = treepack.collate(rollouts, max_tokens=60)
+    den = collated.denominators()
+    kept = [r for i, r in enumerate(rollouts) if i % 3]
+    assert den.tokens == float(sum(len(r["completion"]) for r in kept))
+    for b in all_batches(collated):
+        assert "loss_mask" not in b.fields or b.fields["loss_mask"].dim() == 2
+        for row, rollout in enumerate(b.pack.seq_ids.tolist()):
+            trained = rollout % 3 and len(rollouts[rollout]["completion"]) > 0
+            assert bool(b.mask[row].any()) == bool(trained)

@@ -20,3 +20,32 @@ def test_docs_link_to_files_that_exist():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#]+\.md)\)", page.read_text()):
             assert (page.parent / target).exists() or (ROOT / target).exists(), (page, target)
+
+
+def test_the_grpo_step_over_planned_packs_in_losses_md_equals_each_sequence_alone():
+    import re
+
+    import torch
+
+    pytest.importorskip("transformers")
+    text = (ROOT / "docs" / "losses.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+               if b.startswith("# runs as a test")]
+    scope = {}
+    exec(compile(code, "docs/losses.md", "exec"), scope)
+    model, packs = scope["model"], scope["packs"]
+    assert len(packs) > 1 and sorted(i for p in packs for i in p.seq_ids.tolist()) == \
+        list(range(len(scope["seqs"])))
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    # The same loss unpacked: every sequence alone, completion tokens only, one denominator.
+    model.zero_grad()
+    total, count = 0.0, 0
+    for seq, plen, adv in zip(scope["seqs"], scope["prompt_lens"], scope["advantages"]):
+        logp = model(input_ids=seq[None]).logits[0].log_softmax(-1)[:-1]
+        logp = logp.gather(-1, seq[1:, None])[plen - 1:, 0]  # predictions of completion tokens
+        ratio = torch.exp(logp - logp.detach())
+        total = total + (-adv * ratio).sum()
+        count += len(logp)
+    (total / count).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, rtol=1e-4, atol=1e-7)

@@ -340,3 +340,82 @@ def test_refuses_a_window_that_the_model_keeps_in_its_own_mask():
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(NotImplementedError, match="sliding window of 3 on 2 layers, but 0"):
         hf.forward(model, TreePack.from_sequences(SEQS))
+
+
+def test_rotary_scaling_that_reads_the_longest_position_is_refused_past_its_limit():
+    # Dynamic NTK changes every position's frequencies once the batch is longer than
+    # max_position_embeddings: a short sequence packed with a long one would be 2e-4 off.
+    model = zoo.tiny_model("llama", dtype=torch.float64, max_position_embeddings=16,
+                           rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                            "rope_theta": 10000.0})
+    short = [[5, 6, 7, 8], [5, 6, 9]]
+    pack = TreePack.from_sequences(short)
+    got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack).logits[0]))
+    torch.testing.assert_close(got, alone_logprobs(model, [torch.tensor(s) for s in short]),
+                               rtol=0, atol=1e-12)  # within the limit: exact
+    long = TreePack.from_sequences(short + [list(range(3, 23))])
+    with pytest.raises(NotImplementedError, match="rope_type='dynamic'.*16 positions.*has 20"):
+        hf.forward(model, long)
+
+
+def test_forward_checks_ids_against_the_embedding_and_takes_use_cache_false():
+    model = zoo.tiny_model("llama")
+    with pytest.raises(ValueError, match=f"token id {zoo.VOCAB} but .* embedding has "
+                                         f"{zoo.VOCAB} rows"):
+        hf.forward(model, TreePack.from_sequences([[1, zoo.VOCAB]]))
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]])
+    assert hf.forward(model, pack, use_cache=False).logits.shape == (1, 4, zoo.VOCAB)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        hf.forward(model, pack, use_cache=True)
+    with pytest.raises(ValueError, match="output_attentions=True: .*never form"):
+        hf.forward(model, pack, output_attentions=True)
+
+
+@pytest.mark.parametrize("name, config", [
+    ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                          alibi=False, new_decoder_architecture=False)),
+    ("FalconConfig", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                          alibi=True)),
+    ("MptConfig", dict(d_model=64, n_heads=4, n_layers=2)),
+])
+def test_models_whose_own_code_breaks_on_a_tree_forward_get_treepacks_refusal(name, config):
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, name)(vocab_size=zoo.VOCAB, **config))
+    with pytest.raises(NotImplementedError, match="cannot run a tree forward.*run this one "
+                                                  "unpacked"):
+        hf.forward(model, TreePack.from_sequences([[1, 2, 3], [1, 2, 4]]))
+    assert not hf.is_prepared(model)  # a refused model is left as it was
+
+
+def test_verify_runs_the_reference_on_the_callers_ids(monkeypatch):
+    # A pack whose ids are consistently wrong (input ids and targets shifted alike) used to
+    # pass: the reference was rebuilt from the pack.
+    from treepack import verification
+
+    real = verification.TreePack.from_sequences
+
+    def shifted(seqs, **kw):
+        return real([(torch.as_tensor(s) + 1) % zoo.VOCAB for s in seqs], **kw)
+
+    monkeypatch.setattr(verification.TreePack, "from_sequences", shifted)
+    report = verify(zoo.tiny_model("llama").eval(), SEQS)
+    assert not report.passed and report.errors["logprobs"].max_rel > 1e-2
+
+
+def test_verify_reference_computes_soft_capping_whatever_the_models_attention():
+    # Gemma 2 switched to sdpa: transformers 5.17 silently left attention soft-capping out
+    # there (and 5.24 raises), while the tree backends honour it; the reference must be eager.
+    model = zoo.tiny_model("gemma2").eval()
+    model.config._attn_implementation = "sdpa"
+    report = verify(model, SEQS)
+    assert report.passed and report.reference_attention == "eager", str(report)
+    assert "attention=eager" in str(report)
+
+
+@pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
+def test_verify_passes_float64_against_the_floor_of_two_unpacked_runs(family):
+    # transformers computes norms and softmax in float32 inside float64 models, so two
+    # unpacked runs already differ by ~1e-7; the tolerance follows that floor.
+    report = verify(zoo.tiny_model(family, dtype=torch.float64).eval(), SEQS)
+    assert report.passed, str(report)
+    assert report.floor_errors is not None and "floor" in str(report)

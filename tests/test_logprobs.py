@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,13 +25,16 @@ def test_logprobs_equal_per_occurrence_reference(seqs, multiple):
     logits = random_logits(pack)
     got = pack.token_logprobs(logits)
     assert got.dtype == torch.float64 and got.shape == (len(seqs), max(map(len, seqs)))
-    # The reference finds each source row through the naive trie, not through pack.rows.
-    trie = NaiveTrie(seqs)
-    row_of_node = {}
-    for s, path in enumerate(trie.paths):
-        for p, node in enumerate(path):
-            row_of_node[node] = int(pack.rows[s, p])
-    ref_rows = [[row_of_node[node] for node in path] for path in trie.paths]
+    # The reference finds the row of every prefix by walking parent_row and reading the
+    # packed ids (fields test_tree checks against a dict trie), never through pack.rows.
+    # Mutation check: with rows[s, p - 1] replaced by rows[s, p] as the source, this fails.
+    row_of_prefix, prefix_of_row = {}, {}
+    for r in range(pack.num_tokens):  # DFS pre-order: a parent comes before its children
+        parent = int(pack.parent_row[r])
+        prefix = prefix_of_row.get(parent, ()) + (int(pack.input_ids[r]),)
+        prefix_of_row[r] = prefix
+        row_of_prefix[prefix] = r
+    ref_rows = [[row_of_prefix[tuple(seq[: p + 1])] for p in range(len(seq))] for seq in seqs]
     ref = naive_token_logprobs(logits, seqs, ref_rows)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
     assert (got[~pack.prediction_mask] == 0).all()
@@ -315,3 +320,44 @@ def test_lean_entropy_with_masked_out_tokens_is_finite():
     torch.testing.assert_close(out.entropy, ref, rtol=0, atol=1e-12)
     out.entropy.sum().backward()
     assert torch.isfinite(h.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_lean_logprobs_treat_softcap_zero_as_no_cap_and_refuse_bad_numbers():
+    # softcap=0.0 used to give log(1/V) everywhere (tanh(z / 0) * 0).
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3, 4], [1, 2, 0]])
+    g = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(pack.num_rows, 6, generator=g), torch.randn(V, 6, generator=g)
+    plain = logprobs_from_hidden(pack, h, weight)
+    torch.testing.assert_close(logprobs_from_hidden(pack, h, weight, softcap=0.0), plain)
+    torch.testing.assert_close(plain, pack.token_logprobs(h @ weight.T))
+    for kwargs, message in (({"softcap": -1.0}, "softcap=-1.0 must be a finite number > 0"),
+                            ({"temperature": float("inf")}, "temperature=inf must be a finite"),
+                            ({"temperature": 0}, "temperature=0 must be a finite"),
+                            ({"scale": float("nan")}, "scale=nan must be a finite"),
+                            ({"chunk_size": True}, "chunk_size=True must be a positive int")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            logprobs_from_hidden(pack, h, weight, **kwargs)
+    import numpy as np
+
+    torch.testing.assert_close(logprobs_from_hidden(pack, h, weight, chunk_size=np.int64(2)),
+                               plain)
+
+
+def test_non_floating_heads_and_logits_are_refused():
+    # An integer head used to cast the hidden states to integers.
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3]])
+    h = torch.randn(pack.num_rows, 4)
+    with pytest.raises(TypeError, match="weight .the LM head. has dtype torch.int64"):
+        logprobs_from_hidden(pack, h, torch.ones(V, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="hidden has dtype torch.int32"):
+        logprobs_from_hidden(pack, h.int(), torch.ones(V, 4))
+    for bad in (torch.zeros(pack.num_rows, V, dtype=torch.bool),
+                torch.zeros(pack.num_rows, V, dtype=torch.complex64)):
+        with pytest.raises(TypeError, match="logits has dtype"):
+            pack.token_logprobs(bad)
+    with pytest.raises(ValueError, match="temperature=inf"):
+        pack.token_logprobs(torch.zeros(pack.num_rows, V), temperature=float("inf"))

@@ -100,15 +100,24 @@ def test_gspo_sequence_ratio():
         for p in toks:
             assert out.ratio[s, p].item() == pytest.approx(r, rel=1e-12)
     assert out.loss.item() == pytest.approx(expect / live, rel=1e-12)
-    # The gradient flows through every token: d s_i / d logp_t = s_i / n_i (when unclipped).
+    # The gradient flows through every token: d s_i / d logp_t = s_i / n_i, times the
+    # derivative of the sequence's term in s_i: -a where the unclipped branch is the max or
+    # the ratio is inside the clip range, 0 where a clipped constant is the max.
     (grad,) = torch.autograd.grad(out.loss, logps)
-    s = 2
-    toks = mask[s].nonzero()[:, 0]
-    r = out.ratio[s, toks[0]].item()
-    if 0.9 < r < 1.1:
-        expect_g = -seq_adv[s].item() * r / len(toks) / live
-        torch.testing.assert_close(grad[s, toks], torch.full((len(toks),), expect_g,
-                                                             dtype=grad.dtype))
+    expect_grad = torch.zeros_like(grad)
+    branches = set()
+    for s in range(logps.shape[0]):
+        toks = mask[s].nonzero()[:, 0]
+        if not len(toks):
+            continue
+        r, a = out.ratio[s, toks[0]].item(), seq_adv[s].item()
+        inside = 0.9 < r < 1.1
+        unclipped_wins = -a * r >= -a * min(max(r, 0.9), 1.1)
+        branches.add((inside, unclipped_wins))
+        d_loss_d_r = -a if (inside or unclipped_wins) else 0.0
+        expect_grad[s, toks] = d_loss_d_r * r / len(toks) / live
+    torch.testing.assert_close(grad, expect_grad, rtol=1e-10, atol=1e-14)
+    assert len(branches) > 1  # the seed reaches more than one branch of the clip
 
 
 def test_policy_loss_statistics():
@@ -197,3 +206,16 @@ def test_bad_arguments_say_what_to_do(call, words):
     x, _, _, m = random_layout(0)
     with pytest.raises((ValueError, TypeError), match=words):
         call(x, m)
+
+
+def test_losses_refuse_nonsense_constants():
+    import re
+
+    logps = torch.zeros(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    for norm_length in (0, -4, float("inf")):
+        with pytest.raises(ValueError, match=re.escape(f"norm_length={norm_length!r} must be")):
+            losses.aggregate(logps, mask, "seq-mean-token-sum-norm", norm_length=norm_length)
+    for kwargs in ({"clip": -0.2}, {"clip_high": -0.1}, {"clip": float("nan")}):
+        with pytest.raises(ValueError, match="must be a finite number >= 0"):
+            losses.policy_loss(logps, logps, torch.ones(2), mask, **kwargs)

@@ -1,3 +1,5 @@
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -9,7 +11,11 @@ def test_readme_python_blocks_run():
     assert blocks
     for code in blocks:
         scope = {}
-        exec(compile(code, str(README), "exec"), scope)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, str(README), "exec"), scope)
+        promised = re.search(r"^# (.+)$", code.split("print(")[-1], flags=re.M).group(1)
+        assert printed.getvalue().strip() == promised  # the line the README says it prints
         pack, logps = scope["pack"], scope["logps"]
         assert pack.num_tokens == 7 and logps.shape == (3, 4)
         grads = [p.grad for p in scope["model"].parameters()]

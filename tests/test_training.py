@@ -51,9 +51,10 @@ def step_inputs(seed=0):
     )
 
 
-def loss_fn(name, mode, logps, ent, x, den=None, rows=slice(None)):
+def loss_fn(name, mode, logps, ent, x, base, den=None, rows=slice(None)):
+    """``base``: the unpacked run's log-probs, detached; old and reference log-probs are
+    ``base`` plus noise in BOTH runs, so a packed log-prob that is off changes the value."""
     mask = x["mask"][rows]
-    base = logps.detach()
     kw = dict(mode=mode, denominators=den, norm_length=NORM)
     if name == "sft":
         return losses.sft_loss(logps, mask, weights=x["weights"][rows], **kw)
@@ -93,12 +94,16 @@ def model():
 def test_loss_packed_equals_each_sequence_alone(model, name, mode):
     x = step_inputs()
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
-    # The old log-probs are built from the unpacked log-probs so both runs see identical ratios.
+    # Old and reference log-probs come from the unpacked run, for both runs: the packed
+    # ratios equal the unpacked ones only if the packed log-probs do. Mutation check: with
+    # token_logprobs off by +1e-3, 16 of these 20 cases fail (all but entropy's four); when
+    # each run built its old log-probs from its own, only sft's four did.
     ref_logps, ref_ent = alone(model, SEQS)
-    expect_loss = loss_fn(name, mode, ref_logps, ref_ent, x)
+    base = ref_logps.detach()
+    expect_loss = loss_fn(name, mode, ref_logps, ref_ent, x, base)
     expect = grads_of(model, expect_loss)
     logps, ent = packed(model, pack)
-    got_loss = loss_fn(name, mode, logps, ent, x)
+    got_loss = loss_fn(name, mode, logps, ent, x, base)
     torch.testing.assert_close(got_loss, expect_loss.detach(), rtol=1e-12, atol=0)
     assert_close_grads(grads_of(model, got_loss), expect)
 
@@ -109,19 +114,20 @@ def test_gradient_accumulation_over_packs_equals_one_unpacked_batch(model, mode)
     parts = [slice(0, 4), slice(4, 11), slice(11, N)]
     packs = [TreePack.from_sequences(SEQS[p]) for p in parts]
     den = losses.global_denominators([x["mask"][p] for p in parts])
+    ref_logps, ref_ent = alone(model, SEQS)
+    base = ref_logps.detach()
     model.zero_grad(set_to_none=True)
     total = 0.0
     for pack, rows in zip(packs, parts):
         logps, ent = packed(model, pack)
-        # each pack's [N_k, L_k] layout: pad the step inputs' columns to this pack's width
+        # each pack's [N_k, L_k] layout: cut the step inputs' columns to this pack's width
         width = pack.max_length
         sub = {k: (v[rows][..., :width] if v.dim() == 2 else v[rows]) for k, v in x.items()}
-        loss = loss_fn("ppo", mode, logps, ent, {k: v for k, v in sub.items()}, den)
+        loss = loss_fn("ppo", mode, logps, ent, sub, base[rows][:, :width], den)
         loss.backward()
         total += loss.item()
     accumulated = {k: p.grad.clone() for k, p in model.named_parameters()}
-    ref_logps, ref_ent = alone(model, SEQS)
-    expect_loss = loss_fn("ppo", mode, ref_logps, ref_ent, x)
+    expect_loss = loss_fn("ppo", mode, ref_logps, ref_ent, x, base)
     assert total == pytest.approx(expect_loss.item(), rel=1e-10)
     assert_close_grads(accumulated, grads_of(model, expect_loss))
 
@@ -137,10 +143,12 @@ def test_advantages_are_not_averaged_across_a_shared_row(model):
     mask = torch.zeros_like(pack.prediction_mask)
     mask[:, 8:] = True
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss = losses.policy_loss(logps, logps.detach(), adv, mask, clip=0.2).loss
-    got = grads_of(model, loss)
     ref_logps, _ = alone(model, [a, b])
-    expect = grads_of(model, losses.policy_loss(ref_logps, ref_logps.detach(), adv, mask,
-                                                clip=0.2).loss)
+    old = ref_logps.detach()
+    loss = losses.policy_loss(logps, old, adv, mask, clip=0.2).loss
+    got = grads_of(model, loss)
+    expect_loss = losses.policy_loss(ref_logps, old, adv, mask, clip=0.2).loss
+    torch.testing.assert_close(loss.detach(), expect_loss.detach(), rtol=1e-12, atol=1e-15)
+    expect = grads_of(model, expect_loss)
     assert_close_grads(got, expect)
     assert any(g.abs().max() > 0 for g in got.values())

@@ -311,3 +311,37 @@ def test_padding_free_layout_is_the_sequences_back_to_back(seqs, pad):
     assert torch.equal(pack.predictions.index, shared.predictions.index)
     with pytest.raises(TypeError, match="share_prefixes=1 must be True or False"):
         TreePack.from_sequences(seqs, share_prefixes=1)
+
+
+@pytest.mark.parametrize("sequences, error, message", [
+    ([[1, True, 3]], TypeError, "holds True at position 1"),
+    ([[2**63, 1]], ValueError, "token id 9223372036854775808 beyond int64"),
+    ([[2**64, 1]], ValueError, "token id 18446744073709551616 beyond int64"),
+])
+def test_bools_and_ids_beyond_int64_are_refused_by_name(sequences, error, message):
+    with pytest.raises(error, match=message):
+        TreePack.from_sequences(sequences)
+
+
+def test_padding_multiple_is_bounded_and_numpy_integers_are_welcome():
+    seqs = [[1, 2, 3], [1, 2, 4]]
+    with pytest.raises(ValueError, match="pad_to_multiple_of=100000000 is more than 1,048,576"):
+        TreePack.from_sequences(seqs, pad_to_multiple_of=10**8)
+    assert TreePack.from_sequences(seqs, pad_to_multiple_of=np.int64(8)).num_rows == 8
+    assert TreePack.empty(np.int32(4)).num_rows == 4
+    with pytest.raises(ValueError, match="seq_ids holds 18446744073709551615, beyond int64"):
+        TreePack.from_sequences(seqs, seq_ids=np.array([1, 2**64 - 1], dtype=np.uint64))
+
+
+def test_completion_mask_marks_the_predictions_of_completion_tokens():
+    pack = TreePack.from_sequences([[1, 2, 3, 4, 5], [1, 2, 6], [7, 8, 9, 9]])
+    mask = pack.completion_mask([3, 2, 1])
+    assert mask.tolist() == [[False, False, False, True, True],
+                             [False, False, True, False, False],
+                             [False, True, True, True, False]]
+    assert torch.equal(pack.completion_mask(torch.zeros(3, dtype=torch.long)),
+                       pack.prediction_mask)  # a zero prompt: every prediction
+    with pytest.raises(ValueError, match=r"prompt_lengths\[1\] = 4 but sequence 1 has 3"):
+        pack.completion_mask([1, 4, 1])
+    with pytest.raises(ValueError, match="must be 3 integers"):
+        pack.completion_mask([1.0, 2.0, 1.0])

@@ -1,15 +1,22 @@
-"""The ``treepack`` command line: ``bench``, ``stats`` and ``verify``."""
+"""The ``treepack`` command line: ``bench``, ``stats`` and ``verify``.
+
+The parser is built without importing torch (``treepack --help`` answers at once); each
+command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
-import numpy as np
-
 PROGRESS_MIN_BYTES = 8 << 20  # files at least this large show a progress bar
+
+# Building the parser imports no torch: treepack.zoo is torch-free at import, and the backend
+# names are listed here (tests/test_cli.py checks them against treepack.attention.CHOICES).
+BACKEND_CHOICES = ("auto", "segment", "varlen", "flex", "dense")
 
 BUILTIN_DESCRIPTION = (
     "built-in agentic batch: 4 GRPO groups x 8 rollouts, 4 prompts x 4 trajectories x 4 "
@@ -21,7 +28,9 @@ class InputError(Exception):
     """A problem with the user's input file, reported as ``FILE:LINE: message``."""
 
 
-def _ids_from_line(value, where: str) -> np.ndarray:
+def _ids_from_line(value, where: str):
+    import numpy as np
+
     ids = value.get("input_ids") if isinstance(value, dict) else value
     if not isinstance(ids, list):
         got = "an object without 'input_ids'" if isinstance(value, dict) else type(value).__name__
@@ -41,20 +50,24 @@ def _ids_from_line(value, where: str) -> np.ndarray:
     return arr
 
 
-def read_jsonl(path: str) -> list[np.ndarray]:
-    """Sequences from a JSON-lines file: each line a list of ids or ``{"input_ids": [...]}``.
+def read_jsonl(path: str) -> list:
+    """Sequences from a JSON-lines file (``-``: standard input): each line a list of ids or
+    ``{"input_ids": [...]}``.
 
     Blank lines are skipped; any other bad line raises :class:`InputError` naming it.
     """
     from tqdm import tqdm
 
-    try:
-        size = os.path.getsize(path)
-        f = open(path, "rb")
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    if path == "-":
+        f, size, path = contextlib.nullcontext(sys.stdin.buffer), 0, "<stdin>"
+    else:
+        try:
+            size = os.path.getsize(path)
+            f = open(path, "rb")
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror})") from None
     out = []
-    with f, tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
+    with f as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
                  disable=size < PROGRESS_MIN_BYTES, file=sys.stderr) as bar:
         for number, line in enumerate(f, start=1):
             bar.update(len(line))
@@ -177,13 +190,24 @@ def _bench(args) -> int:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def _seed(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 2**32)")
+    return value
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
 def _fraction(text: str) -> float:
@@ -218,14 +242,15 @@ def _verify(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treepack import __version__
+    from treepack.zoo import FAMILIES, MODELS
+
     parser = argparse.ArgumentParser(
         prog="treepack",
         description="Exact prefix-tree packing for LLM training on prefix-sharing data.",
     )
+    parser.add_argument("--version", action="version", version=f"treepack {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from treepack.attention import CHOICES
-
-    from treepack.zoo import MODELS
 
     bench = sub.add_parser(
         "bench",
@@ -257,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="qwen2-40m", choices=sorted(MODELS),
                        help="random-weight model shape (default qwen2-40m; qwen2.5-0.5b for a GPU)")
     bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    bench.add_argument("--backend", default="auto", choices=CHOICES)
+    bench.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     bench.add_argument("--device", default=None, choices=("cpu", "cuda"),
                        help="default: cuda if present")
     bench.add_argument("--micro-batch", type=_positive_int, default=4,
@@ -280,8 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(run=_stats)
 
-    from treepack.zoo import FAMILIES
-
     verify = sub.add_parser(
         "verify",
         help="packed vs unpacked equivalence of one training step on a tiny random model",
@@ -290,11 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
         "gradients and parameters. Exit status 1 when above tolerance.",
     )
     verify.add_argument("--family", required=True, choices=sorted(FAMILIES))
-    verify.add_argument("--layers", type=int, default=2)
-    verify.add_argument("--backend", default="auto", choices=CHOICES)
+    verify.add_argument("--layers", type=_positive_int, default=2)
+    verify.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     verify.add_argument("--dtype", default="float32", choices=DTYPES)
-    verify.add_argument("--seed", type=int, default=0)
-    verify.add_argument("--pad-to-multiple-of", type=int, default=None)
+    verify.add_argument("--seed", type=_seed, default=0)
+    verify.add_argument("--pad-to-multiple-of", type=_positive_int, default=None)
     verify.set_defaults(run=_verify)
     return parser
 

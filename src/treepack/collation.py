@@ -18,7 +18,8 @@ completion token: old log-probs, reference log-probs, token-level advantages, a
 Per-token fields come back in the pack's label-aligned ``[N, L]`` layout (the value of
 completion token j of a rollout sits where that token is predicted, at position
 ``len(prompt) + j``), per-sequence fields as ``[N]``. ``batch.mask`` marks the completion
-tokens (and'ed with a ``loss_mask`` field if there is one). ``batch.completion(x)`` maps any
+tokens (and'ed with a ``loss_mask`` field if there is one: per completion token, or one
+scalar for the whole completion, e.g. ``loss_mask=0`` for a rollout to skip). ``batch.completion(x)`` maps any
 ``[N, L]`` tensor back to the completion layout ``[N, C]`` of verl- and TRL-style losses.
 """
 
@@ -166,6 +167,8 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
                              "rollout needs the same fields")
         for k in keys:
             v = _field(r[k], i, k)
+            if k == "loss_mask" and v.ndim == 0:  # one value for the whole completion
+                v = np.full(completion.size, v)
             if v.ndim == 0:
                 per_sequence.setdefault(k, []).append(v)
             elif v.shape == (completion.size,):

@@ -189,9 +189,19 @@ def _check_reads_position_ids(model) -> None:
     with _eval_no_grad(model):
         for positions in ([0, 1], [0, 7]):  # same chain, keys 1 vs 7 positions back
             attend = _Attend(pack, "dense")
-            with _tree_forward():
-                out = model(input_ids=ids, position_ids=torch.tensor([positions], device=device),
-                            use_cache=False, **{PACK_KWARG: attend})
+            try:
+                with _tree_forward():
+                    out = model(input_ids=ids, use_cache=False, **{PACK_KWARG: attend},
+                                position_ids=torch.tensor([positions], device=device))
+            except Exception as e:  # the model's own code failed on a tree forward
+                raise NotImplementedError(
+                    f"{type(model).__name__} cannot run a tree forward: its own code raised "
+                    f"{type(e).__name__} ({str(e)[:200]}) when given treepack's attention and "
+                    "depth position_ids, as models with ALiBi biases or custom attention code "
+                    "do. treepack supports models whose layers all attend through "
+                    "transformers' attention interface and take positions from position_ids "
+                    "(rotary or learned); run this one unpacked"
+                ) from e
             _check_calls(model, attend)
             outs.append(out.logits)
     if torch.equal(outs[0], outs[1]):
@@ -260,6 +270,32 @@ def _check_calls(model, attend: _Attend) -> None:
         )
 
 
+def _check_rope(model, pack: TreePack) -> None:
+    """Refuse rotary scalings whose frequencies depend on the longest position in the batch
+    (dynamic NTK, LongRoPE) once the pack reaches the length where they change: every
+    sequence of the pack would get the frequencies of its longest one."""
+    config = _text_config(model)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return
+    nested = all(isinstance(v, dict) for v in params.values()) and params
+    for p in (params.values() if nested else [params]):
+        kind = str(p.get("rope_type", p.get("type", "default")))
+        if "dynamic" not in kind and kind != "longrope":
+            continue
+        limit = (p.get("original_max_position_embeddings")
+                 or getattr(config, "original_max_position_embeddings", None)
+                 or config.max_position_embeddings)
+        if pack.max_length > limit:
+            raise NotImplementedError(
+                f"{type(model).__name__} uses rope_type={kind!r}, whose rotary frequencies "
+                f"change once a batch reaches {limit} positions, and this pack's longest "
+                f"sequence has {pack.max_length}: packed together, every sequence would get "
+                "the longest one's frequencies, unlike each run alone. Plan packs with "
+                f"sequences of at most {limit} tokens, or run these unpacked"
+            )
+
+
 @dataclasses.dataclass
 class HiddenOutput:
     """What :func:`forward` returns with ``return_hidden=True``."""
@@ -305,8 +341,12 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
     for key in kwargs:
         if key in _REFUSED_KWARGS:
             raise ValueError(f"treepack.hf.forward does not take {key!r}: {_REFUSED_KWARGS[key]}")
-    if kwargs.get("use_cache"):
+    if kwargs.pop("use_cache", False):
         raise ValueError("use_cache=True: a pack is one forward from scratch, without a cache")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True: treepack's attention backends never form the "
+                         "attention weights (the varlen, segment and flex kernels are fused); "
+                         "run the model unpacked to inspect them")
     core = unwrap(model)
     device = next(core.parameters()).device
     if pack.device != device:
@@ -314,6 +354,13 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
             f"the pack is on {pack.device} but the model is on {device}; pass "
             f"pack.to({str(device)!r})"
         )
+    vocab = core.get_input_embeddings().num_embeddings
+    if pack.max_token_id >= vocab:
+        raise ValueError(
+            f"the pack has token id {pack.max_token_id} but {type(core).__name__}'s embedding "
+            f"has {vocab} rows: tokenize with the model's own tokenizer (ids 0 .. {vocab - 1})"
+        )
+    _check_rope(core, pack)
     prepare(core)
     attend = _Attend(pack, backend, block_size)
     if return_hidden:  # the LM head on one row; the final norm's output is the last hidden state

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from treepack.checks import floating, positive_finite, positive_int
+
 if TYPE_CHECKING:
     from treepack.tree import TreePack
 
@@ -35,8 +37,8 @@ def _scaled_logits(pack: TreePack, logits: Tensor, temperature: float, what: str
             f"logits are on {logits.device} but the pack is on {pack.device}; move the pack "
             f"with pack.to({str(logits.device)!r})"
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0")
+    floating(logits, "logits")
+    temperature = positive_finite(temperature, "temperature")
     _check_vocab(pack, logits.shape[1])
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [T', V]
     return z if temperature == 1.0 else z / temperature
@@ -296,13 +298,17 @@ def logprobs_from_hidden(
     if hidden.device != pack.device or weight.device != pack.device:
         raise ValueError(f"hidden ({hidden.device}) and weight ({weight.device}) must be on the "
                          f"pack's device ({pack.device}); move the pack with pack.to(...)")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} must be > 0")
+    floating(hidden, "hidden")
+    floating(weight, "weight (the LM head)")
+    if bias is not None:
+        floating(bias, "bias")
+    temperature = positive_finite(temperature, "temperature")
+    scale = positive_finite(scale, "scale") if scale != 1.0 else 1.0
+    softcap = None if softcap in (None, 0) else positive_finite(
+        softcap, "softcap", hint=" (or None / 0 for no soft-capping)")
     _check_vocab(pack, weight.shape[0])
     chunk = default_chunk_size(weight.shape[0], hidden.device) if chunk_size is None else \
-        chunk_size
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive number of rows")
+        positive_int(chunk_size, "chunk_size", hint=" (rows per chunk)")
     if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(weight.dtype)  # the head's dtype decides (e.g. an fp32 LM head)
     edges = _edges(pack)

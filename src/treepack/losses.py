@@ -26,11 +26,15 @@ Aggregation modes (as in verl):
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from treepack.checks import positive_finite
 
 __all__ = ["MODES", "Denominators", "global_denominators", "aggregate",
            "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty", "entropy_bonus"]
@@ -106,6 +110,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", *,
                 "generation budget); pass norm_length=... (a padded width would change with "
                 "the packing)"
             )
+        norm_length = positive_finite(norm_length, "norm_length",
+                                      hint=" (the generation budget in tokens)")
         total = v.sum() / norm_length
     return total * den.world_size
 
@@ -165,6 +171,11 @@ def policy_loss(
     _check(old_logps, mask, "old_logps")
     adv = _per_token(advantages, logps, "advantages")
     clip_high = clip if clip_high is None else clip_high
+    for name, value in (("clip", clip), ("clip_high", clip_high)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                0 <= value < math.inf):
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0 (the ratio is "
+                             "clipped to [1 - clip, 1 + clip_high], e.g. 0.2 and 0.28)")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip={dual_clip!r} must be > 1 (e.g. 3.0)")
     old_logps = old_logps.detach()

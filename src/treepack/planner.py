@@ -11,8 +11,11 @@ A real batch does not fit one forward, and real training runs on several data-pa
    cut before sequence k costs ``lcp[k]`` extra rows and cuts go where the LCP is smallest.
    Every sequence lands whole in exactly one pack.
 3. The pieces are spread over ranks by estimated cost, largest first onto the least loaded
-   rank, then bin-packed into at most ``m`` packs per rank; ``m`` grows until every rank fits.
+   rank, then bin-packed into packs per rank (best fit, largest first). The first try keeps
+   each rank within the fewest packs that could hold the batch, ``m0``; if a rank then needs
+   more, costs are balanced freely and every rank gets as many packs as the fullest needs.
    Ranks with fewer packs get empty ones, so every rank runs the same number of forwards.
+   At most two passes of O(P log P) in the pieces P.
 
 Cost of a pack = rows + ``pair_cost`` x visible attention pairs. For a model of hidden size
 d, linear layers cost about 24 d^2 FLOPs per row and layer and attention 4 d per visible
@@ -23,13 +26,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
+import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from treepack.forest import sort_and_lcp
-from treepack.tree import TreePack, _as_id_arrays
+from treepack.checks import positive_int
+from treepack.tree import MAX_PAD_MULTIPLE, TreePack, validate_sequences
 
 __all__ = ["plan", "Plan", "PackSpec", "PAIR_COST"]
 
@@ -88,6 +95,10 @@ class Plan:
 
     def packs(self, rank: int) -> list[TreePack]:
         """Rank ``rank``'s packs, built on first use (empty packs where it has fewer)."""
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not (
+                0 <= rank < self.world_size):
+            raise ValueError(f"rank={rank!r}: this plan has ranks 0 .. {self.world_size - 1}")
+        rank = int(rank)
         if rank not in self._built:
             pad = self.pad_to_multiple_of
             self._built[rank] = [
@@ -135,20 +146,58 @@ def _split_tree(a: int, b: int, s_len, new, lcp, budget) -> list[tuple[int, int]
 
 
 def _best_fit_decreasing(rows: np.ndarray, budget: int) -> list[list[int]]:
-    """Items (largest first) into the fullest bin they fit, bins of ``budget`` rows."""
+    """Items (largest first) into the fullest bin they fit, bins of ``budget`` rows.
+
+    Open bins are kept by their free rows: a sorted list of the distinct free-row values
+    (at most ``min(budget + 1, bins)`` of them) and a stack of bins per value, so each item
+    costs one bisection over the distinct values, never a pass over the bins.
+    """
     bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free rows, bin), sorted
+    rooms: list[int] = []  # distinct free-row values of open bins, ascending
+    at_room: dict[int, list[int]] = {}  # free rows -> bins with exactly that room
     for item in np.argsort(-rows, kind="stable").tolist():
         size = int(rows[item])
-        at = bisect.bisect_left(free, (size, -1))
-        if at < len(free):
-            room, b = free.pop(at)
+        i = bisect.bisect_left(rooms, size)
+        if i < len(rooms):
+            room = rooms[i]
+            b = at_room[room].pop()
+            if not at_room[room]:
+                del at_room[room], rooms[i]
         else:
             room, b = budget, len(bins)
             bins.append([])
         bins[b].append(item)
-        bisect.insort(free, (room - size, b))
+        left = room - size
+        if left not in at_room:
+            at_room[left] = []
+            bisect.insort(rooms, left)
+        at_room[left].append(b)
     return bins
+
+
+def _assign(rows: np.ndarray, costs: np.ndarray, ranks: int, room: int | None) -> np.ndarray | None:
+    """The rank of each piece: costliest first onto the least loaded rank (longest processing
+    time first), among ranks with ``room`` rows still free if given; None if a piece finds
+    no rank with room."""
+    owner = np.empty(len(rows), dtype=np.int64)
+    heap = [(0.0, r) for r in range(ranks)]  # (load, rank)
+    free = [room] * ranks
+    for k in np.argsort(-costs, kind="stable").tolist():
+        size, skipped = int(rows[k]), []
+        while heap:
+            load, r = heapq.heappop(heap)
+            if room is None or free[r] >= size:
+                break
+            skipped.append((load, r))
+        else:
+            return None
+        owner[k] = r
+        if room is not None:
+            free[r] -= size
+        heapq.heappush(heap, (load + float(costs[k]), r))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return owner
 
 
 def plan(sequences, *, max_tokens: int, world_size: int = 1,
@@ -164,20 +213,22 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     the mean. With ``pad_to_multiple_of``, ``max_tokens`` must be a multiple of it (padded
     packs stay within the budget).
     """
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r} must be a positive int (rows per pack)")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
+    max_tokens = positive_int(max_tokens, "max_tokens", hint=" (rows per pack)")
+    world_size = positive_int(world_size, "world_size", hint=" (data-parallel ranks)")
+    if isinstance(pair_cost, bool) or not isinstance(pair_cost, numbers.Real) or not (
+            math.isfinite(pair_cost) and pair_cost >= 0):
+        raise ValueError(f"pair_cost={pair_cost!r} must be a finite number >= 0 (the cost of "
+                         "a visible attention pair in rows; default 1 / (6 x 4096))")
     if pad_to_multiple_of is not None:
-        if not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int")
+        pad_to_multiple_of = positive_int(pad_to_multiple_of, "pad_to_multiple_of",
+                                          maximum=MAX_PAD_MULTIPLE)
         if max_tokens % pad_to_multiple_of:
             raise ValueError(
                 f"max_tokens={max_tokens} is not a multiple of pad_to_multiple_of="
                 f"{pad_to_multiple_of}: a padded pack could exceed the budget; use "
                 f"max_tokens={max_tokens // pad_to_multiple_of * pad_to_multiple_of or pad_to_multiple_of}"
             )
-    ids = _as_id_arrays(sequences)
+    ids = validate_sequences(sequences)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
     too_long = np.flatnonzero(lengths > max_tokens)
     if too_long.size:
@@ -210,35 +261,35 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     piece_pairs = np.add.reduceat(seq_pairs, start) + first * (first + 1) // 2
     piece_cost = piece_rows + pair_cost * piece_pairs
 
-    # Largest cost first onto the least loaded rank that can still hold it in m packs.
-    m = max(1, -(-int(piece_rows.sum()) // (world_size * max_tokens)))
-    by_cost = np.argsort(-piece_cost, kind="stable")
-    while True:
-        load = np.zeros(world_size)
-        room = np.full(world_size, m * max_tokens, dtype=np.int64)
-        owner = np.empty(len(start), dtype=np.int64)
-        for k in by_cost:
-            ok = np.flatnonzero(room >= piece_rows[k])
-            if not ok.size:
-                break
-            r = ok[np.argmin(load[ok])]
-            owner[k] = r
-            load[r] += piece_cost[k]
-            room[r] -= piece_rows[k]
-        else:
-            bins = [_best_fit_decreasing(piece_rows[owner == r], max_tokens)
-                    for r in range(world_size)]
-            if max(len(b) for b in bins) <= m:
-                break
-        m += 1
+    # Pieces onto ranks by cost (largest first onto the least loaded rank), then each rank's
+    # pieces into packs (best fit, largest first). First try the fewest packs per rank that
+    # could hold the rows, m0, keeping each rank within m0 packs' rows; if some rank then needs
+    # more packs, balance costs freely and give every rank as many packs as the fullest needs.
+    m0 = max(1, -(-int(piece_rows.sum()) // (world_size * max_tokens)))
+    for room in (m0 * max_tokens, None):
+        owner = _assign(piece_rows, piece_cost, world_size, room)
+        if owner is None:
+            continue
+        mine = [np.flatnonzero(owner == r) for r in range(world_size)]
+        bins = [[mine[r][b] for b in _best_fit_decreasing(piece_rows[mine[r]], max_tokens)]
+                for r in range(world_size)]
+        m = max(len(b) for b in bins)
+        if room is None or m <= m0:
+            break
 
     tree_of = np.searchsorted(tree_start, start, side="right") - 1
+    rows_of, pairs_of = piece_rows.tolist(), piece_pairs.tolist()
     specs = []
     for r in range(world_size):
-        mine = np.flatnonzero(owner == r)
         rank_specs = []
         for members in bins[r]:
-            pieces = np.sort(mine[members])  # pieces are numbered in sorted order
+            if len(members) == 1:  # the common case under a tight budget: no numpy per pack
+                (p,) = members
+                rows, pairs = rows_of[p], pairs_of[p]
+                rank_specs.append(PackSpec(np.sort(order[start[p]:end[p]]), rows, pairs,
+                                           rows + pair_cost * pairs))
+                continue
+            pieces = np.sort(members)  # pieces are numbered in sorted order
             rows, pairs = int(piece_rows[pieces].sum()), int(piece_pairs[pieces].sum())
             # Two runs of one split tree in the same pack share their common prefix again.
             for p, q in zip(pieces[:-1], pieces[1:]):

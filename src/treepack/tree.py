@@ -24,11 +24,15 @@ import torch
 from torch import Tensor
 
 from treepack import logprobs as _logprobs
+from treepack.checks import positive_int
 from treepack import mask as _mask
 from treepack.forest import ForestStats, Layout, build_layout
 from treepack.forest import forest_stats as _forest_stats
 
-__all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats"]
+__all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
+           "validate_sequences", "MAX_PAD_MULTIPLE"]
+
+MAX_PAD_MULTIPLE = 1 << 20  # rows: far beyond any block or compile bucket
 
 
 class Segments(NamedTuple):
@@ -191,15 +195,12 @@ class TreePack:
             TypeError / ValueError: a sequence that is empty, not 1-D, not integer, or holds a
                 negative id (the message names it); a bad ``pad_to_multiple_of`` or ``seq_ids``.
         """
-        ids = _as_id_arrays(sequences)
+        ids = validate_sequences(sequences)
         seq_ids = _check_seq_ids(seq_ids, len(ids))
-        if pad_to_multiple_of is not None and (
-            not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1
-        ):
-            raise ValueError(
-                f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int (or None "
-                "for no padding)"
-            )
+        if pad_to_multiple_of is not None:
+            pad_to_multiple_of = positive_int(
+                pad_to_multiple_of, "pad_to_multiple_of", maximum=MAX_PAD_MULTIPLE,
+                hint=" (padding rows per multiple; None for no padding)")
         if not isinstance(share_prefixes, bool):
             raise TypeError(f"share_prefixes={share_prefixes!r} must be True or False")
         layout = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes)
@@ -213,8 +214,7 @@ class TreePack:
         For ranks that have fewer packs than others in a step: running it keeps collectives
         (DDP, FSDP) in step and adds nothing to any loss or gradient.
         """
-        if not isinstance(num_rows, int) or num_rows < 1:
-            raise ValueError(f"num_rows={num_rows!r} must be a positive int")
+        num_rows = positive_int(num_rows, "num_rows", maximum=MAX_PAD_MULTIPLE)
         none = np.zeros(0, dtype=np.int64)
         pad = np.arange(num_rows)
         layout = Layout(
@@ -379,6 +379,36 @@ class TreePack:
         :meth:`token_logprobs` (``out[s, p]`` is the entropy at row ``rows[s, p-1]``)."""
         return _logprobs.token_entropy(self, logits, temperature=temperature)
 
+    def completion_mask(self, prompt_lengths) -> Tensor:
+        """BoolTensor [N, L]: the predictions of completion tokens, for a loss on them only.
+
+        Args:
+            prompt_lengths: [N] tokens of each sequence's prompt, in this pack's order (for
+                a pack from :func:`treepack.plan`, index your batch's lengths with
+                :attr:`seq_ids`: ``pack.completion_mask(prompt_lens[pack.seq_ids])``).
+
+        Returns:
+            ``mask[s, p]`` True where ``prompt_lengths[s] <= p < lengths[s]`` (and p >= 1):
+            exactly where :meth:`token_logprobs` holds the log-prob of a completion token.
+
+        Raises:
+            ValueError: not one non-negative integer per sequence, or a prompt longer than
+                its sequence.
+        """
+        plen = torch.as_tensor(prompt_lengths)
+        if plen.shape != (self.num_sequences,) or plen.dtype.is_floating_point or \
+                plen.dtype == torch.bool:
+            raise ValueError(f"prompt_lengths must be {self.num_sequences} integers, one per "
+                             f"sequence of the pack, got {plen.dtype} {tuple(plen.shape)}")
+        plen = plen.to(self.device)
+        bad = (plen < 0) | (plen > self.lengths)
+        if bad.any():
+            s = int(bad.nonzero()[0, 0])
+            raise ValueError(f"prompt_lengths[{s}] = {int(plen[s])} but sequence {s} has "
+                             f"{int(self.lengths[s])} tokens")
+        positions = torch.arange(self.max_length, device=self.device)
+        return (positions >= plen[:, None]) & self.prediction_mask
+
     def unpack(self, x: Tensor) -> Tensor:
         """Map a per-row tensor [T', ...] to the original layout [N, L, ...].
 
@@ -406,11 +436,14 @@ def _check_seq_ids(seq_ids, n: int) -> np.ndarray:
     if out.shape != (n,) or (n and out.dtype.kind not in "iu"):
         raise ValueError(f"seq_ids must be {n} integers, one per sequence; got shape "
                          f"{out.shape} of {out.dtype}")
+    if n and out.dtype == np.uint64 and out.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"seq_ids holds {out.max()}, beyond int64: use indices into your batch")
     return out.astype(np.int64, copy=False)
 
 
-def _as_id_arrays(sequences) -> list[np.ndarray]:
-    """Validate the input sequences and return them as 1-D int64 numpy arrays."""
+def validate_sequences(sequences) -> list[np.ndarray]:
+    """The input sequences as 1-D int64 numpy arrays, after the checks of
+    :meth:`TreePack.from_sequences` (raises naming the sequence, the value and the fix)."""
     if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim == 1:
         raise TypeError(
             f"sequences is one 1-D {type(sequences).__name__}; pass a list of sequences, e.g. "
@@ -440,6 +473,10 @@ def _as_id_arrays(sequences) -> list[np.ndarray]:
                 )
             arr = seq.detach().cpu().numpy()
         else:
+            if isinstance(seq, (list, tuple)) and bool in set(map(type, seq)):
+                at = list(map(type, seq)).index(bool)  # C-level scans, only on failure
+                raise TypeError(f"sequence {i} holds {seq[at]!r} at position {at}; token ids "
+                                "must be integers, not True / False")
             arr = np.asarray(seq)
         if arr.ndim == 0:
             raise TypeError(
@@ -456,6 +493,9 @@ def _as_id_arrays(sequences) -> list[np.ndarray]:
                 "before packing)"
             )
         if arr.dtype.kind not in "iu":
+            if isinstance(seq, (list, tuple)) and all(isinstance(x, int) for x in seq[:1]):
+                big = max(seq, key=abs)  # Python ints numpy could not hold as int64
+                raise ValueError(f"sequence {i} has a token id {big} beyond int64")
             raise TypeError(
                 f"sequence {i} has dtype {arr.dtype} (first value {arr[0]!r}); token ids "
                 "must be integers"
@@ -483,4 +523,4 @@ def forest_stats(sequences) -> ForestStats:
     datasets: ``packed_tokens``, ``token_ratio``, visible attention pairs packed vs
     unpacked, and the number of trees.
     """
-    return _forest_stats(_as_id_arrays(sequences))
+    return _forest_stats(validate_sequences(sequences))

@@ -22,8 +22,6 @@ granite    attention/embedding/residual multipliers, logits_scaling after the LM
 
 from __future__ import annotations
 
-import torch
-
 __all__ = ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config", "qwen25_05b_config",
            "MODELS"]
 
@@ -72,11 +70,14 @@ def tiny_config(family: str, *, layers: int = 2, **overrides):
     return config
 
 
-def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=torch.float32,
+def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
                attn_implementation: str | None = None, **overrides):
-    """A random-init tiny causal LM of ``family`` in ``dtype`` (deterministic for ``seed``)."""
+    """A random-init tiny causal LM of ``family`` in ``dtype`` (default float32;
+    deterministic for ``seed``)."""
+    import torch
     import transformers
 
+    dtype = dtype or torch.float32
     config = tiny_config(family, layers=layers, **overrides)
     extra = {}
     if hasattr(config, "num_local_experts") and dtype == torch.float64:
