@@ -7,7 +7,10 @@ Workloads (built-in, deterministic):
          16 agent prompts x 4 trajectories x 4 steps (prompts ~1024, responses ~256, tool
          outputs ~192, +-50 %): 512 sequences
   64k    6144 GRPO groups x 8 rollouts (prompts ~64, responses ~32) and 1024 agent prompts x
-         4 trajectories x 4 steps (prompts ~48, responses ~16, tools ~8): 65,536 sequences
+         4 trajectories x 4 steps (prompts ~48, responses ~16, tools ~8): 65,536 sequences,
+         planned at budgets 8192, 16384 and 160 rows (cut to 160 tokens for the last)
+  grpo   4k / 8k / 16k sequences: 512-token prompts x 8 rollouts of 1000-3500 tokens, 4096
+         rows per pack, 8 ranks
 """
 
 from __future__ import annotations
@@ -75,8 +78,9 @@ def main():
     seqs = many()
     tokens = sum(len(s) for s in seqs)
     print(f"64k: {len(seqs):,} sequences, {tokens:,} tokens")
-    tight = max(len(s) for s in seqs)  # the smallest budget that holds every sequence
-    for budget, world in ((8192, 1), (8192, 8), (tight, 8), (16384, 8)):
+    for budget, world in ((8192, 1), (8192, 8), (160, 8), (16384, 8)):
+        if budget == 160:  # the tight budget of the reliability issue: every sequence fits
+            seqs = [s[:160] for s in seqs]
         seconds, p = best_of(lambda: plan(seqs, max_tokens=budget, world_size=world))
         build, _ = best_of(lambda: p.packs(0), repeats=1)
         results["speed"].append(dict(workload="64k", budget=budget, world=world,

@@ -3,6 +3,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import treepack  # noqa: E402
 from treepack import TreePack, hf, zoo  # noqa: E402
 from treepack.verification import verification_batch, verify  # noqa: E402
 
@@ -419,3 +420,19 @@ def test_verify_passes_float64_against_the_floor_of_two_unpacked_runs(family):
     report = verify(zoo.tiny_model(family, dtype=torch.float64).eval(), SEQS)
     assert report.passed, str(report)
     assert report.floor_errors is not None and "floor" in str(report)
+
+
+def test_a_flat_pack_gives_the_dense_packs_values_sequence_after_sequence():
+    model = zoo.tiny_model("mixtral", dtype=torch.float64)  # the router loss reads rows too
+    dense = TreePack.from_sequences(SEQS)
+    flat = TreePack.from_sequences(SEQS, layout="flat")
+    valid = dense.rows >= 0
+    out_d = hf.forward(model, dense, output_router_logits=True)
+    out_f = hf.forward(model, flat, output_router_logits=True)
+    torch.testing.assert_close(out_f.aux_loss, out_d.aux_loss, rtol=1e-12, atol=0)
+    assert torch.equal(flat.token_logprobs(out_f.logits[0]),
+                       dense.token_logprobs(out_d.logits[0])[valid])
+    hidden = hf.forward(model, flat, return_hidden=True).last_hidden_state[0]
+    lean = treepack.logprobs_from_hidden(flat, hidden, **hf.lm_head(model))
+    torch.testing.assert_close(lean, dense.token_logprobs(out_d.logits[0])[valid],
+                               rtol=0, atol=1e-12)

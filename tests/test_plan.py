@@ -167,9 +167,10 @@ def test_planning_65536_sequences_is_fast_at_any_budget():
     seqs = grpo_batch(groups=6144, rollouts=8, prompt_len=64, response_len=32, jitter=0.5) + \
         agent_batch(prompts=1024, trajectories=4, steps=4, prompt_len=48, response_len=16,
                     tool_len=8, jitter=0.5, seed=3)
-    tight = max(len(s) for s in seqs)
-    for budget in (tight, 16384):
+    for budget in (160, 16384):
+        if budget == 160:
+            seqs = [s[:160] for s in seqs]
         t = time.perf_counter()
         p = plan(seqs, max_tokens=budget, world_size=8)
-        assert time.perf_counter() - t < 5.0  # 0.46-0.72 s on 2 CPU cores (BENCHMARKS.md)
+        assert time.perf_counter() - t < 5.0  # 0.43-0.79 s on 2 CPU cores (BENCHMARKS.md)
         assert p.imbalance < 1.01 and len({len(r) for r in p.specs}) == 1

@@ -345,3 +345,53 @@ def test_completion_mask_marks_the_predictions_of_completion_tokens():
         pack.completion_mask([1, 4, 1])
     with pytest.raises(ValueError, match="must be 3 integers"):
         pack.completion_mask([1.0, 2.0, 1.0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=10), st.sampled_from([None, 8]))
+def test_flat_layout_holds_the_dense_layouts_valid_entries_in_order(seqs, pad):
+    from treepack import logprobs_from_hidden
+    from treepack.attention import TreeAttention
+
+    dense = TreePack.from_sequences(seqs, pad_to_multiple_of=pad)
+    flat = TreePack.from_sequences(seqs, pad_to_multiple_of=pad, layout="flat")
+    assert (dense.layout, flat.layout) == ("dense", "flat") and "layout=flat" in repr(flat)
+    valid = dense.rows >= 0  # row-major: sequence after sequence
+    lengths = [len(s) for s in seqs]
+    assert flat.offsets.tolist() == np.cumsum([0] + lengths).tolist()
+    assert torch.equal(flat.offsets, dense.offsets)
+    for name in ("input_ids", "position_ids", "subtree_end", "parent_row", "lengths"):
+        assert torch.equal(getattr(flat, name), getattr(dense, name)), name
+    assert torch.equal(flat.rows, dense.rows[valid])
+    assert torch.equal(flat.prediction_mask, dense.prediction_mask[valid])
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(dense.num_rows, 3, generator=g, dtype=torch.float64)
+    for fn in ("token_logprobs", "token_entropy", "unpack"):
+        assert torch.equal(getattr(flat, fn)(logits), getattr(dense, fn)(logits)[valid]), fn
+    plens = torch.tensor([min(2, n) for n in lengths])
+    assert torch.equal(flat.completion_mask(plens), dense.completion_mask(plens)[valid])
+    h = torch.randn(dense.num_rows, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(logprobs_from_hidden(flat, h, w),
+                               logprobs_from_hidden(dense, h, w)[valid], rtol=0, atol=1e-13)
+    q = torch.randn(1, 2, dense.num_rows, 8, generator=g, dtype=torch.float64)
+    for backend in ("segment", "varlen"):
+        assert torch.equal(TreeAttention(flat, backend)(q, q, q, window=3),
+                           TreeAttention(dense, backend)(q, q, q, window=3)), backend
+
+
+def test_flat_layout_never_pays_n_times_the_longest_sequence():
+    # One 100,000-token sequence and 5,000 one-token ones: [N, L] tables would be 5,001 x
+    # 100,000 (4.5 GB of int64 rows and bool masks; measured at 5.0 GB before the flat layout).
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(1, 1000, 100_000)] + [[int(t)] for t in rng.integers(1, 1000, 5000)]
+    tracemalloc.start()
+    pack = TreePack.from_sequences(seqs, layout="flat")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 << 20, f"{peak / 2**20:.0f} MiB"
+    assert pack.rows.shape == (105_000,) and pack.num_predictions == 99_999
+    logps = pack.token_logprobs(torch.zeros(pack.num_rows, 1000))
+    assert logps.shape == (105_000,)

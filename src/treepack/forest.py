@@ -97,25 +97,30 @@ class Layout(NamedTuple):
     position_ids: np.ndarray  # [T']
     subtree_end: np.ndarray  # [T']
     parent_row: np.ndarray  # [T'] the row of the previous token on the path, -1 at a root
-    rows: np.ndarray  # [N, L]
+    rows: np.ndarray  # [N, L], or [total] when flat
     lengths: np.ndarray  # [N]
-    prediction_mask: np.ndarray  # [N, L]
+    offsets: np.ndarray  # [N + 1] where each sequence starts in the flat layout
+    prediction_mask: np.ndarray  # [N, L], or [total] when flat
     seg_start: np.ndarray  # [S]
     seg_end: np.ndarray  # [S]
     seg_parent: np.ndarray  # [S]
     seg_sequence: np.ndarray  # [S] an input sequence whose path passes through the segment
     pred_source: np.ndarray  # [M]
     pred_target: np.ndarray  # [M]
-    pred_index: np.ndarray  # [M]
+    pred_index: np.ndarray  # [M] s * L + p, or offsets[s] + p when flat
     num_tokens: int  # T
     num_prediction_rows: int
 
 
-def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True) -> Layout:
+def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True,
+                 flat: bool = False) -> Layout:
     """The whole layout from validated 1-D int64 id arrays (see the module doc).
 
     With ``share=False`` nothing is merged: the sequences are laid out back to back in input
-    order, each its own tree (padding-free packing), as if no two shared a prefix.
+    order, each its own tree (padding-free packing), as if no two shared a prefix. With
+    ``flat`` the per-token tables (``rows``, ``prediction_mask`` and the prediction indices)
+    are [total tokens], sequence after sequence (``offsets``), instead of [N, L]: nothing
+    costs N x the longest length.
     """
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
@@ -152,15 +157,24 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
     parent_row = np.arange(T) - 1  # inside a segment the parent is the row before
     parent_row[seg_start] = np.where(seg_parent >= 0, seg_end[seg_parent] - 1, -1)
 
-    rows, values = _rows(order, lcp, s_len, base, pse, lengths)
+    values = _rows(order, lcp, s_len, base, pse)  # [total]: each sequence's rows in order
     # Predictions: every token but each sequence's first, from the row before it.
     total = values.shape[0]
-    first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    offsets = np.concatenate(([0], np.cumsum(lengths)))  # [N + 1]
     later = np.ones(total, dtype=bool)
-    later[first] = False
-    L = rows.shape[1]
-    flat_pos = np.arange(total) + np.repeat(np.arange(n) * L - first, lengths)  # s * L + p
-    pred_index = flat_pos[later]
+    later[offsets[:-1]] = False
+    if flat:
+        rows, prediction_mask, position = values, later, np.arange(total)
+    else:
+        L = int(lengths.max())
+        position = np.arange(total) + np.repeat(np.arange(n) * L - offsets[:-1], lengths)
+        rows = np.full(n * L, -1, dtype=np.int64)  # s * L + p, no [N, L] temporaries
+        rows[position] = values
+        rows = rows.reshape(n, L)
+        prediction_mask = np.zeros(n * L, dtype=bool)
+        prediction_mask[position[later]] = True
+        prediction_mask = prediction_mask.reshape(n, L)
+    pred_index = position[later]
     pred_source = values[:-1][later[1:]]
     pred_target = np.concatenate(ids)[later]
     # A row predicts something iff it has a child: all rows but the last of a leaf segment.
@@ -176,7 +190,8 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
         parent_row=np.concatenate((parent_row, np.full_like(pad, -1))),
         rows=rows,
         lengths=lengths,
-        prediction_mask=rows_mask(lengths, L, start=1),
+        offsets=offsets,
+        prediction_mask=prediction_mask,
         seg_start=seg_start,
         seg_end=seg_end,
         seg_parent=seg_parent,
@@ -189,14 +204,8 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
     )
 
 
-def rows_mask(lengths: np.ndarray, width: int, start: int = 0) -> np.ndarray:
-    """[N, width] bool, True at ``start <= p < lengths[s]``."""
-    p = np.arange(width)
-    return (p >= start) & (p < lengths[:, None])
-
-
-def _rows(order, lcp, s_len, base, pse, lengths) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` [N, L] in the original order, and its valid entries in row-major order.
+def _rows(order, lcp, s_len, base, pse) -> np.ndarray:
+    """The packed row of every token of every sequence, sequences in the original order.
 
     Sorted sequence k's path is a chain of pieces: its own new rows (depths lcp[k] ..
     len[k]-1), then depths lcp[j] .. lcp[k]-1 owned by j = pse[k], and so on up to a root.
@@ -215,11 +224,7 @@ def _rows(order, lcp, s_len, base, pse, lengths) -> tuple[np.ndarray, np.ndarray
     # Pieces in (original sequence, depth) order are the row-major order of valid entries.
     pick = np.lexsort((lo, order[seq]))
     own, lo, hi = own[pick], lo[pick], hi[pick]
-    values = ragged_arange(base[own] - lcp[own] + lo, hi - lo)
-    L = int(lengths.max())
-    rows = np.full((n, L), -1, dtype=np.int64)
-    rows[rows_mask(lengths, L)] = values
-    return rows, values
+    return ragged_arange(base[own] - lcp[own] + lo, hi - lo)
 
 
 class ForestStats(NamedTuple):

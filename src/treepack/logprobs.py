@@ -53,10 +53,11 @@ def _check_vocab(pack: TreePack, vocab: int) -> None:
 
 
 def _to_layout(pack: TreePack, values: Tensor) -> Tensor:
-    """Place per-occurrence values [M] at their [N, L] positions, 0 elsewhere."""
-    n, L = pack.rows.shape
-    out = values.new_zeros(n * L).index_put((pack.predictions.index,), values)
-    return out.view(n, L)
+    """Place per-occurrence values [M] at their positions in the pack's layout ([N, L], or
+    [total] when flat), 0 elsewhere."""
+    shape = pack.rows.shape
+    out = values.new_zeros(pack.rows.numel()).index_put((pack.predictions.index,), values)
+    return out.view(shape)
 
 
 def token_logprobs(pack: TreePack, logits: Tensor, *, temperature: float = 1.0) -> Tensor:

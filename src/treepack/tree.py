@@ -76,8 +76,9 @@ class HostLayout(NamedTuple):
     segment_end: np.ndarray  # [S] int64
     segment_parent: np.ndarray  # [S] int64
     segment_sequence: np.ndarray  # [S] int64, an input sequence passing through the segment
-    rows: np.ndarray  # [N, L] int64, as TreePack.rows
+    rows: np.ndarray  # [N, L] int64 (or [total] in the flat layout), as TreePack.rows
     parent_row: np.ndarray  # [T'] int64, as TreePack.parent_row
+    offsets: np.ndarray  # [N + 1] int64, as TreePack.offsets
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -148,9 +149,11 @@ class TreePack:
     subtree_end: Tensor  # [T'] one past the last row of the row's subtree (j + 1 for padding)
     parent_row: Tensor  # [T'] row of the previous token on the path; -1 at roots and padding
     rows: Tensor  # [N, L] packed row of token p of sequence s, -1 beyond its length
+    # (flat layout: [total], rows[offsets[s] + p])
     lengths: Tensor  # [N] length of each input sequence
+    offsets: Tensor  # [N + 1] where each sequence starts in the flat layout (cumsum of lengths)
     seq_ids: Tensor  # [N] index of each sequence in the caller's batch (arange(N) by default)
-    prediction_mask: Tensor  # [N, L] True where logps[s, p] is a real prediction (1 <= p < len)
+    prediction_mask: Tensor  # [N, L] (flat: [total]) True where logps is a real prediction
     segments: Segments
     predictions: Predictions
     num_tokens: int  # T: distinct rows, padding excluded
@@ -172,6 +175,7 @@ class TreePack:
         device: torch.device | str | None = None,
         seq_ids=None,
         share_prefixes: bool = True,
+        layout: str = "dense",
     ) -> TreePack:
         """Merge token sequences into one prefix forest.
 
@@ -190,6 +194,12 @@ class TreePack:
                 packing (one row per original token), through the same code path, backends
                 and outputs: the baseline to compare tree packing with, and a layout for data
                 without shared prefixes.
+            layout: ``"dense"`` (default): per-token tables and outputs (``rows``,
+                ``prediction_mask``, :meth:`token_logprobs`, ...) are ``[N, L]``, label
+                aligned. ``"flat"``: they are ``[total tokens]``, sequence after sequence
+                (:attr:`offsets`, as ``cu_seqlens``), so a batch of very uneven lengths never
+                costs N x the longest; the layout of padding-free trainers (verl's nested
+                tensors).
 
         Raises:
             TypeError / ValueError: a sequence that is empty, not 1-D, not integer, or holds a
@@ -203,8 +213,12 @@ class TreePack:
                 hint=" (padding rows per multiple; None for no padding)")
         if not isinstance(share_prefixes, bool):
             raise TypeError(f"share_prefixes={share_prefixes!r} must be True or False")
-        layout = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes)
-        pack = cls._from_layout(layout, seq_ids)
+        if layout not in ("dense", "flat"):
+            raise ValueError(f"layout={layout!r}: choose 'dense' ([N, L] outputs) or 'flat' "
+                             "([total tokens] outputs, sequence after sequence)")
+        tables = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes,
+                              flat=layout == "flat")
+        pack = cls._from_layout(tables, seq_ids)
         return pack if device is None else pack.to(device)
 
     @classmethod
@@ -220,7 +234,7 @@ class TreePack:
         layout = Layout(
             input_ids=np.zeros(num_rows, dtype=np.int64), position_ids=np.zeros_like(pad),
             subtree_end=pad + 1, parent_row=np.full_like(pad, -1),
-            rows=np.zeros((0, 0), dtype=np.int64), lengths=none,
+            rows=np.zeros((0, 0), dtype=np.int64), lengths=none, offsets=np.zeros(1, np.int64),
             prediction_mask=np.zeros((0, 0), dtype=bool), seg_start=none, seg_end=none,
             seg_parent=none, seg_sequence=none, pred_source=none, pred_target=none,
             pred_index=none, num_tokens=0, num_prediction_rows=0,
@@ -241,6 +255,7 @@ class TreePack:
             segment_sequence=lay.seg_sequence,
             rows=lay.rows,
             parent_row=lay.parent_row,
+            offsets=lay.offsets,
         )
         return cls(
             input_ids=t(lay.input_ids),
@@ -249,6 +264,7 @@ class TreePack:
             parent_row=t(lay.parent_row),
             rows=t(lay.rows),
             lengths=t(lay.lengths),
+            offsets=t(lay.offsets),
             seq_ids=t(seq_ids),
             prediction_mask=t(lay.prediction_mask),
             segments=Segments(t(lay.seg_start), t(lay.seg_end), t(lay.seg_parent)),
@@ -297,12 +313,18 @@ class TreePack:
     @property
     def num_sequences(self) -> int:
         """N, the number of input sequences."""
-        return self.rows.shape[0]
+        return self.lengths.shape[0]
 
     @property
     def max_length(self) -> int:
         """L, the longest input sequence (the width of the ``[N, L]`` layout)."""
-        return self.rows.shape[1]
+        return int(self.host.lengths.max(initial=0))
+
+    @property
+    def layout(self) -> str:
+        """``"dense"``: per-token outputs are ``[N, L]``; ``"flat"``: ``[total tokens]``,
+        sequence ``s`` at ``offsets[s] .. offsets[s + 1]``."""
+        return "flat" if self.rows.dim() == 1 else "dense"
 
     @property
     def num_rows(self) -> int:
@@ -328,7 +350,8 @@ class TreePack:
         return (
             f"TreePack(sequences={self.num_sequences}, rows={self.num_tokens}{pad}, "
             f"original_tokens={self.num_original_tokens}, token_ratio={self.token_ratio:.3f}, "
-            f"segments={self.num_segments}, predictions={self.num_predictions})"
+            f"segments={self.num_segments}, predictions={self.num_predictions}"
+            + (", layout=flat)" if self.layout == "flat" else ")")
         )
 
     # ------------------------------------------------------------------ attention masks
@@ -406,11 +429,18 @@ class TreePack:
             s = int(bad.nonzero()[0, 0])
             raise ValueError(f"prompt_lengths[{s}] = {int(plen[s])} but sequence {s} has "
                              f"{int(self.lengths[s])} tokens")
+        if self.layout == "flat":
+            lengths = self.lengths.to(self.device)
+            start = self.offsets[:-1]
+            position = torch.arange(self.num_original_tokens, device=self.device) - \
+                torch.repeat_interleave(start, lengths)  # [total] p of each token
+            return (position >= torch.repeat_interleave(plen, lengths)) & self.prediction_mask
         positions = torch.arange(self.max_length, device=self.device)
         return (positions >= plen[:, None]) & self.prediction_mask
 
     def unpack(self, x: Tensor) -> Tensor:
-        """Map a per-row tensor [T', ...] to the original layout [N, L, ...].
+        """Map a per-row tensor [T', ...] to the original layout [N, L, ...] (flat layout:
+        [total, ...]).
 
         ``out[s, p] = x[rows[s, p]]`` and 0 beyond each sequence's length. The inverse of
         packing: a shared row is copied to every occurrence, and in backward each
@@ -421,6 +451,8 @@ class TreePack:
                 f"unpack expects a per-row tensor of shape [T'={self.num_rows}, ...], got "
                 f"{tuple(x.shape)}; for a model output of shape [1, T', ...] pass out[0]"
             )
+        if self.layout == "flat":
+            return x[self.rows]
         valid = self.rows >= 0
         out = x[self.rows.clamp(min=0)]
         return out.masked_fill(~valid.view(*valid.shape, *([1] * (x.dim() - 1))), 0)

@@ -80,8 +80,9 @@ def chains(pack: TreePack, window: int | None = None) -> Chains:
     real = start < pack.num_tokens
     seq = np.zeros_like(start)
     seq[real] = h.segment_sequence[np.searchsorted(h.segment_start, start[real])]
-    L = h.rows.shape[1] if h.rows.size else 0
-    context_rows = h.rows.reshape(-1)[ragged_arange(seq * L + lo, context)]
+    # where sequence `seq`'s rows start in the flattened rows table ([N, L] or flat)
+    first = h.offsets[seq] if h.rows.ndim == 1 else seq * (h.rows.shape[1] if h.rows.size else 0)
+    context_rows = h.rows.reshape(-1)[ragged_arange(first + lo, context)]
     key_length = context + length
     key_start = np.cumsum(key_length) - key_length
     key_rows = np.empty(int(key_length.sum()), dtype=np.int64)
