@@ -320,3 +320,12 @@ def test_varlen_refuses_what_flash_cannot_do_and_says_why():
     q, k, v = qkv(pack)
     with pytest.raises(RuntimeError, match="varlen.*dropout=0.1.*segment"):
         TreeAttention(pack, "varlen")(q, k, v, dropout=0.1)
+
+
+def test_flex_refuses_float64_on_cpu_with_its_reason():
+    # It used to end in a 100-line InductorError from the compiled CPU template.
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=16)
+    q, k, v = qkv(pack, dtype=torch.float64)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="backend='flex' cannot run here: "
+                                                            ".*does not take float64.*segment"):
+        TreeAttention(pack, "flex")(q, k, v)
