@@ -18,11 +18,14 @@ OUT = Path(__file__).with_name("api.md")
 
 SECTIONS = [
     ("treepack", ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
-                  "ForestStats", "logprobs_from_hidden", "TokenLogprobs", "plan", "Plan",
-                  "PackSpec", "collate", "verify", "VerifyReport"]),
+                  "ForestStats", "logprobs_from_hidden", "logprobs_and_entropy_from_hidden",
+                  "TokenLogprobs", "plan", "Plan", "PackSpec", "collate", "verify",
+                  "VerifyReport"]),
     ("treepack.attention", ["TreeAttention", "BACKENDS", "CHOICES", "choose_backend"]),
-    ("treepack.hf", ["forward", "HiddenOutput", "prepare", "unprepare", "is_prepared", "unwrap",
-                     "lm_head", "row_multiplicity", "router_aux_loss"]),
+    ("treepack.hf", ["prepare", "restore", "prepared", "is_prepared", "original_attention",
+                     "forward", "forward_hidden", "HiddenOutput", "unwrap", "lm_head",
+                     "row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
+                     "UnsupportedModel"]),
     ("treepack.losses", ["MODES", "Denominators", "global_denominators", "aggregate",
                          "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty",
                          "entropy_bonus"]),

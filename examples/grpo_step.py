@@ -18,7 +18,7 @@ import treepack
 from treepack import hf, losses, zoo
 
 torch.manual_seed(0)
-policy = zoo.tiny_model("qwen2", layers=2)  # any transformers causal LM
+policy = hf.prepare(zoo.tiny_model("qwen2", layers=2))  # any transformers causal LM; treepack
 reference = copy.deepcopy(policy).eval()
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
 
@@ -40,25 +40,22 @@ advantages = advantages.flatten()  # [N], one per rollout: GRPO's group-normalis
 
 # ---- treepack: one pack for the whole batch (a planner splits bigger batches)
 pack = treepack.TreePack.from_sequences(sequences, pad_to_multiple_of=64)
-mask = pack.prediction_mask.clone()
-for s, n in enumerate(prompt_lengths):
-    mask[s, :n] = False  # supervise the completion only; the prompt still gets gradient
+mask = pack.completion_mask(prompt_lengths)  # the completion only; the prompt still gets gradient
 
 
-def logprobs(model, with_entropy=False):
+def logprobs(model):
     # treepack: one forward over the tree, log-probs back in [N, L] without [T', V] logits
-    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
-    return treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model),
-                                         with_entropy=with_entropy)
+    hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
+    return treepack.logprobs_and_entropy_from_hidden(pack, hidden, **hf.lm_head(model))
 
 
 with torch.no_grad():
-    old_logps = logprobs(policy)  # usually stored at rollout time
-    ref_logps = logprobs(reference)
+    old_logps = logprobs(policy).logprobs  # usually stored at rollout time
+    ref_logps = logprobs(reference).logprobs
 
 # ---- the trainer's own loss on [N, L]: nothing packed about it
 den = losses.global_denominators([mask])  # every pack and rank of the step (here: one)
-logps, entropy = logprobs(policy, with_entropy=True)
+logps, entropy = logprobs(policy)
 pg = losses.policy_loss(logps, old_logps, advantages, mask, clip=0.2, clip_high=0.28,
                         mode="token-mean", denominators=den)
 kl = losses.aggregate(losses.kl_penalty(logps, ref_logps, "k3"), mask, denominators=den)

@@ -109,11 +109,11 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from treepack import zoo
+    from treepack import hf, zoo
 
     init(rank, world, port)
     try:
-        core = zoo.tiny_model("llama", seed=1)
+        core = hf.prepare(zoo.tiny_model("llama", seed=1))
         model = DDP(core)
         _rank_step(model, rank, world,
                    lambda last: contextlib.nullcontext() if last else model.no_sync())
@@ -129,11 +129,11 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from torch.distributed.fsdp import fully_shard
 
-    from treepack import zoo
+    from treepack import hf, zoo
 
     init(rank, world, port)
     try:
-        model = zoo.tiny_model("llama", seed=1)
+        model = hf.prepare(zoo.tiny_model("llama", seed=1))
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)

@@ -8,6 +8,11 @@ from treepack import TreePack, hf, zoo  # noqa: E402
 from treepack.verification import verification_batch, verify  # noqa: E402
 
 SEQS = verification_batch(zoo.VOCAB)
+
+
+def tiny(*args, **kwargs):
+    """A zoo model, prepared for tree forwards (hf.forward refuses unprepared models)."""
+    return hf.prepare(zoo.tiny_model(*args, **kwargs))
 # transformers' eager attention (Gemma 2's reference) takes its softmax in float32 even in a
 # float64 model, so that reference is only float32-accurate.
 EAGER_REFERENCE = {"gemma2"}
@@ -28,7 +33,7 @@ def packed_flat(pack, logps):
 
 @pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
 def test_every_family_equals_each_sequence_alone_float64(family):
-    model = zoo.tiny_model(family, dtype=torch.float64)
+    model = tiny(family, dtype=torch.float64)
     expect = alone_logprobs(model, SEQS)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     flat = TreePack.from_sequences(SEQS, share_prefixes=False)  # the padding-free baseline
@@ -83,14 +88,31 @@ def test_verify_fails_when_siblings_leak(monkeypatch):
 
 
 def test_verify_refuses_dropout_in_training_mode():
-    model = zoo.tiny_model("llama", attention_dropout=0.1)
+    model = tiny("llama", attention_dropout=0.1)
     with pytest.raises(ValueError, match=r"dropout.*model.eval\(\)"):
         verify(model.train(), SEQS)
     assert verify(model.eval(), SEQS).passed  # eval mode: dropout is off
 
 
+def test_forward_never_changes_an_unprepared_model():
+    model = zoo.tiny_model("llama")
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"not prepared: call treepack.hf.prepare\(model\)"):
+        hf.forward(model, TreePack.from_sequences(SEQS))
+    assert model.config._attn_implementation == before and not hf.is_prepared(model)
+    pack = TreePack.from_sequences(SEQS)
+    with hf.prepared(model):  # a block: prepared inside, restored after
+        logits = hf.forward(model, pack).logits
+    assert model.config._attn_implementation == before and not hf.is_prepared(model)
+    assert hf.restore(hf.prepare(model)) is model and not hf.is_prepared(model)
+    hf.prepare(model)
+    with hf.prepared(model):  # an already prepared model stays prepared
+        torch.testing.assert_close(hf.forward(model, pack).logits, logits)
+    assert hf.is_prepared(model) and hf.original_attention(model) == before
+
+
 def test_prepared_model_runs_padded_batches_unchanged():
-    model = zoo.tiny_model("gemma2")
+    model = tiny("gemma2")
     ids = torch.randint(3, zoo.VOCAB, (3, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(3, 12, dtype=torch.long)
     mask[0, :4] = 0  # left padding
@@ -138,7 +160,7 @@ def assert_grads_close(a, b, tol=GRAD_TOL):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_tree_attention(reentrant):
-    model = zoo.tiny_model("qwen2", dtype=torch.float64).train()
+    model = tiny("qwen2", dtype=torch.float64).train()
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=8)
     loss, plain = loss_and_grads(model, pack)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -148,7 +170,7 @@ def test_gradient_checkpointing_recomputes_tree_attention(reentrant):
 
 
 def test_loss_masked_prompts_still_get_gradient_from_descendants():
-    model = zoo.tiny_model("mistral", dtype=torch.float64)
+    model = tiny("mistral", dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS)
     mask = torch.zeros(pack.rows.shape, dtype=torch.bool)
     for s, seq in enumerate(SEQS):
@@ -163,7 +185,7 @@ def test_loss_masked_prompts_still_get_gradient_from_descendants():
 
 
 def test_gradient_accumulation_over_packs_with_global_denominator():
-    model = zoo.tiny_model("llama", dtype=torch.float64)
+    model = tiny("llama", dtype=torch.float64)
     packs = [TreePack.from_sequences(SEQS[:7]), TreePack.from_sequences(SEQS[7:])]
     total = sum(p.num_predictions for p in packs)  # the global denominator
     model.zero_grad(set_to_none=True)
@@ -177,7 +199,7 @@ def test_gradient_accumulation_over_packs_with_global_denominator():
 
 
 def test_return_hidden_gives_the_lm_head_input():
-    model = zoo.tiny_model("gemma2", dtype=torch.float64)
+    model = tiny("gemma2", dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS)
     logits = hf.forward(model, pack).logits[0]
     hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
@@ -187,7 +209,7 @@ def test_return_hidden_gives_the_lm_head_input():
 
 
 def test_moe_aux_loss_counts_original_tokens():
-    model = zoo.tiny_model("mixtral", dtype=torch.float64)
+    model = tiny("mixtral", dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     out = hf.forward(model, pack, output_router_logits=True)
     L = max(len(s) for s in SEQS)
@@ -219,7 +241,7 @@ def test_moe_aux_loss_counts_original_tokens():
     ],
 )
 def test_forward_refuses_what_would_be_silently_wrong(kwargs, words):
-    model = zoo.tiny_model("llama")
+    model = tiny("llama")
     with pytest.raises(ValueError, match=words):
         hf.forward(model, TreePack.from_sequences(SEQS), **kwargs)
 
@@ -263,16 +285,16 @@ def test_refuses_recurrent_layers_and_attention_sinks():
         num_experts_per_tok=2, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     sinks = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(NotImplementedError, match="sinks"):
-        hf.forward(sinks, TreePack.from_sequences(SEQS))
+        hf.prepare(sinks)
 
 
 def test_pack_on_another_device_is_refused():
     with pytest.raises(ValueError, match="pack.to"):
-        hf.forward(zoo.tiny_model("llama"), TreePack.from_sequences(SEQS, device="meta"))
+        hf.forward(tiny("llama"), TreePack.from_sequences(SEQS, device="meta"))
 
 
 def test_flex_forward_on_cpu_equals_segment_through_the_model():
-    model = zoo.tiny_model("gemma2")  # sliding + full layers, soft-capping
+    model = tiny("gemma2")  # sliding + full layers, soft-capping
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=128)
     with torch.no_grad():
         flex = hf.forward(model, pack, "flex").logits
@@ -284,7 +306,7 @@ def test_flex_forward_on_cpu_equals_segment_through_the_model():
 def test_lean_logprobs_from_hidden_equal_the_logits_path(family):
     import treepack
 
-    model = zoo.tiny_model(family, dtype=torch.float64)
+    model = tiny(family, dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     expect = pack.token_logprobs(hf.forward(model, pack).logits[0])
     hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
@@ -293,7 +315,7 @@ def test_lean_logprobs_from_hidden_equal_the_logits_path(family):
 
 
 def test_lm_head_refuses_an_unknown_logit_transform():
-    model = zoo.tiny_model("cohere")  # multiplies its logits by logit_scale = 0.5
+    model = tiny("cohere")  # multiplies its logits by logit_scale = 0.5
     hf.lm_head(model)  # known: passes its self-check
     other = zoo.tiny_model("cohere", seed=3)
     other.config.logit_scale = None  # now the transform is invisible to lm_head
@@ -304,7 +326,7 @@ def test_lm_head_refuses_an_unknown_logit_transform():
 def test_a_pack_scored_under_inference_mode_still_trains():
     import treepack
 
-    model = zoo.tiny_model("qwen2")
+    model = tiny("qwen2")
     pack = TreePack.from_sequences(SEQS)
     with torch.inference_mode():  # old log-probs, the usual way
         old = pack.token_logprobs(hf.forward(model, pack).logits[0])
@@ -319,7 +341,7 @@ def test_a_pack_scored_under_inference_mode_still_trains():
 
 
 def test_moe_aux_loss_of_an_empty_pack_is_zero_and_of_several_packs_is_the_batch_loss():
-    model = zoo.tiny_model("mixtral", dtype=torch.float64)
+    model = tiny("mixtral", dtype=torch.float64)
     out = hf.forward(model, TreePack.empty(4), output_router_logits=True)
     assert out.aux_loss.item() == 0.0 and out.aux_loss.requires_grad
     packs = [TreePack.from_sequences(SEQS[:7]), TreePack.from_sequences(SEQS[7:])]
@@ -340,13 +362,13 @@ def test_refuses_a_window_that_the_model_keeps_in_its_own_mask():
         layer_types=["sliding_attention"] * 2, sliding_window=3, use_sliding_window=True)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(NotImplementedError, match="sliding window of 3 on 2 layers, but 0"):
-        hf.forward(model, TreePack.from_sequences(SEQS))
+        hf.prepare(model)
 
 
 def test_rotary_scaling_that_reads_the_longest_position_is_refused_past_its_limit():
     # Dynamic NTK changes every position's frequencies once the batch is longer than
     # max_position_embeddings: a short sequence packed with a long one would be 2e-4 off.
-    model = zoo.tiny_model("llama", dtype=torch.float64, max_position_embeddings=16,
+    model = tiny("llama", dtype=torch.float64, max_position_embeddings=16,
                            rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                             "rope_theta": 10000.0})
     short = [[5, 6, 7, 8], [5, 6, 9]]
@@ -360,7 +382,7 @@ def test_rotary_scaling_that_reads_the_longest_position_is_refused_past_its_limi
 
 
 def test_forward_checks_ids_against_the_embedding_and_takes_use_cache_false():
-    model = zoo.tiny_model("llama")
+    model = tiny("llama")
     with pytest.raises(ValueError, match=f"token id {zoo.VOCAB} but .* embedding has "
                                          f"{zoo.VOCAB} rows"):
         hf.forward(model, TreePack.from_sequences([[1, zoo.VOCAB]]))
@@ -384,7 +406,7 @@ def test_models_whose_own_code_breaks_on_a_tree_forward_get_treepacks_refusal(na
         getattr(transformers, name)(vocab_size=zoo.VOCAB, **config))
     with pytest.raises(NotImplementedError, match="cannot run a tree forward.*run this one "
                                                   "unpacked"):
-        hf.forward(model, TreePack.from_sequences([[1, 2, 3], [1, 2, 4]]))
+        hf.prepare(model)
     assert not hf.is_prepared(model)  # a refused model is left as it was
 
 
@@ -406,7 +428,7 @@ def test_verify_runs_the_reference_on_the_callers_ids(monkeypatch):
 def test_verify_reference_computes_soft_capping_whatever_the_models_attention():
     # Gemma 2 switched to sdpa: transformers 5.17 silently left attention soft-capping out
     # there (and 5.24 raises), while the tree backends honour it; the reference must be eager.
-    model = zoo.tiny_model("gemma2").eval()
+    model = tiny("gemma2").eval()
     model.config._attn_implementation = "sdpa"
     report = verify(model, SEQS)
     assert report.passed and report.reference_attention == "eager", str(report)
@@ -423,7 +445,7 @@ def test_verify_passes_float64_against_the_floor_of_two_unpacked_runs(family):
 
 
 def test_a_flat_pack_gives_the_dense_packs_values_sequence_after_sequence():
-    model = zoo.tiny_model("mixtral", dtype=torch.float64)  # the router loss reads rows too
+    model = tiny("mixtral", dtype=torch.float64)  # the router loss reads rows too
     dense = TreePack.from_sequences(SEQS)
     flat = TreePack.from_sequences(SEQS, layout="flat")
     valid = dense.rows >= 0

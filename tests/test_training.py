@@ -86,7 +86,7 @@ def assert_close_grads(got, expect):
 
 @pytest.fixture(scope="module")
 def model():
-    return zoo.tiny_model("qwen2", dtype=torch.float64)  # sliding + full layers
+    return hf.prepare(zoo.tiny_model("qwen2", dtype=torch.float64))  # sliding + full layers
 
 
 @pytest.mark.parametrize("mode", MODES)

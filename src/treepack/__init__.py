@@ -23,20 +23,22 @@ _EXPORTS = {  # public name -> the module that defines it
     "HostLayout": "treepack.tree", "forest_stats": "treepack.tree",
     "ForestStats": "treepack.forest",
     "logprobs_from_hidden": "treepack.logprobs", "TokenLogprobs": "treepack.logprobs",
+    "logprobs_and_entropy_from_hidden": "treepack.logprobs",
     "plan": "treepack.planner", "Plan": "treepack.planner", "PackSpec": "treepack.planner",
     "collate": "treepack.collation",
     "verify": "treepack.verification", "VerifyReport": "treepack.verification",
 }
-_MODULES = {"hf", "zoo", "synthetic", "benchmark", "trl", "attention", "losses", "mask",
-            "forest", "tree", "logprobs", "planner", "collation", "verification", "cli",
-            "checks"}
+_MODULES = {"hf", "hf_compat", "zoo", "synthetic", "benchmark", "trl", "attention", "losses",
+            "mask", "forest", "tree", "logprobs", "planner", "collation", "verification", "cli",
+            "checks", "denominators"}
 
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names resolve lazily
     from treepack.collation import collate
     from treepack.forest import ForestStats
-    from treepack.logprobs import TokenLogprobs, logprobs_from_hidden
+    from treepack.logprobs import (TokenLogprobs, logprobs_and_entropy_from_hidden,
+                                   logprobs_from_hidden)
     from treepack.planner import PackSpec, Plan, plan
     from treepack.tree import HostLayout, Predictions, Segments, TreePack, forest_stats
     from treepack.verification import VerifyReport, verify

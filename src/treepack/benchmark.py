@@ -176,7 +176,7 @@ def packed_step(model: nn.Module, pack: TreePack, backend: str, *, lean: bool = 
     def step():
         model.zero_grad(set_to_none=True)
         if lean:
-            hidden = hf.forward(model, pack, backend, return_hidden=True).last_hidden_state[0]
+            hidden = hf.forward_hidden(model, pack, backend).last_hidden_state[0]
             logps = logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
         else:
             logps = pack.token_logprobs(hf.forward(model, pack, backend).logits[0])
@@ -342,10 +342,11 @@ def compare_step(model: nn.Module, work: Workload, *, backend: str = "auto", rep
 
 
 def bench_model(preset: str, device: torch.device, dtype: torch.dtype = torch.float32):
-    """A random-weight model of the ``preset`` shape (see ``treepack.zoo.MODELS``)."""
+    """A random-weight model of the ``preset`` shape (see ``treepack.zoo.MODELS``), prepared
+    for tree forwards (:func:`treepack.hf.prepare`; padded batches run as before)."""
     import transformers
 
-    from treepack import zoo
+    from treepack import hf, zoo
 
     if preset not in zoo.MODELS:
         raise ValueError(f"model={preset!r}: choose one of {sorted(zoo.MODELS)}")
@@ -353,7 +354,7 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype = torch.fl
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(
             zoo.MODELS[preset](), attn_implementation="sdpa", dtype=dtype).to(device)
-    return model
+    return hf.prepare(model)
 
 
 def run_bench(works: list[Workload], *, device: torch.device, model: str = "qwen2-40m",

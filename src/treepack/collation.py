@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.losses import Denominators, global_denominators
+from treepack.denominators import Denominators, global_denominators
 from treepack.planner import Plan, plan
 from treepack.tree import TreePack
 

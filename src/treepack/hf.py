@@ -24,26 +24,18 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-import sys
 import weakref
 
 import torch
 from torch import Tensor
 
+from treepack import hf_compat as compat
 from treepack.attention import TreeAttention
 from treepack.tree import TreePack
 
-try:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-except ImportError as e:  # pragma: no cover - exercised only without transformers
-    raise ImportError(
-        "treepack.hf needs transformers >= 5: pip install 'treepack[hf]'"
-    ) from e
-
-__all__ = ["forward", "HiddenOutput", "prepare", "unprepare", "is_prepared", "unwrap", "lm_head",
-           "row_multiplicity", "router_aux_loss"]
+__all__ = ["forward", "forward_hidden", "HiddenOutput", "prepare", "restore", "prepared",
+           "unprepare", "is_prepared", "original_attention", "unwrap", "lm_head",
+           "row_multiplicity", "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel"]
 
 PACK_KWARG = "treepack_attention"  # the forward keyword that carries the TreeAttention
 _PREFIX = "treepack_"
@@ -71,6 +63,10 @@ _REFUSED_KWARGS = {
 _ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
+class UnsupportedModel(NotImplementedError):
+    """A model treepack cannot run exactly on a pack; the message says why and what to do."""
+
+
 # ---------------------------------------------------------------------- registration
 
 
@@ -80,26 +76,19 @@ def _registered_name(original: str) -> str:
     name = _PREFIX + re.sub(r"[^a-z0-9]+", "_", original.lower().replace("flash", "fa"))
     if name not in _ORIGINAL:
         _ORIGINAL[name] = original
-        AttentionInterface.register(name, _attention)
-        AttentionMaskInterface.register(name, _mask)
+        compat.register(name, _attention, _mask)
     return name
-
-
-def _original_attention(module, name: str):
-    original = _ORIGINAL[name]
-    if original == "eager":  # eager is each model's own function, not a registered one
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[original]
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """The registered attention: the tree backend with a pack, the original one without."""
     attend = kwargs.pop(PACK_KWARG, None)
     if attend is None:
-        original = _original_attention(module, module.config._attn_implementation)
-        return original(module, query, key, value, attention_mask, **kwargs)
+        original = _ORIGINAL[compat.attn_implementation(module.config)]
+        return compat.attention_function(module, original)(module, query, key, value,
+                                                           attention_mask, **kwargs)
     if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
+        raise UnsupportedModel(
             f"{type(module).__name__} uses attention sinks (s_aux), which treepack's backends "
             "do not implement yet; run this model unpacked"
         )
@@ -119,25 +108,45 @@ def _mask(*args, config=None, **kwargs):
     """No mask in a tree forward (the backend has the pack); the original one otherwise."""
     if _TREE_FORWARD.get():
         return None
-    original = _ORIGINAL[config._attn_implementation]
-    if original not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+    mask = compat.mask_function(_ORIGINAL[compat.attn_implementation(config)])
+    if mask is None:
         return kwargs.get("attention_mask")  # transformers passes such masks through as-is
-    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, config=config, **kwargs)
+    return mask(*args, config=config, **kwargs)
 
 
 # ---------------------------------------------------------------------- preparing a model
 
 
 def is_prepared(model) -> bool:
-    return unwrap(model).config._attn_implementation in _ORIGINAL
+    """Whether :func:`prepare` routed ``model``'s attention through treepack."""
+    return compat.attn_implementation(unwrap(model).config) in _ORIGINAL
+
+
+def original_attention(model) -> str:
+    """The attention implementation ``model`` runs without a pack (its own, prepared or not)."""
+    name = compat.attn_implementation(unwrap(model).config)
+    return _ORIGINAL.get(name, name)
 
 
 def prepare(model, *, check: bool = True):
-    """Route ``model``'s attention through treepack (idempotent); returns the model.
+    """Route ``model``'s attention through treepack, reversibly; returns the model.
 
-    Without a pack the model runs exactly as before, through its original attention
-    implementation. With ``check`` (the default) two 2-token forwards verify, once, that the
-    model reads ``position_ids``: treepack's depths reach the model only that way.
+    Call it once before :func:`forward` (or use :func:`prepared` for a block of code). It
+    sets the model's attention implementation to ``treepack_<original>``, which runs the
+    tree backend when a pack is passed and the original implementation otherwise, so the
+    model still runs ordinary batches exactly as before. :func:`restore` undoes it.
+    Idempotent.
+
+    Args:
+        model: a transformers causal LM, or a DDP / FSDP / ``torch.compile`` wrapper of one.
+        check: run two 2-token forwards, once, that verify the model reads
+            ``position_ids`` (treepack's depths reach the model only that way) and that its
+            own code runs a tree forward.
+
+    Raises:
+        ValueError / NotImplementedError: a model treepack cannot run exactly (recurrent or
+            linear-attention layers, positions not read from ``position_ids``, attention
+            that bypasses transformers' interface, ALiBi); the model is left unchanged.
     """
     core = unwrap(model)
     if is_prepared(core):
@@ -151,23 +160,39 @@ def prepare(model, *, check: bool = True):
             "run across the whole packed forest, mixing sequences. treepack supports models "
             f"whose layers are all {sorted(_ATTENTION_LAYER_TYPES)}; run this one unpacked"
         )
-    original = config._attn_implementation or "eager"
-    config._attn_implementation = _registered_name(original)
+    original = compat.attn_implementation(config)
+    compat.set_attn_implementation(config, _registered_name(original))
     if check:
         try:
             _check_reads_position_ids(core)
         except Exception:
-            config._attn_implementation = original
+            compat.set_attn_implementation(config, original)
             raise
     return model
 
 
-def unprepare(model):
-    """Restore the model's original attention implementation; returns the model."""
+def restore(model):
+    """Undo :func:`prepare`: the model's original attention implementation; returns it."""
     if is_prepared(model):
-        config = unwrap(model).config
-        config._attn_implementation = _ORIGINAL[config._attn_implementation]
+        compat.set_attn_implementation(unwrap(model).config, original_attention(model))
     return model
+
+
+unprepare = restore  # the name of earlier releases
+
+
+@contextlib.contextmanager
+def prepared(model, *, check: bool = True):
+    """``with hf.prepared(model):`` — :func:`prepare` for the block, then :func:`restore`
+    (unless the model was already prepared). Keep gradient-checkpointed backward passes
+    inside the block: they recompute attention through the prepared model."""
+    already = is_prepared(model)
+    prepare(model, check=check)
+    try:
+        yield model
+    finally:
+        if not already:
+            restore(model)
 
 
 @contextlib.contextmanager
@@ -193,8 +218,10 @@ def _check_reads_position_ids(model) -> None:
                 with _tree_forward():
                     out = model(input_ids=ids, use_cache=False, **{PACK_KWARG: attend},
                                 position_ids=torch.tensor([positions], device=device))
+            except UnsupportedModel:
+                raise
             except Exception as e:  # the model's own code failed on a tree forward
-                raise NotImplementedError(
+                raise UnsupportedModel(
                     f"{type(model).__name__} cannot run a tree forward: its own code raised "
                     f"{type(e).__name__} ({str(e)[:200]}) when given treepack's attention and "
                     "depth position_ids, as models with ALiBi biases or custom attention code "
@@ -235,8 +262,7 @@ def _tree_forward():
 
 
 def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return compat.text_config(model.config)
 
 
 def _expected_windowed_calls(config) -> int:
@@ -324,20 +350,60 @@ def unwrap(model):
 
 def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool = False,
             block_size: int = 128, **kwargs):
-    """Run a causal LM once over ``pack`` and return its output.
+    """Run a prepared causal LM once over ``pack`` and return the model's output.
 
     The model sees ``pack.input_ids`` with depth ``position_ids`` and tree attention from
-    ``backend`` ('auto', the default: FlashAttention varlen on a GPU where it applies, else
-    flex, else segment; or 'varlen', 'segment', 'flex', 'dense'; see
-    :mod:`treepack.attention`), without a cache. ``model`` may be wrapped
-    (DDP, FSDP, ``torch.compile``): the call goes through the wrapper, so its gradient
-    synchronisation runs as usual. The output's ``.logits`` is ``[1, T', V]``; with
-    ``return_hidden=True`` the LM head runs on one row only and a :class:`HiddenOutput` is
-    returned (``.last_hidden_state`` ``[1, T', H]``, for :func:`treepack.logprobs_from_hidden`).
-    Extra ``kwargs`` go to the model (e.g. ``output_router_logits=True``). For an MoE model
-    with router logits, ``out.aux_loss`` is the load-balancing loss of the original tokens
-    (see :func:`router_aux_loss`).
+    ``backend``, without a cache. ``model`` may be wrapped (DDP, FSDP, ``torch.compile``):
+    the call goes through the wrapper, so its gradient synchronisation runs as usual.
+
+    Args:
+        model: a transformers causal LM on which :func:`prepare` was called.
+        pack: the :class:`~treepack.TreePack`, on the model's device.
+        backend: ``"auto"`` (the default: FlashAttention varlen on a GPU where it applies,
+            else flex, else segment), ``"varlen"``, ``"segment"``, ``"flex"`` or ``"dense"``;
+            see :mod:`treepack.attention`.
+        return_hidden: kept for earlier releases; use :func:`forward_hidden`.
+        block_size: FlexAttention's block size (``flex`` only).
+        **kwargs: passed to the model (e.g. ``output_router_logits=True``).
+
+    Returns:
+        The model's output: ``.logits`` ``[1, T', V]``; for an MoE model with router logits,
+        ``.aux_loss`` is the load-balancing loss of the original tokens
+        (:func:`router_aux_loss`).
+
+    Raises:
+        ValueError: an unprepared model, a pack on another device or with ids past the
+            embedding, or keyword arguments that would break the tree (caches, labels,
+            attention masks, flash boundaries, ``output_attentions``).
+        RuntimeError / NotImplementedError: a layer that bypassed the tree attention, a
+            window the model keeps in its own mask, a rotary scaling that reads the longest
+            position, or a backend that cannot run these inputs (with every reason).
     """
+    if return_hidden:
+        return forward_hidden(model, pack, backend, block_size=block_size, **kwargs)
+    out, aux = _run(model, pack, backend, block_size, kwargs)
+    if aux is not None:
+        out.aux_loss = aux
+    return out
+
+
+def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: int = 128,
+                   **kwargs) -> HiddenOutput:
+    """:func:`forward` without the ``[T', V]`` logits: the LM head runs on one row only, and
+    the input of the head comes back for :func:`treepack.logprobs_from_hidden`.
+
+    Returns:
+        A :class:`HiddenOutput`: ``.last_hidden_state`` ``[1, T', H]`` (after the final norm),
+        and for an MoE model ``.aux_loss`` / ``.router_logits``. Arguments and errors as
+        :func:`forward`.
+    """
+    kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
+    out, aux = _run(model, pack, backend, block_size, kwargs)
+    return HiddenOutput(out.hidden_states[-1], aux, getattr(out, "router_logits", None))
+
+
+def _run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
+    """The model over the pack: its output and the router loss of the original tokens."""
     for key in kwargs:
         if key in _REFUSED_KWARGS:
             raise ValueError(f"treepack.hf.forward does not take {key!r}: {_REFUSED_KWARGS[key]}")
@@ -348,12 +414,14 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
                          "attention weights (the varlen, segment and flex kernels are fused); "
                          "run the model unpacked to inspect them")
     core = unwrap(model)
-    device = next(core.parameters()).device
-    if pack.device != device:
+    if not is_prepared(core):
         raise ValueError(
-            f"the pack is on {pack.device} but the model is on {device}; pass "
-            f"pack.to({str(device)!r})"
+            f"{type(core).__name__} is not prepared: call treepack.hf.prepare(model) once "
+            "before hf.forward (it routes the model's attention through treepack; ordinary "
+            "batches still run the original attention, and hf.restore(model) undoes it), or "
+            "run the forward inside `with treepack.hf.prepared(model):`"
         )
+    pack.check_device(next(core.parameters()), f"the model ({type(core).__name__})")
     vocab = core.get_input_embeddings().num_embeddings
     if pack.max_token_id >= vocab:
         raise ValueError(
@@ -361,10 +429,7 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
             f"has {vocab} rows: tokenize with the model's own tokenizer (ids 0 .. {vocab - 1})"
         )
     _check_rope(core, pack)
-    prepare(core)
     attend = _Attend(pack, backend, block_size)
-    if return_hidden:  # the LM head on one row; the final norm's output is the last hidden state
-        kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
     with _tree_forward():
         out = model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
                     use_cache=False, **{PACK_KWARG: attend}, **kwargs)
@@ -372,11 +437,7 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
     aux = None
     if getattr(out, "aux_loss", None) is not None:
         aux = router_aux_loss(core, pack, out.router_logits)
-    if return_hidden:
-        return HiddenOutput(out.hidden_states[-1], aux, getattr(out, "router_logits", None))
-    if aux is not None:
-        out.aux_loss = aux
-    return out
+    return out, aux
 
 
 _LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -411,7 +472,7 @@ def _full(t):
 
 
 def _check_lm_head(model, kwargs: dict) -> None:
-    from treepack.logprobs import _chunk_logits
+    from treepack.logprobs import head_logits
 
     device = kwargs["weight"].device
     ids = torch.tensor([[1, 2, 3]], device=device) % _text_config(model).vocab_size
@@ -420,7 +481,7 @@ def _check_lm_head(model, kwargs: dict) -> None:
         hidden = out.hidden_states[-1][0]
         if not torch.is_autocast_enabled(device.type):
             hidden = hidden.to(kwargs["weight"].dtype)
-        z = _chunk_logits(hidden, kwargs["weight"], kwargs.get("bias"),
+        z = head_logits(hidden, kwargs["weight"], kwargs.get("bias"),
                           kwargs.get("scale", 1.0), kwargs.get("softcap"), 1.0)
     logits = out.logits[0].to(z.dtype)
     tol = (1e-2 if kwargs["weight"].dtype in (torch.bfloat16, torch.float16) else 1e-4)
@@ -465,25 +526,34 @@ def row_multiplicity(pack: TreePack) -> Tensor:
 
 
 def router_aux_loss(model, pack, router_logits) -> Tensor:
-    """The MoE load-balancing loss of the original tokens, from the packed router logits.
+    """The MoE load-balancing loss of one pack's original tokens, from its router logits.
 
     Uses the model's own ``load_balancing_loss_func`` with every packed row weighted by the
     number of original tokens it stands for, which is what the unpacked batch computes.
-    ``pack`` and ``router_logits`` may be lists (several packs of one batch, with each pack's
-    per-layer router logits): the loss is then the whole batch's, not a mean of per-pack
-    losses. Packs without tokens (``TreePack.empty``) contribute nothing; with no tokens at
-    all the loss is a zero still connected to the router.
+    (A list of packs with a list of router logits is still accepted, as in earlier releases:
+    it means :func:`batch_router_aux_loss`.)
+
+    Raises:
+        NotImplementedError: a model whose router loss treepack does not know how to weight.
     """
-    packs = list(pack) if isinstance(pack, (list, tuple)) else [pack]
-    per_pack = list(router_logits) if isinstance(pack, (list, tuple)) else [router_logits]
+    if isinstance(pack, (list, tuple)):
+        return batch_router_aux_loss(model, pack, router_logits)
+    return batch_router_aux_loss(model, [pack], [router_logits])
+
+
+def batch_router_aux_loss(model, packs, router_logits) -> Tensor:
+    """The load-balancing loss of a whole batch spread over several packs: ``packs`` and, for
+    each, its per-layer ``router_logits``. The batch's loss, not a mean of per-pack losses.
+    Packs without tokens (``TreePack.empty``) contribute nothing; with no tokens at all the
+    loss is a zero still connected to the router."""
+    packs, per_pack = list(packs), list(router_logits)
     live = [(p, r) for p, r in zip(packs, per_pack) if p.num_original_tokens > 0]
     if not live:
         return sum(layer.sum() for r in per_pack for layer in r) * 0.0
     layers = tuple(torch.cat(per_layer) for per_layer in zip(*(r for _, r in live)))
     weights = torch.cat([row_multiplicity(p) for p, _ in live])[None]  # [1, rows]
     model = unwrap(model)
-    module = sys.modules[type(model).__module__]
-    loss_fn = getattr(module, "load_balancing_loss_func", None)
+    loss_fn = compat.model_function(model, "load_balancing_loss_func")
     if loss_fn is None:
         raise NotImplementedError(
             f"{type(model).__name__} has an auxiliary router loss treepack does not know how to "

@@ -7,80 +7,37 @@ the shared row (autograd accumulates repeated indices).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from treepack.checks import floating, positive_finite, positive_int
+from treepack.tree import TreePack, derived_from_pack
 
-if TYPE_CHECKING:
-    from treepack.tree import TreePack
-
-__all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden", "TokenLogprobs"]
-
-
-def _scaled_logits(pack: TreePack, logits: Tensor, temperature: float, what: str) -> Tensor:
-    if logits.dim() != 2 or logits.shape[0] != pack.num_rows:
-        hint = (
-            "; for a model output of shape [1, T', V] pass out.logits[0]"
-            if logits.dim() == 3 and logits.shape[0] == 1
-            else ""
-        )
-        raise ValueError(
-            f"{what} expects logits of shape [T'={pack.num_rows}, V], got "
-            f"{tuple(logits.shape)}{hint}"
-        )
-    if logits.device != pack.device:
-        raise ValueError(
-            f"logits are on {logits.device} but the pack is on {pack.device}; move the pack "
-            f"with pack.to({str(logits.device)!r})"
-        )
-    floating(logits, "logits")
-    temperature = positive_finite(temperature, "temperature")
-    _check_vocab(pack, logits.shape[1])
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [T', V]
-    return z if temperature == 1.0 else z / temperature
-
-
-def _check_vocab(pack: TreePack, vocab: int) -> None:
-    if pack.max_token_id >= vocab:
-        raise ValueError(
-            f"the pack has token id {pack.max_token_id} but the logits cover a vocabulary of "
-            f"{vocab}: use the model (or LM head) that matches the tokenizer"
-        )
-
-
-def _to_layout(pack: TreePack, values: Tensor) -> Tensor:
-    """Place per-occurrence values [M] at their positions in the pack's layout ([N, L], or
-    [total] when flat), 0 elsewhere."""
-    shape = pack.rows.shape
-    out = values.new_zeros(pack.rows.numel()).index_put((pack.predictions.index,), values)
-    return out.view(shape)
+__all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden",
+           "logprobs_and_entropy_from_hidden", "TokenLogprobs", "head_logits", "edges"]
 
 
 def token_logprobs(pack: TreePack, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """``[s, p] = log p(seq_s[p] | seq_s[:p])`` from packed logits [T', V], as [N, L]."""
-    z = _scaled_logits(pack, logits, temperature, "token_logprobs")
-    lse = torch.logsumexp(z, dim=-1)  # [T'] once per packed row
-    src, tgt = pack.predictions.source, pack.predictions.target  # [M]
-    return _to_layout(pack, z[src, tgt] - lse[src])
+    """``[s, p] = log p(seq_s[p] | seq_s[:p])`` from packed logits [T', V]: the function form
+    of :meth:`TreePack.token_logprobs`."""
+    return pack.token_logprobs(logits, temperature=temperature)
 
 
 def token_entropy(pack: TreePack, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-    """Entropy of each prediction's next-token distribution, in the [N, L] layout."""
-    z = _scaled_logits(pack, logits, temperature, "token_entropy")
-    logp = torch.log_softmax(z, dim=-1)  # [T', V]
-    # A -inf logit (a masked-out token) has p = 0 and contributes 0, in value and gradient.
-    ent = -(logp.exp() * logp.masked_fill(logp.isneginf(), 0)).sum(-1)  # [T']
-    return _to_layout(pack, ent[pack.predictions.source])
+    """Entropy of each prediction's distribution: the function form of
+    :meth:`TreePack.token_entropy`."""
+    return pack.token_entropy(logits, temperature=temperature)
 
 
 # ---------------------------------------------------------------------- lean log-probs
 
 
 class TokenLogprobs(NamedTuple):
+    """Log-probs and entropies in the pack's layout ([N, L], or [total] when flat)."""
+
     logprobs: Tensor  # [N, L]
     entropy: Tensor  # [N, L]
 
@@ -95,23 +52,23 @@ class _Edges(NamedTuple):
     child_of_prediction: Tensor  # [M] rows[s, p] of every prediction occurrence
 
 
-def _edges(pack: TreePack) -> _Edges:
-    def build():
-        parent = pack.host.parent_row
-        child = np.flatnonzero(parent >= 0)
-        order = np.argsort(parent[child], kind="stable")  # nearly sorted already (DFS order)
-        child, par = child[order], parent[child][order]
-        move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(pack.device)  # noqa: E731
-        child_t = move(child)
-        return _Edges(child_t, move(par), pack.input_ids[child_t], par,
-                      pack.rows.reshape(-1)[pack.predictions.index])
-
-    return pack.derived("edges", build)
+@derived_from_pack
+def edges(pack: TreePack) -> _Edges:
+    """Every (parent row, child row) pair of ``pack``, sorted by parent (cached per pack)."""
+    parent = pack.host.parent_row
+    child = np.flatnonzero(parent >= 0)
+    order = np.argsort(parent[child], kind="stable")  # nearly sorted already (DFS order)
+    child, par = child[order], parent[child][order]
+    child_t = torch.from_numpy(np.ascontiguousarray(child)).to(pack.device)
+    return _Edges(child_t, torch.from_numpy(np.ascontiguousarray(par)).to(pack.device),
+                  pack.input_ids[child_t], par, pack.rows.reshape(-1)[pack.predictions.index])
 
 
-def _chunk_logits(h, weight, bias, scale, softcap, temperature) -> Tensor:
-    """softcap(scale * (h W^T + b)) / temperature in float32 at least (the matmul in the input
-    dtype)."""
+def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None = None, scale: float = 1.0,
+                softcap: float | None = None, temperature: float = 1.0) -> Tensor:
+    """Logits ``softcap(scale * (h W^T + b)) / temperature`` of hidden states ``h`` [C, H], in
+    float32 at least (the matmul in the input dtype): exactly what
+    :func:`logprobs_from_hidden` computes chunk by chunk."""
     z = h @ weight.T
     z = z.to(torch.promote_types(z.dtype, torch.float32))
     if bias is not None:
@@ -135,7 +92,7 @@ class _LeanLogprobs(torch.autograd.Function):
         child_logp = hidden.new_zeros(rows, dtype=dtype)  # per child row
         entropy = hidden.new_zeros(rows, dtype=dtype) if with_entropy else None
         for a, b, lo, hi in chunks:
-            z = _chunk_logits(hidden[a:b], weight, bias, scale, softcap, temperature)  # [C, V]
+            z = head_logits(hidden[a:b], weight, bias, scale, softcap, temperature)  # [C, V]
             lse[a:b] = torch.logsumexp(z, dim=-1)
             if hi > lo:
                 local = edges.parent[lo:hi] - a
@@ -180,7 +137,7 @@ class _LeanLogprobs(torch.autograd.Function):
         keep_z = ctx.softcap is not None or grad_entropy is not None
         for a, b, lo, hi in ctx.chunks:
             h = hidden[a:b]
-            z = _chunk_logits(h, weight, bias, ctx.scale, ctx.softcap, ctx.temperature)
+            z = head_logits(h, weight, bias, ctx.scale, ctx.softcap, ctx.temperature)
             if keep_z:
                 p = torch.exp(z - lse[a:b, None])  # [C, V]
                 gz = p * -g_parent[a:b, None]
@@ -264,7 +221,7 @@ def logprobs_from_hidden(
     with_entropy: bool = False,
     softcap: float | None = None,
     scale: float = 1.0,
-) -> Tensor | TokenLogprobs:
+) -> Tensor:
     """Label-aligned log-probs [N, L] from hidden states [T', H] and the LM head weight [V, H].
 
     Equals ``pack.token_logprobs(hidden @ weight.T + bias, temperature=temperature)`` without
@@ -272,20 +229,63 @@ def logprobs_from_hidden(
     log-sum-exp per row and the logit of each row's child tokens only (a row's children have
     distinct tokens, so one value per distinct prefix serves every occurrence). Backward
     recomputes each chunk, so memory is O(chunk_size x V) plus the [V, H] weight gradient,
-    whatever T'. ``chunk_size`` defaults to :func:`default_chunk_size` (1 GiB of float32 logits
-    per chunk on CUDA, 64 MiB elsewhere). The weight gradient is accumulated in one float32
-    buffer (on CUDA by cuBLAS directly, without a per-chunk [V, H] product).
+    whatever T'. The weight gradient is accumulated in one float32 buffer (on CUDA by cuBLAS
+    directly, without a per-chunk [V, H] product). The matmul runs in the head's dtype (hidden
+    states are cast to it), or under autocast in autocast's; the rest in float32 at least.
+    Backward recomputes under the forward's autocast state, so its gradient is that of the
+    computed forward.
 
-    ``softcap`` and ``scale`` reproduce models that transform logits after the LM head (Gemma 2's
-    ``final_logit_softcapping``; Cohere's ``logit_scale``): logits are
-    ``softcap(scale * (hidden @ weight.T + bias)) / temperature``; see
-    :func:`treepack.hf.lm_head`. With ``with_entropy`` returns ``(logprobs, entropy)``, the
-    entropy of each prediction's distribution in the same layout.
+    Args:
+        pack: the pack the hidden states were computed on.
+        hidden: [T', H] the input of the LM head (``hf.forward_hidden(...)
+            .last_hidden_state[0]``).
+        weight: [V, H] the LM head's weight; ``bias`` [V] its bias, if any.
+        temperature: logits are divided by it (finite, > 0).
+        chunk_size: rows per chunk; default :func:`default_chunk_size` (1 GiB of float32
+            logits per chunk on CUDA, 64 MiB elsewhere).
+        with_entropy: kept for earlier releases; use
+            :func:`logprobs_and_entropy_from_hidden`.
+        softcap, scale: what models do to logits after the head (Gemma 2's
+            ``final_logit_softcapping``; Cohere's ``logit_scale``): logits are
+            ``softcap(scale * (hidden @ weight.T + bias)) / temperature``; see
+            :func:`treepack.hf.lm_head`. ``softcap`` None or 0: none.
 
-    The matmul runs in the head's dtype (hidden states are cast to it), or under autocast in
-    autocast's; the rest in float32 at least. Backward recomputes under the forward's
-    autocast state, so its gradient is that of the computed forward.
+    Returns:
+        [N, L] log-probs (flat layout: [total]), 0 where :attr:`TreePack.prediction_mask` is
+        False.
+
+    Raises:
+        ValueError: shapes, devices or dtypes that do not fit the pack, a token id beyond V,
+            or a bad number (the message names it).
     """
+    if with_entropy:
+        return logprobs_and_entropy_from_hidden(
+            pack, hidden, weight, bias=bias, temperature=temperature, chunk_size=chunk_size,
+            softcap=softcap, scale=scale)
+    return _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, scale,
+                        with_entropy=False).logprobs
+
+
+def logprobs_and_entropy_from_hidden(
+    pack: TreePack,
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    scale: float = 1.0,
+) -> TokenLogprobs:
+    """:func:`logprobs_from_hidden` and the entropy of each prediction's distribution, in the
+    same layout, from the same chunks: a :class:`TokenLogprobs` ``(logprobs, entropy)``.
+    Arguments and errors as :func:`logprobs_from_hidden`."""
+    return _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, scale,
+                        with_entropy=True)
+
+
+def _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, scale, *,
+                 with_entropy: bool) -> TokenLogprobs:
     if hidden.dim() != 2 or hidden.shape[0] != pack.num_rows:
         hint = "; for a model output [1, T', H] pass out.last_hidden_state[0]" if (
             hidden.dim() == 3 and hidden.shape[0] == 1) else ""
@@ -296,9 +296,8 @@ def logprobs_from_hidden(
                          f"{tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
-    if hidden.device != pack.device or weight.device != pack.device:
-        raise ValueError(f"hidden ({hidden.device}) and weight ({weight.device}) must be on the "
-                         f"pack's device ({pack.device}); move the pack with pack.to(...)")
+    pack.check_device(hidden, "hidden")
+    pack.check_device(weight, "weight (the LM head)")
     floating(hidden, "hidden")
     floating(weight, "weight (the LM head)")
     if bias is not None:
@@ -307,19 +306,18 @@ def logprobs_from_hidden(
     scale = positive_finite(scale, "scale") if scale != 1.0 else 1.0
     softcap = None if softcap in (None, 0) else positive_finite(
         softcap, "softcap", hint=" (or None / 0 for no soft-capping)")
-    _check_vocab(pack, weight.shape[0])
+    pack.check_vocabulary(weight.shape[0])
     chunk = default_chunk_size(weight.shape[0], hidden.device) if chunk_size is None else \
         positive_int(chunk_size, "chunk_size", hint=" (rows per chunk)")
     if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(weight.dtype)  # the head's dtype decides (e.g. an fp32 LM head)
-    edges = _edges(pack)
-    bounds = np.searchsorted(edges.parent_host, np.arange(0, pack.num_tokens + chunk, chunk))
+    pair = edges(pack)
+    bounds = np.searchsorted(pair.parent_host, np.arange(0, pack.num_tokens + chunk, chunk))
     chunks = [(a, min(a + chunk, pack.num_tokens), int(bounds[i]), int(bounds[i + 1]))
               for i, a in enumerate(range(0, pack.num_tokens, chunk))]
-    out = _LeanLogprobs.apply(hidden, weight, bias, edges, chunks, scale, softcap,
+    out = _LeanLogprobs.apply(hidden, weight, bias, pair, chunks, scale, softcap,
                               temperature, with_entropy)
     child_logp, entropy = out if with_entropy else (out, None)
-    logps = _to_layout(pack, child_logp[edges.child_of_prediction])
-    if not with_entropy:
-        return logps
-    return TokenLogprobs(logps, _to_layout(pack, entropy[pack.predictions.source]))
+    logps = pack.place(child_logp[pair.child_of_prediction])
+    return TokenLogprobs(logps, None if entropy is None else
+                         pack.place(entropy[pack.predictions.source]))

@@ -28,63 +28,21 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from treepack.checks import positive_finite
+from treepack.denominators import Denominators, global_denominators
+from treepack.denominators import check_layout as _check
 
+# Denominators and global_denominators live in treepack.denominators (core); re-exported here.
 __all__ = ["MODES", "Denominators", "global_denominators", "aggregate",
            "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty", "entropy_bonus"]
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
-
-
-class Denominators(NamedTuple):
-    """The counts a step's loss is normalised by."""
-
-    tokens: float  # masked tokens of the whole step (every pack, every rank)
-    sequences: float  # sequences with at least one masked token, likewise
-    world_size: int = 1  # ranks whose gradients DDP / FSDP average (the loss is scaled back up)
-
-    @classmethod
-    def of(cls, mask: Tensor) -> Denominators:
-        """This mask's own counts (one pack, one process)."""
-        _check(mask, mask, "mask")
-        return cls(tokens=float(mask.sum()), sequences=float(mask.any(-1).sum()))
-
-
-def _check(values: Tensor, mask: Tensor, name: str = "values") -> Tensor:
-    if values.shape != mask.shape:
-        raise ValueError(
-            f"{name} has shape {tuple(values.shape)} but mask has {tuple(mask.shape)}; both "
-            "must be the [N, L] layout of pack.token_logprobs"
-        )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
-    return mask
-
-
-def global_denominators(masks: Iterable[Tensor], *, group=None) -> Denominators:
-    """Counts over every pack of a step (``masks``, one per pack) and, when torch.distributed
-    is initialised, every rank of ``group``. Call it once per step, before the forwards."""
-    masks = list(masks)
-    if not masks:
-        raise ValueError("global_denominators needs the masks of this rank's packs (got none)")
-    device = masks[0].device
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for m in masks:
-        _check(m, m, "mask")
-        counts += torch.stack((m.sum(), m.any(-1).sum())).to(device, torch.float64)
-    world = 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(counts, group=group)
-        world = torch.distributed.get_world_size(group)
-    tokens, sequences = counts.tolist()
-    return Denominators(tokens=tokens, sequences=sequences, world_size=world)
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", *,

@@ -16,21 +16,24 @@ sequences; ``rows[s, p]`` is the packed row of token ``p`` of sequence ``s``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from treepack import logprobs as _logprobs
-from treepack.checks import positive_int
+from treepack.checks import floating, positive_finite, positive_int
 from treepack import mask as _mask
 from treepack.forest import ForestStats, Layout, build_layout
 from treepack.forest import forest_stats as _forest_stats
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
-           "validate_sequences", "MAX_PAD_MULTIPLE"]
+           "validate_sequences", "derived_from_pack", "MAX_PAD_MULTIPLE"]
+
+R = TypeVar("R")
 
 MAX_PAD_MULTIPLE = 1 << 20  # rows: far beyond any block or compile bucket
 
@@ -295,7 +298,8 @@ class TreePack:
     def derived(self, key, build):
         """``build()``, computed once per pack (and device) and cached under ``key``.
 
-        Built outside inference mode: a pack first used to score under
+        Prefer :func:`derived_from_pack`, which keys each structure by the function that
+        builds it. Built outside inference mode: a pack first used to score under
         ``torch.inference_mode()`` must still train afterwards, and inference tensors cannot
         be saved for backward.
         """
@@ -387,20 +391,71 @@ class TreePack:
     # ------------------------------------------------------------------ outputs back to [N, L]
 
     def token_logprobs(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-        """Label-aligned log-probs [N, L] from packed logits [T', V].
+        """Label-aligned log-probs [N, L] (flat layout: [total]) from packed logits [T', V].
 
         ``out[s, p] = log softmax(logits[rows[s, p-1]] / temperature)[seq_s[p]]`` for
         ``1 <= p < len_s`` and 0 elsewhere (see :attr:`prediction_mask`). Each packed row is
         normalised once, however many occurrences read it; the first token after a fork is
         predicted from the shared parent row; backward adds every occurrence's gradient into
         the shared rows. Computed in float32 at least (float64 stays float64).
+
+        Args:
+            logits: [T', V] floating-point logits of the packed rows (``out.logits[0]``).
+            temperature: a finite number > 0 the logits are divided by.
+
+        Raises:
+            ValueError: logits of the wrong shape, device, dtype or vocabulary (a token id
+                of the pack beyond V), or a bad temperature.
         """
-        return _logprobs.token_logprobs(self, logits, temperature=temperature)
+        z = self._scaled_logits(logits, temperature, "token_logprobs")
+        lse = torch.logsumexp(z, dim=-1)  # [T'] once per packed row
+        src, tgt = self.predictions.source, self.predictions.target  # [M]
+        return self.place(z[src, tgt] - lse[src])
 
     def token_entropy(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
         """Entropy [N, L] of each prediction's distribution, in the layout of
-        :meth:`token_logprobs` (``out[s, p]`` is the entropy at row ``rows[s, p-1]``)."""
-        return _logprobs.token_entropy(self, logits, temperature=temperature)
+        :meth:`token_logprobs` (``out[s, p]`` is the entropy at row ``rows[s, p-1]``).
+        Arguments and errors as :meth:`token_logprobs`."""
+        z = self._scaled_logits(logits, temperature, "token_entropy")
+        logp = torch.log_softmax(z, dim=-1)  # [T', V]
+        # A -inf logit (a masked-out token) has p = 0 and contributes 0, in value and gradient.
+        ent = -(logp.exp() * logp.masked_fill(logp.isneginf(), 0)).sum(-1)  # [T']
+        return self.place(ent[self.predictions.source])
+
+    def place(self, values: Tensor) -> Tensor:
+        """Per-prediction values [M] (in :attr:`predictions` order) placed in the pack's
+        layout: [N, L] label-aligned (flat: [total]), 0 where there is no prediction."""
+        out = values.new_zeros(self.rows.numel()).index_put((self.predictions.index,), values)
+        return out.view(self.rows.shape)
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """Raise unless every token id of the pack is below ``vocab``."""
+        if self.max_token_id >= vocab:
+            raise ValueError(
+                f"the pack has token id {self.max_token_id} but the logits cover a vocabulary of "
+                f"{vocab}: use the model (or LM head) that matches the tokenizer"
+            )
+
+    def check_device(self, tensor: Tensor, name: str) -> None:
+        """Raise unless ``tensor`` is on the pack's device, naming the fix."""
+        if tensor.device != self.device:
+            raise ValueError(
+                f"{name} is on {tensor.device} but the pack is on {self.device}; move the pack "
+                f"with pack.to({str(tensor.device)!r})"
+            )
+
+    def _scaled_logits(self, logits: Tensor, temperature: float, what: str) -> Tensor:
+        if logits.dim() != 2 or logits.shape[0] != self.num_rows:
+            hint = ("; for a model output of shape [1, T', V] pass out.logits[0]"
+                    if logits.dim() == 3 and logits.shape[0] == 1 else "")
+            raise ValueError(f"{what} expects logits of shape [T'={self.num_rows}, V], got "
+                             f"{tuple(logits.shape)}{hint}")
+        self.check_device(logits, "logits")
+        floating(logits, "logits")
+        temperature = positive_finite(temperature, "temperature")
+        self.check_vocabulary(logits.shape[1])
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [T', V]
+        return z if temperature == 1.0 else z / temperature
 
     def completion_mask(self, prompt_lengths) -> Tensor:
         """BoolTensor [N, L]: the predictions of completion tokens, for a loss on them only.
@@ -456,6 +511,28 @@ class TreePack:
         valid = self.rows >= 0
         out = x[self.rows.clamp(min=0)]
         return out.masked_fill(~valid.view(*valid.shape, *([1] * (x.dim() - 1))), 0)
+
+
+def derived_from_pack(build: Callable[..., R]) -> Callable[..., R]:
+    """Decorator: ``build(pack, *args)`` runs once per pack, device and ``args``; later calls
+    return the same object.
+
+    Every structure derived from a pack (attention plans, block masks, edge lists) is one
+    such function, its only accessor: the cache key is the function itself plus its
+    arguments, never a tuple spelled out elsewhere. :meth:`TreePack.to` starts a new cache.
+    """
+
+    signature = inspect.signature(build)
+
+    @functools.wraps(build)
+    def cached(pack: TreePack, *args, **kwargs):
+        bound = signature.bind(pack, *args, **kwargs)
+        bound.apply_defaults()  # one key however the arguments were spelled
+        values = tuple(bound.arguments.values())[1:]
+        return pack.derived((build.__module__, build.__qualname__, *values),
+                            lambda: build(pack, *values))
+
+    return cached
 
 
 # ---------------------------------------------------------------------- input checking

@@ -24,8 +24,10 @@ import types
 import torch
 from torch import Tensor
 
-import treepack
 from treepack import hf
+from treepack.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
+from treepack.planner import plan
+from treepack.tree import TreePack
 
 try:
     from trl import GRPOTrainer
@@ -52,56 +54,61 @@ def per_token_logps_and_entropies(
     """``(logps [B, K], entropies [B, K] or None, aux_loss or None)`` for TRL's layout.
 
     Column ``j`` of row ``b`` is the log-prob of ``input_ids[b, S - K + j]`` given everything
-    before it in that row (``K = logits_to_keep``); padding positions hold 0.
+    before it in that row (``K = logits_to_keep``); padding positions hold 0. The first seven
+    arguments are TRL's seam's; ``backend``, ``max_tokens`` and ``pad_to_multiple_of`` choose
+    how the rows are packed (see :func:`patch`), ``cast_lm_head_to_fp32`` mirrors TRL's
+    option of that name. ``model`` must be prepared (:func:`treepack.hf.prepare`).
     """
-    B, S = input_ids.shape
     mask = attention_mask.bool()
-    sequences = [ids[m] for ids, m in zip(input_ids, mask)]
-    if max_tokens is None:
-        packs = [treepack.TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
-                                                  device=input_ids.device)]
-    else:
-        packs = treepack.plan(sequences, max_tokens=max_tokens,
-                              pad_to_multiple_of=pad_to_multiple_of,
-                              device=input_ids.device).packs(0)
+    packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of)
     head = hf.lm_head(model)
+    if cast_lm_head_to_fp32:
+        head = {k: v if k not in ("weight", "bias") or v is None else v.float()
+                for k, v in head.items()}
     width = int(mask.sum(-1).max())
-    dtype = torch.float32 if cast_lm_head_to_fp32 else None
-    logps = []
-    entropies = []
-    aux = []
-    seq_ids = []
+    logps, entropies, router, seq_ids = [], [], [], []
     for pack in packs:
-        out = hf.forward(model, pack, backend, return_hidden=True,
-                         **({"output_router_logits": True} if compute_aux_loss else {}))
+        out = hf.forward_hidden(model, pack, backend,
+                                **({"output_router_logits": True} if compute_aux_loss else {}))
         hidden = out.last_hidden_state[0]
-        kw = dict(head)
-        if dtype is not None:
-            hidden = hidden.to(dtype)
-            kw.update(weight=kw["weight"].to(dtype),
-                      bias=None if kw["bias"] is None else kw["bias"].to(dtype))
-        res = treepack.logprobs_from_hidden(pack, hidden, temperature=temperature,
-                                            with_entropy=compute_entropy, **kw)
-        lp, ent = (res.logprobs, res.entropy) if compute_entropy else (res, None)
-        pad = width - lp.shape[1]
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+        if compute_entropy:
+            lp, ent = logprobs_and_entropy_from_hidden(pack, hidden, temperature=temperature,
+                                                       **head)
+        else:
+            lp, ent = logprobs_from_hidden(pack, hidden, temperature=temperature, **head), None
+        pad = width - lp.shape[1]  # every pack to the batch's longest row
         logps.append(torch.nn.functional.pad(lp, (0, pad)))
         if ent is not None:
             entropies.append(torch.nn.functional.pad(ent, (0, pad)))
-        if compute_aux_loss:
-            aux.append(out.router_logits)
+        router.append(out.router_logits)
         seq_ids.append(pack.seq_ids)
     order = torch.cat(seq_ids).argsort()  # back to the trainer's row order
-    logps = torch.cat(logps)[order]  # [B, width] label-aligned, padding stripped
-    # Row b's token at input column c is its (number of real tokens before c)-th token.
+    out_logps = _completion_columns(torch.cat(logps)[order], mask, logits_to_keep)
+    out_ent = (_completion_columns(torch.cat(entropies)[order], mask, logits_to_keep)
+               if compute_entropy else None)
+    aux_loss = hf.batch_router_aux_loss(model, packs, router) if compute_aux_loss else None
+    return out_logps, out_ent, aux_loss
+
+
+def _packs(input_ids: Tensor, mask: Tensor, max_tokens, pad_to_multiple_of) -> list[TreePack]:
+    """The batch's rows, padding stripped, as one pack or planned into several."""
+    sequences = [ids[m] for ids, m in zip(input_ids, mask)]
+    if max_tokens is None:
+        return [TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
+                                        device=input_ids.device)]
+    return plan(sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
+                device=input_ids.device).packs(0)
+
+
+def _completion_columns(values: Tensor, mask: Tensor, logits_to_keep: int) -> Tensor:
+    """[B, width] label-aligned values (padding stripped) -> TRL's [B, K] columns: input
+    column c of row b holds the row's (number of real tokens before c)-th token."""
+    S = mask.shape[1]
     pos = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:].clamp(min=0)  # [B, K]
     keep = mask[:, S - logits_to_keep:]
-    zero = logps.new_zeros(())
-    out_logps = torch.where(keep, logps.gather(1, pos), zero)
-    out_ent = None
-    if compute_entropy:
-        out_ent = torch.where(keep, torch.cat(entropies)[order].gather(1, pos), zero)
-    aux_loss = hf.router_aux_loss(model, packs, aux) if compute_aux_loss else None
-    return out_logps, out_ent, aux_loss
+    return torch.where(keep, values.gather(1, pos), values.new_zeros(()))
 
 
 def _seam(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -113,6 +120,7 @@ def _seam(self, model, input_ids, attention_mask, logits_to_keep, batch_size=Non
             f"treepack's GRPO seam packs text only; this batch has {unsupported}. Use the stock "
             "GRPOTrainer for multimodal models"
         )
+    hf.prepare(model)  # the trainer may hand over a model patch() has not seen (a wrapper)
     with self.accelerator.autocast():
         return per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep,
@@ -127,11 +135,24 @@ def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None
           pad_to_multiple_of: int | None = None) -> GRPOTrainer:
     """Make ``trainer`` compute per-token log-probs from packed forwards; returns it.
 
-    ``max_tokens`` bounds the rows of one forward (the batch is planned into several packs);
-    by default the whole batch is one pack.
+    Args:
+        trainer: a ``trl.GRPOTrainer`` (or subclass).
+        backend: the attention backend (default ``"auto"``).
+        max_tokens: rows of one forward (the batch is planned into several packs); by
+            default the whole batch is one pack.
+        pad_to_multiple_of: pad each pack's rows to a multiple of this.
+
+    The trainer's models (policy and reference) are prepared with
+    :func:`treepack.hf.prepare`: their ordinary batches (generation) run as before.
+
+    Raises:
+        TypeError: not a GRPOTrainer.
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch expects a trl.GRPOTrainer, got {type(trainer).__name__}")
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is not None:
+            hf.prepare(model)
     seam = functools.partial(_seam, backend=backend, max_tokens=max_tokens,
                              pad_to_multiple_of=pad_to_multiple_of)
     trainer._get_per_token_logps_and_entropies = types.MethodType(seam, trainer)

@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from treepack import hf
+from treepack import hf_compat as compat
 from treepack.tree import TreePack, validate_sequences
 
 __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR", "FLOOR_FACTOR",
@@ -228,8 +230,6 @@ def _alone_through_dense(sequences: list[Tensor]):
     predictions = sum(len(s) - 1 for s in sequences)
 
     def run(model):
-        from treepack import hf
-
         parts = []
         for seq in sequences:
             pack = TreePack.from_sequences([seq], device=seq.device)
@@ -242,8 +242,6 @@ def _alone_through_dense(sequences: list[Tensor]):
 
 
 def _packed_loss(pack: TreePack, backend: str):
-    from treepack import hf
-
     def run(model):
         logits = hf.forward(model, pack, backend=backend).logits[0]
         flat = pack.token_logprobs(logits).reshape(-1)[pack.predictions.index]  # [M]
@@ -299,13 +297,8 @@ def _reference_attention(model) -> str:
     """The attention implementation that computes the model's real function unpacked: its
     own, except that soft-capped attention (Gemma 2) needs the eager formula, which SDPA and
     the flash kernels leave out."""
-    from treepack import hf
-
-    core = hf.unwrap(model)
-    config = core.config.get_text_config() if hasattr(core.config, "get_text_config") else \
-        core.config
-    current = core.config._attn_implementation or "eager"
-    current = hf._ORIGINAL.get(current, current)  # a prepared model's original
+    current = hf.original_attention(model)
+    config = compat.text_config(hf.unwrap(model).config)
     if getattr(config, "attn_logit_softcapping", None) and current != "eager":
         return "eager"
     return current
@@ -343,13 +336,16 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
     pack = TreePack.from_sequences(seqs, pad_to_multiple_of=pad_to_multiple_of, device=device)
     reference_attention = _reference_attention(model)
 
-    def run(loss_fn, run_dtype, attention=None):
+    def run(loss_fn, run_dtype, attention=None, tree=False):
         copy_ = copy.deepcopy(model).to(run_dtype)
         if attention is not None:
-            copy_.config._attn_implementation = attention
+            hf.restore(copy_)
+            compat.set_attn_implementation(hf.unwrap(copy_).config, attention)
+        if tree:
+            hf.prepare(copy_)
         return _train_step(copy_, lr, loss_fn)
 
-    packed = run(_packed_loss(pack, backend), dtype)
+    packed = run(_packed_loss(pack, backend), dtype, tree=True)
     low_precision = dtype in (torch.bfloat16, torch.float16)
     floor_errors = None
     if low_precision:
@@ -363,12 +359,12 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
         tolerance = TOLERANCE.get(dtype, 1e-5)
         if dtype == torch.float64:  # the spread of two unpacked implementations
             if reference_attention == "eager":
-                other = run(_alone_through_dense(seqs), dtype)
+                other = run(_alone_through_dense(seqs), dtype, tree=True)
             else:
                 other = run(_unpacked_loss(seqs), dtype, "eager")
             floor_errors = _compare(other, reference)
     return VerifyReport(
-        model=type(hf_unwrapped(model)).__name__,
+        model=type(hf.unwrap(model)).__name__,
         backend=backend,
         dtype=str(dtype).removeprefix("torch."),
         sequences=pack.num_sequences,
@@ -382,8 +378,3 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
         floor_errors=floor_errors,
     )
 
-
-def hf_unwrapped(model):
-    from treepack import hf
-
-    return hf.unwrap(model)

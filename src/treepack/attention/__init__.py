@@ -76,8 +76,9 @@ class TreeAttention:
     """Tree attention for one pack with one backend (``"auto"`` chooses per call).
 
     Structures derived from the pack (chain plans, block masks, dense masks) are built on
-    first use for each window size and cached on the pack, so a model with full and sliding
-    layers builds each once per pack, however many forwards run over it.
+    first use for each window size and cached on the pack (each by its one accessor, e.g.
+    :func:`treepack.attention.chains.chains`), so a model with full and sliding layers builds
+    each once per pack, however many forwards run over it.
     """
 
     def __init__(self, pack: TreePack, backend: str = "auto", *, block_size: int = 128):
@@ -91,10 +92,6 @@ class TreeAttention:
         self.pack = pack
         self.backend = backend
         self.block_size = block_size
-
-    def cached(self, key, build: Callable):
-        """The structure ``build()`` for ``key``, built once per pack (and device)."""
-        return self.pack.derived(("attention", *key), build)
 
     def __call__(
         self,
@@ -123,11 +120,7 @@ class TreeAttention:
                 f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
                 f"({k.shape[1]}, {v.shape[1]})"
             )
-        if q.device != self.pack.device:
-            raise ValueError(
-                f"attention inputs are on {q.device} but the pack is on {self.pack.device}; "
-                f"move the pack with pack.to({str(q.device)!r})"
-            )
+        self.pack.check_device(q, "the attention input q")
         if window is not None and window < 1:
             raise ValueError(f"window={window!r} must be a positive number of positions")
         if scale is None:

@@ -22,16 +22,14 @@ packing, a single agent trajectory) gathers nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from treepack.forest import ragged_arange
-
-if TYPE_CHECKING:
-    from treepack.tree import TreePack
+from treepack.tree import TreePack, derived_from_pack
 
 __all__ = ["Chains", "chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
 
@@ -62,6 +60,7 @@ class Chains(NamedTuple):
         return bool(self.context.any())
 
 
+@derived_from_pack
 def chains(pack: TreePack, window: int | None = None) -> Chains:
     """The chains of ``pack`` and their keys for a sliding ``window`` (None: unbounded).
 
@@ -113,7 +112,9 @@ class VarlenIndex(NamedTuple):
     cu_seq_k_host: np.ndarray
 
 
+@derived_from_pack
 def varlen_index(pack: TreePack, window: int | None = None) -> VarlenIndex:
+    """The chains as FlashAttention's varlen arguments on the pack's device (cached)."""
     c = chains(pack, window)
     cu_q = np.append(c.start, pack.num_rows)
     cu_k = c.key_start

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treepack.tree import derived_from_pack
+
 
 def window_mask(pos_q: Tensor, pos_kv: Tensor, window: int | None) -> Tensor | None:
     """[..., Lq, Lk] True where the query is fewer than ``window`` positions past the key."""
@@ -42,13 +44,14 @@ def sdpa(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
     )
 
 
+@derived_from_pack
+def visible(pack, window: int | None) -> Tensor:
+    """BoolTensor [T', T']: the pack's dense mask, cut to ``window`` (cached per pack)."""
+    mask = pack.dense_mask()
+    win = window_mask(pack.position_ids, pack.position_ids, window)
+    return mask if win is None else mask & win
+
+
 def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
-    pack = ctx.pack
-
-    def build():
-        mask = pack.dense_mask()  # [T', T']
-        win = window_mask(pack.position_ids, pack.position_ids, window)
-        return mask if win is None else mask & win
-
-    mask = ctx.cached(("dense", window), build)
+    mask = visible(ctx.pack, window)
     return sdpa(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from treepack import mask as _mask
 from treepack.attention.chains import geometric_bucket
+from treepack.tree import derived_from_pack
 
 RECOMPILE_LIMIT = 32  # distinct bucket lengths one process may compile flex for
 
@@ -51,6 +52,7 @@ def _softcap_score_mod(softcap: float):
     return softcap_score
 
 
+@derived_from_pack
 def bucket_block_mask(pack, block_size: int, window: int | None, length: int):
     """The pack's BlockMask over ``length >= T'`` rows, the extra rows padding (see module)."""
     h = pack.host
@@ -68,8 +70,7 @@ def _run(pack, q, k, v, *, block_size, scale, softcap, window) -> Tensor:
 
     rows = q.shape[2]
     length = bucket_length(rows, block_size)
-    block_mask = pack.derived(("attention", "flex", block_size, window, length),
-                              lambda: bucket_block_mask(pack, block_size, window, length))
+    block_mask = bucket_block_mask(pack, block_size, window, length)
     if length > rows:
         q, k, v = (F.pad(x, (0, 0, 0, length - rows)) for x in (q, k, v))
     score_mod = None if softcap is None else _softcap_score_mod(softcap)

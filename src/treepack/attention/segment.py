@@ -34,6 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from treepack.attention.chains import chains, gather_rows, geometric_bucket
 from treepack.attention.dense import sdpa
+from treepack.tree import derived_from_pack
 
 CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
 # The fixed cost of one attention call (forward + backward) in scores, at heads x head_dim =
@@ -75,6 +76,7 @@ class ShapeGroups(NamedTuple):
     kv_rows: Tensor  # [sum of G * kv] the packed row of every key slot, in the same order
 
 
+@derived_from_pack
 def shape_groups(pack, window: int | None, width: int = 512) -> ShapeGroups:
     """Group the pack's chains into calls for heads x head_dim = ``width``; host work only."""
     c = chains(pack, window)
@@ -172,7 +174,7 @@ class _SelectSlots(torch.autograd.Function):
 
 def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
     width = q.shape[1] * q.shape[3]
-    plan = ctx.cached(("segment", window, width), lambda: shape_groups(ctx.pack, window, width))
+    plan = shape_groups(ctx.pack, window, width)
     q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
     q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
     sizes = [g.size * g.kv for g in plan.groups]
