@@ -75,8 +75,8 @@ def main():
         for heads, kv_heads, dim in ((4, 2, 16), (8, 2, 64)):
             times = [layer_time(p, args.backend, heads, kv_heads, dim, args.repeats)
                      for p in packs]
-            rows = [p.num_tokens for p in packs]
-            pairs = [int((p.position_ids[: p.num_tokens] + 1).sum()) for p in packs]
+            rows = [p.num_packed_rows for p in packs]
+            pairs = [p.visible_pairs for p in packs]
             calls = [len(shape_groups(p, None, heads * dim).groups) if args.backend == "segment"
                      else len(chains(p).start) for p in packs]
             per_row = (times[1] / rows[1]) / (times[0] / rows[0])

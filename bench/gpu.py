@@ -154,7 +154,7 @@ def part_attention(device, dry, scale):
         tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
         flat = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
                                        share_prefixes=False)
-        row = dict(workload=name, rows=tree.num_tokens, tokens=tree.num_original_tokens)
+        row = dict(workload=name, rows=tree.num_packed_rows, tokens=tree.num_original_tokens)
         for label, pack, backends_here in (("tree", tree, backends),
                                            ("padding_free", flat, ["varlen"])):
             g = torch.Generator(device=device).manual_seed(0)

@@ -92,13 +92,13 @@ def bench_workload(name, repeats):
         lambda: [naive_pack(seqs[i:i + g]) for i in range(0, len(seqs), g)], 1
     )
     naive_rows = sum(ids.shape[0] for ids, _, _ in naive)
-    assert naive_rows == pack.num_tokens, (naive_rows, pack.num_tokens)
+    assert naive_rows == pack.num_packed_rows, (naive_rows, pack.num_packed_rows)
     ours = t_build + t_mask
     return {
         "workload": name,
         "sequences": len(seqs),
         "tokens": tokens,
-        "rows": pack.num_tokens,
+        "rows": pack.num_packed_rows,
         "token_ratio": pack.token_ratio,
         "build_ms": t_build * 1e3,
         "block_mask_ms": t_mask * 1e3,

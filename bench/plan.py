@@ -43,7 +43,7 @@ def largest_tree(seqs) -> int:
     firsts = {}
     for s in seqs:
         firsts.setdefault(int(s[0]), []).append(s)
-    return max(treepack.forest_stats(group).packed_tokens for group in firsts.values())
+    return max(treepack.forest_stats(group).packed_rows for group in firsts.values())
 
 
 def main():
@@ -56,7 +56,7 @@ def main():
     tokens = sum(len(s) for s in seqs)
     big = largest_tree(seqs)
     print(f"mixed: {len(seqs)} sequences, {tokens:,} tokens, one-forest minimum "
-          f"{treepack.forest_stats(seqs).packed_tokens:,} rows, largest tree {big:,} rows")
+          f"{treepack.forest_stats(seqs).packed_rows:,} rows, largest tree {big:,} rows")
     print(f"  {'budget':>8} {'x largest':>9} {'ranks':>6} {'packs/rank':>10} {'rows / min':>10} "
           f"{'imbalance':>9}")
     for budget in (big // 2, big, 2 * big, 4 * big):

@@ -64,7 +64,7 @@ optimizer.zero_grad(set_to_none=True)
 loss.backward()
 packed_grads = {k: p.grad.clone() for k, p in policy.named_parameters()}
 
-print(f"{len(sequences)} sequences, {pack.num_original_tokens} tokens -> {pack.num_tokens} "
+print(f"{len(sequences)} sequences, {pack.num_original_tokens} tokens -> {pack.num_packed_rows} "
       f"packed rows (token ratio {pack.token_ratio:.2f})")
 print(f"loss {loss.item():.6f}  clip fraction {pg.clip_fraction.item():.3f}  "
       f"kl {kl.item():.2e}")

@@ -38,7 +38,7 @@ def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None):
                 seen.add(r)
                 rows.append(r)
                 vals.append(out[:, p])
-    for r in range(pack.num_tokens, pack.num_rows):
+    for r in range(pack.num_packed_rows, pack.num_rows):
         rows.append(r)
         vals.append(v[0][:, r])
     assert sorted(rows) == list(range(pack.num_rows))

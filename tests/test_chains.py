@@ -35,7 +35,7 @@ def test_every_row_reads_exactly_its_visible_keys_in_depth_order(seqs, window, p
             seen = keys[lo: ctx + t + 1]
             expect = np.flatnonzero(visible[a + t].numpy())
             assert sorted(seen.tolist()) == expect.tolist()
-            if a + t < pack.num_tokens:  # real rows: keys by increasing depth, ending at t
+            if a + t < pack.num_packed_rows:  # real rows: keys by increasing depth, ending at t
                 assert np.array_equal(depth[seen], np.arange(depth[a + t] - len(seen) + 1,
                                                              depth[a + t] + 1))
 
@@ -53,7 +53,7 @@ def test_chains_cut_only_at_forks_and_tree_ends(seqs):
         for p, node in enumerate(path):
             node_of_row[int(pack.rows[s, p])] = node
     starts = set()
-    for row in range(pack.num_tokens):
+    for row in range(pack.num_packed_rows):
         node = node_of_row[row]
         par = trie.parent[node]
         first_child = row > 0 and node_of_row[row - 1] == par
@@ -83,7 +83,7 @@ def test_forks_gather_their_depth_once_per_later_child():
     c = chains(pack)
     # 3 trees: the first rollout continues its prompt's chain, the other 7 read the prompt.
     assert int(c.context.sum()) == 7 * sum(prompt_len)
-    padding = pack.num_rows - pack.num_tokens
+    padding = pack.num_rows - pack.num_packed_rows
     assert len(c.start) == 3 * 8 + padding
     index = varlen_index(pack, None)
     assert index.cu_seq_q.dtype == torch.int32 and index.cu_seq_k.dtype == torch.int32

@@ -23,7 +23,7 @@ def test_stats_builtin_batch_json(capsys):
     pack = treepack.TreePack.from_sequences(batch)
     assert result["num_sequences"] == len(batch)
     assert result["original_tokens"] == pack.num_original_tokens
-    assert result["packed_tokens"] == pack.num_tokens
+    assert result["packed_rows"] == pack.num_packed_rows
     assert result["token_ratio"] == pytest.approx(pack.token_ratio)
     assert 0 < result["attention_pairs_ratio"] < 1
 
@@ -42,7 +42,7 @@ def test_stats_file_lists_and_objects(tmp_path, capsys):
     code, out, _ = run(capsys, "stats", str(path), "--json")
     result = json.loads(out)
     assert code == 0
-    assert (result["num_sequences"], result["original_tokens"], result["packed_tokens"]) == (3, 8, 4)
+    assert (result["num_sequences"], result["original_tokens"], result["packed_rows"]) == (3, 8, 4)
 
 
 @pytest.mark.parametrize(
@@ -196,7 +196,7 @@ def test_stats_reads_standard_input(monkeypatch, capsys):
 
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"[1, 2, 3]\n[1, 2, 4]\n")))
     code, out, _ = run(capsys, "stats", "-", "--json")
-    assert code == 0 and json.loads(out)["packed_tokens"] == 4
+    assert code == 0 and json.loads(out)["packed_rows"] == 4
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -113,7 +113,7 @@ def test_agent_steps_share_their_history_across_rollouts():
     rollouts = [dict(prompt=s[:-4], completion=s[-4:]) for s in steps]
     collated = treepack.collate(rollouts, max_tokens=64)
     (batch,) = collated.batches(0)
-    assert batch.pack.num_tokens == treepack.forest_stats(steps).packed_tokens
+    assert batch.pack.num_packed_rows == treepack.forest_stats(steps).packed_rows
     assert batch.mask.sum() == 4 * len(steps)
     assert collated.denominators(0).tokens == 4 * len(steps)
 

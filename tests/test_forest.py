@@ -27,7 +27,7 @@ def test_forest_stats_equal_the_built_pack(seqs):
     pack = treepack.TreePack.from_sequences(seqs)
     assert stats.num_sequences == len(seqs)
     assert stats.original_tokens == pack.num_original_tokens == sum(map(len, seqs))
-    assert stats.packed_tokens == pack.num_tokens
+    assert stats.packed_rows == pack.num_packed_rows
     assert stats.token_ratio == pack.token_ratio
     assert stats.trees == len({s[0] for s in seqs}) == int((pack.segments.parent == -1).sum())
     # visible pairs: the dense mask's count packed, causal triangles unpacked

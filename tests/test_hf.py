@@ -221,7 +221,7 @@ def test_moe_aux_loss_counts_original_tokens():
     ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
     torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-12, atol=0)
     weights = hf.row_multiplicity(pack)
-    assert weights.sum() == pack.num_original_tokens and weights[pack.num_tokens:].sum() == 0
+    assert weights.sum() == pack.num_original_tokens and weights[pack.num_packed_rows:].sum() == 0
     # counting each packed row once (what a naive packer does) would be wrong
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 

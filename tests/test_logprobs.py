@@ -29,7 +29,7 @@ def test_logprobs_equal_per_occurrence_reference(seqs, multiple):
     # packed ids (fields test_tree checks against a dict trie), never through pack.rows.
     # Mutation check: with rows[s, p - 1] replaced by rows[s, p] as the source, this fails.
     row_of_prefix, prefix_of_row = {}, {}
-    for r in range(pack.num_tokens):  # DFS pre-order: a parent comes before its children
+    for r in range(pack.num_packed_rows):  # DFS pre-order: a parent comes before its children
         parent = int(pack.parent_row[r])
         prefix = prefix_of_row.get(parent, ()) + (int(pack.input_ids[r]),)
         prefix_of_row[r] = prefix
@@ -130,7 +130,7 @@ def test_logits_shape_and_device_errors():
     with pytest.raises(ValueError, match=r"out.logits\[0\]"):
         pack.token_logprobs(torch.zeros(1, 8, V))
     with pytest.raises(ValueError, match=r"T'=8"):
-        pack.token_logprobs(torch.zeros(pack.num_tokens, V))  # forgot the padding rows
+        pack.token_logprobs(torch.zeros(pack.num_packed_rows, V))  # forgot the padding rows
     with pytest.raises(ValueError, match="pack.to"):
         pack.token_logprobs(torch.zeros(8, V, device="meta"))
     with pytest.raises(ValueError, match="token id 3 but the logits cover a vocabulary of 3"):

@@ -23,17 +23,17 @@ def check_plan(seqs, p, budget):
             ids = pack.seq_ids.tolist()
             assert ids == spec.seq_ids.tolist() == sorted(ids)
             seen += ids
-            assert pack.num_tokens == spec.rows <= budget
-            assert int((pack.position_ids[: pack.num_tokens] + 1).sum()) == spec.pairs
+            assert pack.num_packed_rows == spec.packed_rows <= budget
+            assert int((pack.position_ids[: pack.num_packed_rows] + 1).sum()) == spec.pairs
             for k, i in enumerate(ids):  # the pack holds exactly those sequences, whole
                 n = int(pack.lengths[k])
                 assert pack.input_ids[pack.rows[k, :n]].tolist() == list(seqs[i])
-            rows += pack.num_tokens
+            rows += pack.num_packed_rows
             if not ids:
                 assert pack.num_predictions == 0
     assert sorted(seen) == list(range(len(seqs)))  # each sequence in exactly one pack
-    assert rows == p.rows
-    assert p.rows >= p.min_rows == treepack.forest_stats(seqs).packed_tokens
+    assert rows == p.packed_rows
+    assert p.packed_rows >= p.min_rows == treepack.forest_stats(seqs).packed_rows
 
 
 @settings(max_examples=80, deadline=None)
@@ -42,7 +42,7 @@ def test_random_plans_keep_every_promise(seqs, extra, world):
     budget = max(map(len, seqs)) + extra
     p = plan(seqs, max_tokens=budget, world_size=world)
     check_plan(seqs, p, budget)
-    largest_tree = max(treepack.forest_stats([s for s in seqs if s[0] == t]).packed_tokens
+    largest_tree = max(treepack.forest_stats([s for s in seqs if s[0] == t]).packed_rows
                        for t in {s[0] for s in seqs})
     if budget >= largest_tree:
         assert p.efficiency == 1.0  # whole trees: no prefix is ever computed twice
@@ -53,7 +53,7 @@ def test_a_tree_bigger_than_the_budget_repeats_only_its_prompt():
     p = plan(seqs, max_tokens=260, world_size=1)
     check_plan(seqs, p, 260)
     assert p.packs_per_rank == 3  # 100 + 3 x 50 = 250 rows each, the last 100 + 2 x 50
-    assert p.rows == 500 + 2 * 100  # each further pack repeats the 100-token prompt
+    assert p.packed_rows == 500 + 2 * 100  # each further pack repeats the 100-token prompt
 
 
 def test_cuts_go_between_trajectories_not_inside_one():
@@ -61,11 +61,11 @@ def test_cuts_go_between_trajectories_not_inside_one():
     # inside a trajectory would repeat that history; cutting between them only the prompt.
     seqs = agent_batch(prompts=1, trajectories=2, steps=4, prompt_len=50, response_len=20,
                        tool_len=10)
-    one_trajectory = treepack.forest_stats(seqs[:4]).packed_tokens
+    one_trajectory = treepack.forest_stats(seqs[:4]).packed_rows
     p = plan(seqs, max_tokens=one_trajectory, world_size=1)
     check_plan(seqs, p, one_trajectory)
     assert sorted(tuple(s.seq_ids.tolist()) for s in p.specs[0]) == [(0, 1, 2, 3), (4, 5, 6, 7)]
-    assert p.rows == treepack.forest_stats(seqs).packed_tokens + 50
+    assert p.packed_rows == treepack.forest_stats(seqs).packed_rows + 50
 
 
 def test_balances_a_mixed_workload_across_ranks():

@@ -17,7 +17,7 @@ def test_readme_python_blocks_run():
         promised = re.search(r"^# (.+)$", code.split("print(")[-1], flags=re.M).group(1)
         assert printed.getvalue().strip() == promised  # the line the README says it prints
         pack, logps = scope["pack"], scope["logps"]
-        assert pack.num_tokens == 7 and logps.shape == (3, 4)
+        assert pack.num_packed_rows == 7 and logps.shape == (3, 4)
         grads = [p.grad for p in scope["model"].parameters()]
         assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
 

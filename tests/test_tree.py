@@ -25,7 +25,7 @@ def test_docstring_walkthrough():
 
 def test_seed_abcd_abce_abfg():
     pack = TreePack.from_sequences([[A, B, C, D], [A, B, C, E], [A, B, F, G]])
-    assert pack.num_tokens == 7 and pack.num_original_tokens == 12
+    assert pack.num_packed_rows == 7 and pack.num_original_tokens == 12
     assert pack.input_ids.tolist() == [A, B, C, D, E, F, G]
     assert pack.position_ids.tolist() == [0, 1, 2, 3, 3, 2, 3]
     assert pack.num_predictions == 9 and pack.num_prediction_rows == 4
@@ -37,7 +37,7 @@ def test_seed_abcd_abce_abfg():
 
 def test_seed_claw_r1_example():
     pack = TreePack.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [1, 2, 3, 6, 7, 8, 9]])
-    assert pack.num_tokens == 9 and pack.num_original_tokens == 17
+    assert pack.num_packed_rows == 9 and pack.num_original_tokens == 17
     assert pack.token_ratio == pytest.approx(9 / 17)
     assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     # Nodes [1,2,3] [4,5] [6,7] [8,9]: the seed's compressed tree, its packed positions.
@@ -54,7 +54,7 @@ def test_seed_claw_r1_example():
 def check_against_trie(seqs, pack: TreePack):
     """Every structural field of the pack against the naive trie."""
     trie = NaiveTrie(seqs)
-    T = pack.num_tokens
+    T = pack.num_packed_rows
     assert T == trie.num_nodes  # one row per distinct prefix
     rows = pack.rows
     node_of_row = [None] * T
@@ -129,7 +129,7 @@ def test_random_forests_match_naive_trie(seqs):
 @given(forests(vocab=2, max_len=30), st.integers(1, 9))
 def test_padding_rows_see_only_themselves(seqs, multiple):
     pack = TreePack.from_sequences(seqs, pad_to_multiple_of=multiple)
-    T, Tp = pack.num_tokens, pack.num_rows
+    T, Tp = pack.num_packed_rows, pack.num_rows
     assert Tp % multiple == 0 and T <= Tp < T + multiple
     check_against_trie(seqs, pack)
     dense = pack.dense_mask()
@@ -143,7 +143,7 @@ def test_padding_rows_see_only_themselves(seqs, multiple):
 def test_sharing_needs_whole_preceding_context():
     # Same token at the same depth but different history: never one row.
     pack = TreePack.from_sequences([[1, 2, 3], [4, 2, 3]])
-    assert pack.num_tokens == 6
+    assert pack.num_packed_rows == 6
     assert pack.rows[0, 1] != pack.rows[1, 1]
 
 
@@ -159,7 +159,7 @@ def test_sharing_needs_whole_preceding_context():
 )
 def test_edge_batches(seqs, rows):
     pack = TreePack.from_sequences(seqs)
-    assert pack.num_tokens == rows
+    assert pack.num_packed_rows == rows
     check_against_trie(seqs, pack)
 
 
@@ -186,7 +186,7 @@ def test_token_ids_beyond_32_bits_sort_correctly():
     seqs = [[big + 1, 5], [big, 7], [big + 1, 5, 9], [3]]
     pack = TreePack.from_sequences(seqs)
     check_against_trie(seqs, pack)
-    assert pack.num_tokens == 6
+    assert pack.num_packed_rows == 6
 
 
 def test_sort_and_lcp_against_python():
@@ -234,10 +234,10 @@ def test_to_device_moves_every_tensor_and_is_immutable():
     tensors = [meta.input_ids, meta.position_ids, meta.subtree_end, meta.rows, meta.lengths,
                meta.prediction_mask, *meta.segments, *meta.predictions]
     assert all(t.device.type == "meta" for t in tensors)
-    assert meta.num_tokens == pack.num_tokens and meta.host is pack.host
+    assert meta.num_packed_rows == pack.num_packed_rows and meta.host is pack.host
     assert pack.input_ids.device.type == "cpu"  # the original is untouched
     with pytest.raises(AttributeError):
-        pack.num_tokens = 3
+        pack.num_packed_rows = 3
     built = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]], device="meta")
     assert built.rows.device.type == "meta"
 
@@ -296,7 +296,7 @@ def test_padding_free_layout_is_the_sequences_back_to_back(seqs, pad):
     lengths = [len(s) for s in seqs]
     offsets = np.cumsum([0] + lengths)
     T = offsets[-1]
-    assert pack.num_tokens == pack.num_original_tokens == T and pack.token_ratio == 1.0
+    assert pack.num_packed_rows == pack.num_original_tokens == T and pack.token_ratio == 1.0
     assert pack.input_ids[:T].tolist() == [t for s in seqs for t in s]
     assert pack.position_ids[:T].tolist() == [p for n in lengths for p in range(n)]
     for s, n in enumerate(lengths):
@@ -395,3 +395,19 @@ def test_flat_layout_never_pays_n_times_the_longest_sequence():
     assert pack.rows.shape == (105_000,) and pack.num_predictions == 99_999
     logps = pack.token_logprobs(torch.zeros(pack.num_rows, 1000))
     assert logps.shape == (105_000,)
+
+
+def test_renamed_quantities_keep_their_old_names_for_one_release():
+    import treepack
+    from treepack.planner import plan
+
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=8)
+    with pytest.warns(DeprecationWarning, match="num_packed_rows"):
+        assert pack.num_tokens == pack.num_packed_rows == 4 and pack.num_rows == 8
+    with pytest.warns(DeprecationWarning, match="packed_rows"):
+        assert treepack.forest_stats([[1, 2, 3], [1, 2, 4]]).packed_tokens == 4
+    p = plan([[1, 2, 3], [1, 2, 4]], max_tokens=8)
+    with pytest.warns(DeprecationWarning, match="packed_rows"):
+        assert p.rows == p.packed_rows == 4
+    with pytest.warns(DeprecationWarning, match="packed_rows"):
+        assert p.specs[0][0].rows == 4

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from treepack.version import __version__
 
 _EXPORTS = {  # public name -> the module that defines it
     "TreePack": "treepack.tree", "Segments": "treepack.tree", "Predictions": "treepack.tree",
@@ -30,7 +30,7 @@ _EXPORTS = {  # public name -> the module that defines it
 }
 _MODULES = {"hf", "hf_compat", "zoo", "synthetic", "benchmark", "trl", "attention", "losses",
             "mask", "forest", "tree", "logprobs", "planner", "collation", "verification", "cli",
-            "checks", "denominators"}
+            "checks", "denominators", "version"}
 
 __all__ = list(_EXPORTS)
 

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from treepack.forest import causal_pairs
 from treepack.tree import TreePack, forest_stats
 
 __all__ = ["Flops", "step_flops", "best_of", "Measurement", "measure", "unpacked_step", "packed_step",
@@ -308,8 +309,8 @@ def compare_step(model: nn.Module, work: Workload, *, backend: str = "auto", rep
     tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
     flat = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
                                    share_prefixes=False)
-    unpacked_pairs = sum(len(s) * (len(s) + 1) // 2 for s in seqs)
-    tree_pairs = int((tree.position_ids[: tree.num_tokens] + 1).sum())
+    unpacked_pairs = int(causal_pairs(tree.host.lengths).sum())
+    tree_pairs = tree.visible_pairs
     limit = (step_flops(model, tree.num_rows, tree_pairs).total
              / step_flops(model, tree.num_original_tokens, unpacked_pairs).total)
     makers = {
@@ -330,7 +331,7 @@ def compare_step(model: nn.Module, work: Workload, *, backend: str = "auto", rep
     for r in runs.values():
         r["loss_rel_error"] = abs(r["loss"] - base["loss"]) / abs(base["loss"])
     out = dict(workload=work.name, description=work.description, sequences=len(seqs),
-               original_tokens=tree.num_original_tokens, packed_rows=tree.num_tokens,
+               original_tokens=tree.num_original_tokens, packed_rows=tree.num_packed_rows,
                token_ratio=tree.token_ratio, flop_ratio_limit=limit, steps=runs)
     if "tree" in runs:
         t = runs["tree"]["seconds"]

@@ -85,19 +85,20 @@ def read_jsonl(path: str) -> list:
 
 
 def _stats(args) -> int:
-    import treepack
     from treepack.synthetic import agentic_batch
+    from treepack.tree import forest_stats
 
     if args.file is None:
         sequences, source = agentic_batch(), BUILTIN_DESCRIPTION
     else:
         sequences, source = read_jsonl(args.file), args.file
-    st = treepack.forest_stats(sequences)
+    st = forest_stats(sequences)
     result = {
         "source": source,
         "num_sequences": st.num_sequences,
         "original_tokens": st.original_tokens,
-        "packed_tokens": st.packed_tokens,
+        "packed_rows": st.packed_rows,
+        "packed_tokens": st.packed_rows,  # the earlier name, kept one release
         "token_ratio": st.token_ratio,
         "attention_pairs_ratio": st.attention_ratio,
         "packed_attention_pairs": st.packed_attention_pairs,
@@ -111,7 +112,7 @@ def _stats(args) -> int:
     rows = [
         ("sequences", f"{st.num_sequences:,}", ""),
         ("original tokens", f"{st.original_tokens:,}", ""),
-        ("packed rows", f"{st.packed_tokens:,}", f"one per distinct prefix, in {st.trees:,} tree{'s' * (st.trees != 1)}"),
+        ("packed rows", f"{st.packed_rows:,}", f"one per distinct prefix, in {st.trees:,} tree{'s' * (st.trees != 1)}"),
         ("token ratio", f"{st.token_ratio:.3f}",
          f"packed / original: {1 / st.token_ratio:.2f}x fewer rows"),
         ("attention pairs ratio", f"{st.attention_ratio:.3f}",
@@ -242,7 +243,7 @@ def _verify(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from treepack import __version__
+    from treepack.version import __version__
     from treepack.zoo import FAMILIES, MODELS
 
     parser = argparse.ArgumentParser(

@@ -141,8 +141,26 @@ def _ids(x, what: str) -> np.ndarray:
 def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1,
             pad_to_multiple_of: int | None = None,
             device: torch.device | str | None = None) -> Collated:
-    """Plan ``rollouts`` (see the module doc) into packs of at most ``max_tokens`` rows over
-    ``world_size`` ranks; each rank then takes ``collated.batches(rank)``."""
+    """Plan ``rollouts`` (see the module doc) into packs over ranks.
+
+    Args:
+        rollouts: mappings with ``prompt`` and ``completion`` token ids, an optional
+            ``group`` and numeric fields: per completion token, or one scalar per rollout
+            (``loss_mask`` as a scalar covers the whole completion).
+        max_tokens: the row budget: packed rows per pack.
+        world_size: data-parallel ranks.
+        pad_to_multiple_of: pad each pack's rows to a multiple of this.
+        device: where each batch's tensors go.
+
+    Returns:
+        :class:`Collated`: ``batches(rank)`` gives each rank its :class:`Batch` list and
+        ``denominators(rank)`` the step's counts.
+
+    Raises:
+        ValueError: no rollouts, a missing prompt or completion, an empty prompt, fields
+            that differ between rollouts or do not match the completion's length, a
+            non-numeric field, or a planning error (a rollout over the budget).
+    """
     rollouts = list(rollouts)
     if not rollouts:
         raise ValueError("collate needs at least one rollout")
@@ -212,13 +230,25 @@ def _field(value, i: int, name: str) -> np.ndarray:
 def rollouts_from_padded(prompts: Tensor, prompt_mask: Tensor, completions: Tensor,
                          completion_mask: Tensor, *, loss_mask: Tensor | None = None,
                          **fields: Tensor) -> list[dict]:
-    """Rollouts from the padded tensors verl and TRL keep: left-padded prompts ``[B, P]``,
-    right-padded completions ``[B, C]``, their padding masks, and fields ``[B, C]`` (per
-    completion token) or ``[B]`` (per sequence).
+    """Rollouts from the padded tensors verl and TRL keep.
 
     ``completion_mask`` marks padding only (a prefix of each row): every completion token is
     context for the next. Tokens the loss should skip (tool outputs in a multi-turn response,
-    verl's ``response_mask``) go in ``loss_mask`` ``[B, C]``.
+    verl's ``response_mask``) go in ``loss_mask``.
+
+    Args:
+        prompts: [B, P] left-padded prompt ids; ``prompt_mask`` [B, P] their real tokens.
+        completions: [B, C] right-padded completion ids; ``completion_mask`` [B, C] their
+            real tokens (a prefix of each row).
+        loss_mask: [B, C] completion tokens the loss counts (optional).
+        **fields: [B, C] per completion token or [B] per rollout (advantages, old
+            log-probs, ...).
+
+    Returns:
+        One rollout dict per row, for :func:`collate`.
+
+    Raises:
+        ValueError: a ``completion_mask`` row with holes.
     """
     if loss_mask is not None:
         fields = {**fields, "loss_mask": loss_mask}

@@ -50,8 +50,21 @@ def check_layout(values: Tensor, mask: Tensor, name: str = "values") -> Tensor:
 
 
 def global_denominators(masks: Iterable[Tensor], *, group=None) -> Denominators:
-    """Counts over every pack of a step (``masks``, one per pack) and, when torch.distributed
-    is initialised, every rank of ``group``. Call it once per step, before the forwards."""
+    """The counts of a whole step: every pack and, with torch.distributed, every rank.
+
+    Call it once per step, before the forwards, on every rank.
+
+    Args:
+        masks: this rank's packs' masks ([N, L] bool each).
+        group: the process group to all-reduce over (default: the world).
+
+    Returns:
+        :class:`Denominators`: masked tokens, sequences with a masked token, and
+        ``world_size`` (the losses scale back up by it, undoing DDP / FSDP averaging).
+
+    Raises:
+        ValueError / TypeError: no masks, or a mask that is not [N, L] bool.
+    """
     masks = list(masks)
     if not masks:
         raise ValueError("global_denominators needs the masks of this rank's packs (got none)")

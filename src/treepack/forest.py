@@ -19,12 +19,14 @@ nearest-smaller queries; no [N, L]-wide pass except writing the ``rows`` output 
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["sort_and_lcp", "previous_smaller", "ragged_arange", "build_layout", "Layout",
-           "forest_stats", "ForestStats"]
+__all__ = ["sort_and_lcp", "previous_smaller", "causal_pairs", "ragged_arange", "build_layout",
+           "HostLayout",
+           "stats_of_arrays", "ForestStats"]
 
 
 def sort_and_lcp(ids: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -83,6 +85,12 @@ def previous_smaller(a: np.ndarray, *, strict: bool = True) -> np.ndarray:
     return np.maximum(pos, -1)
 
 
+def causal_pairs(length):
+    """Visible (query, key) pairs of causal attention over ``length`` tokens: n (n + 1) / 2.
+    A sequence sharing its first ``k`` tokens adds ``causal_pairs(n) - causal_pairs(k)``."""
+    return length * (length + 1) // 2
+
+
 def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """``concatenate([arange(a, a + n) for a, n in zip(starts, counts)])``, vectorised."""
     counts = np.asarray(counts, dtype=np.int64)
@@ -90,37 +98,68 @@ def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum())) + np.repeat(np.asarray(starts) - before, counts)
 
 
-class Layout(NamedTuple):
-    """Host-side layout of a TreePack (see ``treepack.tree`` for the shape legend)."""
+class HostLayout(NamedTuple):
+    """Every table of a pack, on the host (numpy), under :class:`~treepack.TreePack`'s names.
+
+    The build produces it; a TreePack holds it as ``pack.host`` beside its device tensors, so
+    shape-dependent code reads sizes here instead of calling ``.tolist()`` / ``.item()`` on
+    device tensors inside a forward. Shapes: T' rows (padding included), N sequences, L the
+    longest, S segments, M predictions.
+    """
 
     input_ids: np.ndarray  # [T']
-    position_ids: np.ndarray  # [T']
+    position_ids: np.ndarray  # [T'] depth
     subtree_end: np.ndarray  # [T']
     parent_row: np.ndarray  # [T'] the row of the previous token on the path, -1 at a root
-    rows: np.ndarray  # [N, L], or [total] when flat
+    rows: np.ndarray  # [N, L], or [total] in the flat layout
     lengths: np.ndarray  # [N]
     offsets: np.ndarray  # [N + 1] where each sequence starts in the flat layout
-    prediction_mask: np.ndarray  # [N, L], or [total] when flat
-    seg_start: np.ndarray  # [S]
-    seg_end: np.ndarray  # [S]
-    seg_parent: np.ndarray  # [S]
-    seg_sequence: np.ndarray  # [S] an input sequence whose path passes through the segment
-    pred_source: np.ndarray  # [M]
-    pred_target: np.ndarray  # [M]
-    pred_index: np.ndarray  # [M] s * L + p, or offsets[s] + p when flat
-    num_tokens: int  # T
-    num_prediction_rows: int
+    prediction_mask: np.ndarray  # [N, L], or [total] in the flat layout
+    segment_start: np.ndarray  # [S]
+    segment_end: np.ndarray  # [S]
+    segment_parent: np.ndarray  # [S]
+    segment_sequence: np.ndarray  # [S] an input sequence whose path passes through it
+    prediction_source: np.ndarray  # [M]
+    prediction_target: np.ndarray  # [M]
+    prediction_index: np.ndarray  # [M] s * L + p, or offsets[s] + p in the flat layout
+    num_packed_rows: int  # T: distinct rows, padding excluded
+    num_prediction_rows: int  # packed rows with at least one child
+
+    @classmethod
+    def empty(cls, num_rows: int) -> HostLayout:
+        """The host layout of no sequences.
+
+        Args:
+            num_rows: padding rows, each seeing only itself.
+
+        Returns:
+            A :class:`HostLayout` with no sequences, segments or predictions.
+
+        Raises:
+            Nothing of its own (the caller checks ``num_rows``).
+        """
+        none = np.zeros(0, dtype=np.int64)
+        pad = np.arange(num_rows)
+        return cls(
+            input_ids=np.zeros(num_rows, dtype=np.int64), position_ids=np.zeros_like(pad),
+            subtree_end=pad + 1, parent_row=np.full_like(pad, -1),
+            rows=np.zeros((0, 0), dtype=np.int64), lengths=none, offsets=np.zeros(1, np.int64),
+            prediction_mask=np.zeros((0, 0), dtype=bool), segment_start=none, segment_end=none,
+            segment_parent=none, segment_sequence=none, prediction_source=none,
+            prediction_target=none, prediction_index=none, num_packed_rows=0,
+            num_prediction_rows=0,
+        )
 
 
 def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True,
-                 flat: bool = False) -> Layout:
+                 flat: bool = False) -> HostLayout:
     """The whole layout from validated 1-D int64 id arrays (see the module doc).
 
     With ``share=False`` nothing is merged: the sequences are laid out back to back in input
     order, each its own tree (padding-free packing), as if no two shared a prefix. With
     ``flat`` the per-token tables (``rows``, ``prediction_mask`` and the prediction indices)
     are [total tokens], sequence after sequence (``offsets``), instead of [N, L]: nothing
-    costs N x the longest length.
+    costs N x the longest length. Rows are padded to a multiple of ``multiple``.
     """
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
@@ -128,39 +167,77 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
         order, lcp = sort_and_lcp(ids)
     else:
         order, lcp = np.arange(n), np.zeros(n, dtype=np.int64)
-    s_len = lengths[order]  # sorted order from here on
-    new = s_len - lcp  # rows each sequence adds; 0 only for an exact duplicate
-    base = np.concatenate(([0], np.cumsum(new)))  # [N + 1]
-    T = int(base[-1])
+    new = lengths[order] - lcp  # rows each sorted sequence adds; 0 only for a duplicate
+    base = np.concatenate(([0], np.cumsum(new)))  # [N + 1] where they start
     pse = previous_smaller(lcp)  # the sequence each one forks from (-1: a new tree)
-
     # Per-row fields: each sequence's suffix after its LCP, back to back.
     input_ids = np.concatenate([ids[i][c:] for i, c in zip(order, lcp)])  # [T]
-    position_ids = np.arange(T) - np.repeat(base[:-1] - lcp, new)  # [T] depth
+    position_ids = np.arange(base[-1]) - np.repeat(base[:-1] - lcp, new)  # [T] depth
+    seg = _segments(order, lcp, new, base, pse, position_ids)
+    values = _rows(order, lcp, lengths[order], base, pse)  # each sequence's rows, in order
+    tables = _per_token(values, lengths, np.concatenate(ids), flat)
+    T = int(base[-1])
+    pad = np.arange(T, -(-T // multiple) * multiple)
+    return HostLayout(
+        input_ids=np.concatenate((input_ids, np.zeros_like(pad))),
+        position_ids=np.concatenate((position_ids, np.zeros_like(pad))),
+        subtree_end=np.concatenate((seg.subtree_end, pad + 1)),
+        parent_row=np.concatenate((seg.parent_row, np.full_like(pad, -1))),
+        lengths=lengths,
+        **tables,
+        segment_start=seg.start,
+        segment_end=seg.end,
+        segment_parent=seg.parent,
+        segment_sequence=seg.sequence,
+        num_packed_rows=T,
+        num_prediction_rows=seg.rows_with_children,
+    )
 
+
+class _Segments(NamedTuple):
+    start: np.ndarray  # [S]
+    end: np.ndarray  # [S]
+    parent: np.ndarray  # [S]
+    sequence: np.ndarray  # [S] the sorted sequence that owns the segment's rows
+    subtree_end: np.ndarray  # [T]
+    parent_row: np.ndarray  # [T]
+    rows_with_children: int
+
+
+def _segments(order, lcp, new, base, pse, position_ids) -> _Segments:
+    """Compressed segments, and the per-row fields that follow from them (module doc)."""
+    T = int(base[-1])
     # Segments start where a sequence's new rows start and where a later one forks off.
     cut = np.zeros(T + 1, dtype=bool)
     cut[base[:-1][new > 0]] = True
     forks = np.flatnonzero(lcp > 0)
     owner = pse[forks]
     cut[base[owner] + lcp[forks] - lcp[owner]] = True
-    seg_start = np.flatnonzero(cut[:T])
-    seg_end = np.append(seg_start[1:], T)
-    depth = position_ids[seg_start]  # [S]
-    seg_parent = previous_smaller(depth)
+    start = np.flatnonzero(cut[:T])
+    end = np.append(start[1:], T)
+    depth = position_ids[start]  # [S]
+    parent = previous_smaller(depth)
     # The subtree of segment i ends where the next segment with depth <= depth[i] starts.
     after = depth.shape[0] - 1 - previous_smaller(depth[::-1], strict=False)[::-1]
-    seg_subtree_end = np.append(seg_start, T)[after]
-    subtree_end = np.repeat(seg_subtree_end, seg_end - seg_start)  # [T]
-    # the sequence that owns a segment's rows passes through it (and through its ancestors)
-    seg_sequence = order[np.searchsorted(base, seg_start, side="right") - 1]
+    subtree_end = np.repeat(np.append(start, T)[after], end - start)  # [T]
     parent_row = np.arange(T) - 1  # inside a segment the parent is the row before
-    parent_row[seg_start] = np.where(seg_parent >= 0, seg_end[seg_parent] - 1, -1)
+    parent_row[start] = np.where(parent >= 0, end[parent] - 1, -1)
+    # A row predicts something iff it has a child: all rows but the last of a leaf segment.
+    has_child = np.zeros(start.shape[0], dtype=bool)
+    has_child[parent[parent >= 0]] = True
+    # the sequence that owns a segment's rows passes through it (and through its ancestors)
+    sequence = order[np.searchsorted(base, start, side="right") - 1]
+    return _Segments(start, end, parent, sequence, subtree_end, parent_row,
+                     T - int((~has_child).sum()))
 
-    values = _rows(order, lcp, s_len, base, pse)  # [total]: each sequence's rows in order
-    # Predictions: every token but each sequence's first, from the row before it.
-    total = values.shape[0]
+
+def _per_token(values: np.ndarray, lengths: np.ndarray, targets: np.ndarray, flat: bool
+               ) -> dict[str, np.ndarray]:
+    """``rows``, ``offsets``, ``prediction_mask`` and the predictions, in the [N, L] layout
+    (flattened index s * L + p) or the flat one (offsets[s] + p); no [N, L] temporaries."""
+    n, total = lengths.shape[0], values.shape[0]
     offsets = np.concatenate(([0], np.cumsum(lengths)))  # [N + 1]
+    # Predictions: every token but each sequence's first, from the row before it.
     later = np.ones(total, dtype=bool)
     later[offsets[:-1]] = False
     if flat:
@@ -168,40 +245,15 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
     else:
         L = int(lengths.max())
         position = np.arange(total) + np.repeat(np.arange(n) * L - offsets[:-1], lengths)
-        rows = np.full(n * L, -1, dtype=np.int64)  # s * L + p, no [N, L] temporaries
+        rows = np.full(n * L, -1, dtype=np.int64)
         rows[position] = values
         rows = rows.reshape(n, L)
         prediction_mask = np.zeros(n * L, dtype=bool)
         prediction_mask[position[later]] = True
         prediction_mask = prediction_mask.reshape(n, L)
-    pred_index = position[later]
-    pred_source = values[:-1][later[1:]]
-    pred_target = np.concatenate(ids)[later]
-    # A row predicts something iff it has a child: all rows but the last of a leaf segment.
-    has_child = np.zeros(seg_start.shape[0], dtype=bool)
-    has_child[seg_parent[seg_parent >= 0]] = True
-
-    padded = -(-T // multiple) * multiple
-    pad = np.arange(T, padded)
-    return Layout(
-        input_ids=np.concatenate((input_ids, np.zeros_like(pad))),
-        position_ids=np.concatenate((position_ids, np.zeros_like(pad))),
-        subtree_end=np.concatenate((subtree_end, pad + 1)),
-        parent_row=np.concatenate((parent_row, np.full_like(pad, -1))),
-        rows=rows,
-        lengths=lengths,
-        offsets=offsets,
-        prediction_mask=prediction_mask,
-        seg_start=seg_start,
-        seg_end=seg_end,
-        seg_parent=seg_parent,
-        seg_sequence=seg_sequence,
-        pred_source=pred_source,
-        pred_target=pred_target,
-        pred_index=pred_index,
-        num_tokens=T,
-        num_prediction_rows=T - int((~has_child).sum()),
-    )
+    return dict(rows=rows, offsets=offsets, prediction_mask=prediction_mask,
+                prediction_source=values[:-1][later[1:]], prediction_target=targets[later],
+                prediction_index=position[later])
 
 
 def _rows(order, lcp, s_len, base, pse) -> np.ndarray:
@@ -232,31 +284,39 @@ class ForestStats(NamedTuple):
 
     num_sequences: int
     original_tokens: int
-    packed_tokens: int  # distinct rows: one per distinct prefix
+    packed_rows: int  # distinct rows: one per distinct prefix
     trees: int  # sequences with distinct first tokens
     packed_attention_pairs: int  # visible (query, key) pairs: sum of depth + 1 over rows
     unpacked_attention_pairs: int  # causal pairs of every sequence alone
 
     @property
     def token_ratio(self) -> float:
-        return self.packed_tokens / self.original_tokens
+        return self.packed_rows / self.original_tokens
+
+    @property
+    def packed_tokens(self) -> int:
+        """Deprecated (one release): :attr:`packed_rows`."""
+        warnings.warn("ForestStats.packed_tokens is now packed_rows; the old name goes in the "
+                      "next release", DeprecationWarning, stacklevel=2)
+        return self.packed_rows
 
     @property
     def attention_ratio(self) -> float:
         return self.packed_attention_pairs / self.unpacked_attention_pairs
 
 
-def forest_stats(ids: list[np.ndarray]) -> ForestStats:
-    """Sizes of the forest of validated id arrays from the sort and LCPs alone: O(total)."""
+def stats_of_arrays(ids: list[np.ndarray]) -> ForestStats:
+    """Sizes of the forest of validated id arrays from the sort and LCPs alone: O(total).
+    (:func:`treepack.forest_stats` validates any sequences and calls this.)"""
     order, lcp = sort_and_lcp(ids)
     s_len = np.fromiter((ids[i].shape[0] for i in order), dtype=np.int64, count=len(ids))
     # rows of sequence k have depths lcp[k] .. len[k]-1; each sees depth + 1 keys
-    packed_pairs = (s_len * (s_len + 1) - lcp * (lcp + 1)) // 2
+    packed_pairs = causal_pairs(s_len) - causal_pairs(lcp)
     return ForestStats(
         num_sequences=len(ids),
         original_tokens=int(s_len.sum()),
-        packed_tokens=int((s_len - lcp).sum()),
+        packed_rows=int((s_len - lcp).sum()),
         trees=int((lcp == 0).sum()),
         packed_attention_pairs=int(packed_pairs.sum()),
-        unpacked_attention_pairs=int((s_len * (s_len + 1) // 2).sum()),
+        unpacked_attention_pairs=int(causal_pairs(s_len).sum()),
     )

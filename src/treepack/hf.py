@@ -37,7 +37,7 @@ __all__ = ["forward", "forward_hidden", "HiddenOutput", "prepare", "restore", "p
            "unprepare", "is_prepared", "original_attention", "unwrap", "lm_head",
            "row_multiplicity", "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel"]
 
-PACK_KWARG = "treepack_attention"  # the forward keyword that carries the TreeAttention
+TREE_FORWARD_KWARG = "treepack_tree_forward"  # the model keyword that carries a _TreeForward
 _PREFIX = "treepack_"
 _ORIGINAL: dict[str, str] = {}  # registered treepack name -> the original implementation
 _TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
@@ -82,8 +82,8 @@ def _registered_name(original: str) -> str:
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
     """The registered attention: the tree backend with a pack, the original one without."""
-    attend = kwargs.pop(PACK_KWARG, None)
-    if attend is None:
+    tree = kwargs.pop(TREE_FORWARD_KWARG, None)
+    if tree is None:
         original = _ORIGINAL[compat.attn_implementation(module.config)]
         return compat.attention_function(module, original)(module, query, key, value,
                                                            attention_mask, **kwargs)
@@ -92,9 +92,9 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             f"{type(module).__name__} uses attention sinks (s_aux), which treepack's backends "
             "do not implement yet; run this model unpacked"
         )
-    attend.calls += 1
-    attend.windowed += kwargs.get("sliding_window") is not None
-    out = attend.attention(
+    tree.calls += 1
+    tree.windowed += kwargs.get("sliding_window") is not None
+    out = tree.attention(
         query, key, value,
         scale=kwargs.get("scaling"),
         softcap=kwargs.get("softcap"),
@@ -118,18 +118,38 @@ def _mask(*args, config=None, **kwargs):
 
 
 def is_prepared(model) -> bool:
-    """Whether :func:`prepare` routed ``model``'s attention through treepack."""
+    """Whether :func:`prepare` routed ``model``'s attention through treepack.
+
+    Args:
+        model: a transformers causal LM (or wrapper).
+
+    Returns:
+        True when prepared.
+
+    Raises:
+        TypeError: not a transformers model (:func:`unwrap`).
+    """
     return compat.attn_implementation(unwrap(model).config) in _ORIGINAL
 
 
 def original_attention(model) -> str:
-    """The attention implementation ``model`` runs without a pack (its own, prepared or not)."""
+    """The attention implementation ``model`` runs without a pack.
+
+    Args:
+        model: a transformers causal LM (or wrapper), prepared or not.
+
+    Returns:
+        Its own implementation's name (``"sdpa"``, ``"eager"``, ...).
+
+    Raises:
+        TypeError: not a transformers model.
+    """
     name = compat.attn_implementation(unwrap(model).config)
     return _ORIGINAL.get(name, name)
 
 
 def prepare(model, *, check: bool = True):
-    """Route ``model``'s attention through treepack, reversibly; returns the model.
+    """Route ``model``'s attention through treepack, reversibly.
 
     Call it once before :func:`forward` (or use :func:`prepared` for a block of code). It
     sets the model's attention implementation to ``treepack_<original>``, which runs the
@@ -143,10 +163,14 @@ def prepare(model, *, check: bool = True):
             ``position_ids`` (treepack's depths reach the model only that way) and that its
             own code runs a tree forward.
 
+    Returns:
+        ``model`` itself.
+
     Raises:
-        ValueError / NotImplementedError: a model treepack cannot run exactly (recurrent or
+        ValueError / UnsupportedModel: a model treepack cannot run exactly (recurrent or
             linear-attention layers, positions not read from ``position_ids``, attention
-            that bypasses transformers' interface, ALiBi); the model is left unchanged.
+            that bypasses transformers' interface, ALiBi, attention sinks); the model is
+            left unchanged.
     """
     core = unwrap(model)
     if is_prepared(core):
@@ -172,7 +196,17 @@ def prepare(model, *, check: bool = True):
 
 
 def restore(model):
-    """Undo :func:`prepare`: the model's original attention implementation; returns it."""
+    """Undo :func:`prepare`: the model runs its original attention implementation again.
+
+    Args:
+        model: a model (or wrapper), prepared or not.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        Nothing of its own.
+    """
     if is_prepared(model):
         compat.set_attn_implementation(unwrap(model).config, original_attention(model))
     return model
@@ -183,9 +217,21 @@ unprepare = restore  # the name of earlier releases
 
 @contextlib.contextmanager
 def prepared(model, *, check: bool = True):
-    """``with hf.prepared(model):`` — :func:`prepare` for the block, then :func:`restore`
-    (unless the model was already prepared). Keep gradient-checkpointed backward passes
-    inside the block: they recompute attention through the prepared model."""
+    """``with hf.prepared(model):`` — :func:`prepare` for the block, then :func:`restore`.
+
+    A model that was already prepared stays prepared. Keep gradient-checkpointed backward
+    passes inside the block: they recompute attention through the prepared model.
+
+    Args:
+        model: a transformers causal LM (or wrapper).
+        check: as :func:`prepare`.
+
+    Returns:
+        A context manager yielding ``model``.
+
+    Raises:
+        As :func:`prepare`.
+    """
     already = is_prepared(model)
     prepare(model, check=check)
     try:
@@ -213,10 +259,10 @@ def _check_reads_position_ids(model) -> None:
     outs = []
     with _eval_no_grad(model):
         for positions in ([0, 1], [0, 7]):  # same chain, keys 1 vs 7 positions back
-            attend = _Attend(pack, "dense")
+            tree = _TreeForward(pack, "dense")
             try:
                 with _tree_forward():
-                    out = model(input_ids=ids, use_cache=False, **{PACK_KWARG: attend},
+                    out = model(input_ids=ids, use_cache=False, **{TREE_FORWARD_KWARG: tree},
                                 position_ids=torch.tensor([positions], device=device))
             except UnsupportedModel:
                 raise
@@ -229,7 +275,7 @@ def _check_reads_position_ids(model) -> None:
                     "transformers' attention interface and take positions from position_ids "
                     "(rotary or learned); run this one unpacked"
                 ) from e
-            _check_calls(model, attend)
+            _check_calls(model, tree)
             outs.append(out.logits)
     if torch.equal(outs[0], outs[1]):
         raise ValueError(
@@ -243,7 +289,7 @@ def _check_reads_position_ids(model) -> None:
 # ---------------------------------------------------------------------- forward
 
 
-class _Attend:
+class _TreeForward:
     """The per-forward object every attention layer receives: the backend and a call count."""
 
     def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
@@ -275,21 +321,21 @@ def _expected_windowed_calls(config) -> int:
     return config.num_hidden_layers if getattr(config, "use_sliding_window", True) else 0
 
 
-def _check_calls(model, attend: _Attend) -> None:
+def _check_calls(model, tree: _TreeForward) -> None:
     config = _text_config(model)
     expected = config.num_hidden_layers
-    if attend.calls != expected:
+    if tree.calls != expected:
         raise RuntimeError(
-            f"{type(model).__name__} has {expected} layers but {attend.calls} of them attended "
+            f"{type(model).__name__} has {expected} layers but {tree.calls} of them attended "
             "through transformers' attention interface: the others would attend across the "
             "packed forest (siblings would see each other). treepack supports models whose "
             "every layer uses the attention interface; run this one unpacked"
         )
     windowed = _expected_windowed_calls(config)
-    if attend.windowed != windowed:
+    if tree.windowed != windowed:
         raise NotImplementedError(
             f"{type(model).__name__} uses a sliding window of {config.sliding_window} on "
-            f"{windowed} layers, but {attend.windowed} of them passed it to the attention "
+            f"{windowed} layers, but {tree.windowed} of them passed it to the attention "
             "interface (the model applies it through its own mask, which a tree forward "
             "cannot use): those layers would attend without their window. Run this model "
             "unpacked"
@@ -332,7 +378,17 @@ class HiddenOutput:
 
 
 def unwrap(model):
-    """The transformers model inside DDP / FSDP / ``torch.compile`` wrappers."""
+    """The transformers model inside DDP / FSDP / ``torch.compile`` wrappers.
+
+    Args:
+        model: a ``PreTrainedModel`` or a wrapper of one (``.module``, ``._orig_mod``).
+
+    Returns:
+        The innermost ``PreTrainedModel``.
+
+    Raises:
+        TypeError: no transformers model inside.
+    """
     from transformers import PreTrainedModel
 
     seen = model
@@ -389,13 +445,19 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
 
 def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: int = 128,
                    **kwargs) -> HiddenOutput:
-    """:func:`forward` without the ``[T', V]`` logits: the LM head runs on one row only, and
-    the input of the head comes back for :func:`treepack.logprobs_from_hidden`.
+    """:func:`forward` without the ``[T', V]`` logits, for :func:`treepack.logprobs_from_hidden`.
+
+    The LM head runs on one row only; the input of the head comes back instead.
+
+    Args:
+        model, pack, backend, block_size, **kwargs: as :func:`forward`.
 
     Returns:
-        A :class:`HiddenOutput`: ``.last_hidden_state`` ``[1, T', H]`` (after the final norm),
-        and for an MoE model ``.aux_loss`` / ``.router_logits``. Arguments and errors as
-        :func:`forward`.
+        A :class:`HiddenOutput`: ``.last_hidden_state`` ``[1, T', H]`` (after the final
+        norm), and for an MoE model ``.aux_loss`` / ``.router_logits``.
+
+    Raises:
+        As :func:`forward`.
     """
     kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
     out, aux = _run(model, pack, backend, block_size, kwargs)
@@ -429,11 +491,11 @@ def _run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
             f"has {vocab} rows: tokenize with the model's own tokenizer (ids 0 .. {vocab - 1})"
         )
     _check_rope(core, pack)
-    attend = _Attend(pack, backend, block_size)
+    tree = _TreeForward(pack, backend, block_size)
     with _tree_forward():
         out = model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
-                    use_cache=False, **{PACK_KWARG: attend}, **kwargs)
-    _check_calls(core, attend)
+                    use_cache=False, **{TREE_FORWARD_KWARG: tree}, **kwargs)
+    _check_calls(core, tree)
     aux = None
     if getattr(out, "aux_loss", None) is not None:
         aux = router_aux_loss(core, pack, out.router_logits)
@@ -450,12 +512,22 @@ def lm_head(model, *, check: bool = True) -> dict:
     after it: ``softcap`` (Gemma 2's ``final_logit_softcapping``) and ``scale`` (Cohere's
     ``logit_scale``, Granite's ``1 / logits_scaling``)::
 
-        hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+        hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
         logps = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
 
-    With ``check`` (the default), the first call per model runs one 3-token forward and
-    raises if these keywords do not reproduce the model's own logits (a logit transform
-    treepack does not know). A sharded (FSDP2) head weight is gathered.
+    A sharded (FSDP2) head weight is gathered.
+
+    Args:
+        model: a transformers causal LM (or wrapper).
+        check: the first call per model runs one 3-token forward and compares these
+            keywords' logits with the model's own.
+
+    Returns:
+        ``dict(weight=..., bias=..., [softcap=...], [scale=...])``.
+
+    Raises:
+        NotImplementedError: an output layer that is not ``Linear``, or a logit transform
+            treepack does not know (the check failed).
     """
     model = unwrap(model)
     kwargs = _lm_head_kwargs(model)
@@ -520,7 +592,17 @@ def _lm_head_kwargs(model) -> dict:
 
 
 def row_multiplicity(pack: TreePack) -> Tensor:
-    """[T'] float: how many original tokens each packed row stands for (0 for padding)."""
+    """How many original tokens each packed row stands for.
+
+    Args:
+        pack: a :class:`~treepack.TreePack`.
+
+    Returns:
+        [T'] float: occurrences of each row (0 for padding).
+
+    Raises:
+        Nothing of its own.
+    """
     rows = pack.rows[pack.rows >= 0]
     return torch.bincount(rows, minlength=pack.num_rows).float()
 
@@ -533,6 +615,14 @@ def router_aux_loss(model, pack, router_logits) -> Tensor:
     (A list of packs with a list of router logits is still accepted, as in earlier releases:
     it means :func:`batch_router_aux_loss`.)
 
+    Args:
+        model: the MoE model (or wrapper).
+        pack: the pack the router logits came from.
+        router_logits: the model output's ``router_logits`` (one tensor per layer).
+
+    Returns:
+        A scalar loss tensor.
+
     Raises:
         NotImplementedError: a model whose router loss treepack does not know how to weight.
     """
@@ -542,10 +632,22 @@ def router_aux_loss(model, pack, router_logits) -> Tensor:
 
 
 def batch_router_aux_loss(model, packs, router_logits) -> Tensor:
-    """The load-balancing loss of a whole batch spread over several packs: ``packs`` and, for
-    each, its per-layer ``router_logits``. The batch's loss, not a mean of per-pack losses.
+    """The load-balancing loss of a whole batch spread over several packs.
+
     Packs without tokens (``TreePack.empty``) contribute nothing; with no tokens at all the
-    loss is a zero still connected to the router."""
+    loss is a zero still connected to the router.
+
+    Args:
+        model: the MoE model (or wrapper).
+        packs: the batch's packs.
+        router_logits: for each pack, its per-layer router logits.
+
+    Returns:
+        The batch's loss (not a mean of per-pack losses), a scalar tensor.
+
+    Raises:
+        NotImplementedError: as :func:`router_aux_loss`.
+    """
     packs, per_pack = list(packs), list(router_logits)
     live = [(p, r) for p, r in zip(packs, per_pack) if p.num_original_tokens > 0]
     if not live:

@@ -277,9 +277,20 @@ def logprobs_and_entropy_from_hidden(
     softcap: float | None = None,
     scale: float = 1.0,
 ) -> TokenLogprobs:
-    """:func:`logprobs_from_hidden` and the entropy of each prediction's distribution, in the
-    same layout, from the same chunks: a :class:`TokenLogprobs` ``(logprobs, entropy)``.
-    Arguments and errors as :func:`logprobs_from_hidden`."""
+    """:func:`logprobs_from_hidden` and the entropy of each prediction's distribution.
+
+    Both come from the same chunks, in the same layout.
+
+    Args:
+        pack, hidden, weight, bias, temperature, chunk_size, softcap, scale: as
+            :func:`logprobs_from_hidden`.
+
+    Returns:
+        :class:`TokenLogprobs` ``(logprobs, entropy)``, each [N, L] (flat: [total]).
+
+    Raises:
+        As :func:`logprobs_from_hidden`.
+    """
     return _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, scale,
                         with_entropy=True)
 
@@ -312,9 +323,9 @@ def _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, s
     if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         hidden = hidden.to(weight.dtype)  # the head's dtype decides (e.g. an fp32 LM head)
     pair = edges(pack)
-    bounds = np.searchsorted(pair.parent_host, np.arange(0, pack.num_tokens + chunk, chunk))
-    chunks = [(a, min(a + chunk, pack.num_tokens), int(bounds[i]), int(bounds[i + 1]))
-              for i, a in enumerate(range(0, pack.num_tokens, chunk))]
+    bounds = np.searchsorted(pair.parent_host, np.arange(0, pack.num_packed_rows + chunk, chunk))
+    chunks = [(a, min(a + chunk, pack.num_packed_rows), int(bounds[i]), int(bounds[i + 1]))
+              for i, a in enumerate(range(0, pack.num_packed_rows, chunk))]
     out = _LeanLogprobs.apply(hidden, weight, bias, pair, chunks, scale, softcap,
                               temperature, with_entropy)
     child_logp, entropy = out if with_entropy else (out, None)

@@ -48,7 +48,24 @@ KL_KINDS = ("k1", "k2", "k3")
 def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", *,
               denominators: Denominators | None = None,
               norm_length: float | None = None) -> Tensor:
-    """Reduce per-token ``values`` [N, L] at ``mask`` to a scalar loss (see the modes above)."""
+    """Reduce per-token ``values`` at ``mask`` to a scalar loss (see the modes above).
+
+    Args:
+        values: [N, L] per-token losses in a dense pack's layout.
+        mask: [N, L] bool, the predictions that count.
+        mode: one of :data:`MODES`.
+        denominators: the step's counts (:func:`global_denominators`); default: this
+            mask's own.
+        norm_length: the constant of ``seq-mean-token-sum-norm``.
+
+    Returns:
+        A scalar tensor, multiplied by ``denominators.world_size`` (undoing DDP / FSDP
+        gradient averaging).
+
+    Raises:
+        ValueError / TypeError: shapes that differ, a non-bool mask, an unknown mode, or a
+            missing / non-positive ``norm_length``.
+    """
     _check(values, mask)
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
@@ -77,8 +94,20 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", *,
 def sft_loss(logps: Tensor, mask: Tensor, *, weights: Tensor | None = None,
              mode: str = "token-mean", denominators: Denominators | None = None,
              norm_length: float | None = None) -> Tensor:
-    """Negative log-likelihood of the masked predictions, optionally weighted per token
-    (``weights`` [N, L]) or per sequence (``weights`` [N])."""
+    """Negative log-likelihood of the masked predictions.
+
+    Args:
+        logps: [N, L] log-probs (``pack.token_logprobs``).
+        mask: [N, L] bool, the predictions that count.
+        weights: optional, per token [N, L] or per sequence [N].
+        mode, denominators, norm_length: as :func:`aggregate`.
+
+    Returns:
+        A scalar loss.
+
+    Raises:
+        ValueError / TypeError: as :func:`aggregate`, or weights of another shape.
+    """
     nll = -logps
     if weights is not None:
         nll = nll * _per_token(weights, logps, "weights")
@@ -122,8 +151,25 @@ def policy_loss(
     sequence-level ratio ``exp(mean_t(logps - old_logps))`` (token form: its value on every
     token, its gradient through each token). Clipped to ``[1 - clip, 1 + clip_high]``
     (``clip_high`` defaults to ``clip``; DAPO's clip-higher sets it larger). ``dual_clip``
-    (c > 1) caps the loss of negative advantages at ``-advantage * c``. ``advantages`` are
-    [N] (per sequence) or [N, L] (per token), never averaged across sequences sharing a row.
+    (c > 1) caps the loss of negative advantages at ``-advantage * c``.
+
+    Args:
+        logps: [N, L] log-probs of the current policy.
+        old_logps: [N, L] log-probs of the behaviour policy (detached).
+        advantages: [N] per sequence or [N, L] per token, never averaged across sequences
+            sharing a row.
+        mask: [N, L] bool, the predictions that count.
+        clip, clip_high: finite numbers >= 0.
+        dual_clip: None or a number > 1.
+        ratio: ``"token"`` (PPO) or ``"sequence"`` (GSPO).
+        mode, denominators, norm_length: as :func:`aggregate`.
+
+    Returns:
+        :class:`PolicyLoss`: the loss, the ratio, clip fractions and an approximate KL.
+
+    Raises:
+        ValueError / TypeError: shapes that differ, a bad clip, dual clip or ratio kind, or
+            as :func:`aggregate`.
     """
     _check(logps, mask, "logps")
     _check(old_logps, mask, "old_logps")
@@ -166,11 +212,22 @@ def policy_loss(
 
 
 def kl_penalty(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token estimate [N, L] of KL(policy || reference) from sampled tokens.
+    """Per-token estimate of KL(policy || reference) from sampled tokens.
 
     ``k1 = logp - ref`` (unbiased, high variance), ``k2 = (logp - ref)^2 / 2``,
     ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased, non-negative, low variance).
     Aggregate it with :func:`aggregate` and add ``beta *`` it to the loss.
+
+    Args:
+        logps: [N, L] log-probs of the policy.
+        ref_logps: [N, L] log-probs of the reference model (detached).
+        kind: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        [N, L] estimates.
+
+    Raises:
+        ValueError: shapes that differ, or an unknown kind.
     """
     if logps.shape != ref_logps.shape:
         raise ValueError(f"logps {tuple(logps.shape)} and ref_logps {tuple(ref_logps.shape)} "
@@ -189,5 +246,16 @@ def kl_penalty(logps: Tensor, ref_logps: Tensor, kind: str = "k3") -> Tensor:
 def entropy_bonus(entropy: Tensor, mask: Tensor, mode: str = "token-mean", *,
                   denominators: Denominators | None = None,
                   norm_length: float | None = None) -> Tensor:
-    """The aggregated entropy of the masked predictions; subtract ``coef *`` it from the loss."""
+    """The aggregated entropy of the masked predictions; subtract ``coef *`` it from the loss.
+
+    Args:
+        entropy: [N, L] (``pack.token_entropy`` / ``logprobs_and_entropy_from_hidden``).
+        mask, mode, denominators, norm_length: as :func:`aggregate`.
+
+    Returns:
+        A scalar.
+
+    Raises:
+        As :func:`aggregate`.
+    """
     return aggregate(entropy, mask, mode, denominators=denominators, norm_length=norm_length)

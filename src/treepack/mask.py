@@ -6,9 +6,13 @@ block tables of :func:`block_mask`, which are (T / block_size)^2 as FlexAttentio
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import Tensor
+
+from treepack.checks import positive_int
 
 __all__ = ["dense_mask", "tree_mask_mod", "block_mask"]
 
@@ -43,6 +47,16 @@ def tree_mask_mod(subtree_end: Tensor, position_ids: Tensor | None = None,
     return tree_window_mask
 
 
+class _BlockRanges(NamedTuple):
+    """Per key block: the query blocks that see it, and those that see it whole."""
+
+    seen_until: np.ndarray  # [nb] query blocks c .. seen_until - 1 see key block c
+    full_until: np.ndarray  # [nb] query blocks c+1 .. full_until - 1 see every pair
+    diag_full: np.ndarray  # [nb] a diagonal block is full only when it holds one row
+    pos_min: np.ndarray | None  # [nb] with a window: depth extremes of each block
+    pos_max: np.ndarray | None
+
+
 def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod,
                position_ids: np.ndarray | None = None, window: int | None = None):
     """A FlexAttention ``BlockMask`` for the rows whose subtree ends are ``subtree_end``.
@@ -60,47 +74,16 @@ def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod,
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive int (e.g. 128)")
+    block_size = positive_int(block_size, "block_size", hint=" (e.g. 128)")
     t = int(subtree_end.shape[0])
-    nb = -(-t // block_size)
-    tail = nb * block_size - t
-    ends = subtree_end.reshape(-1)
-    max_end = np.pad(ends, (0, tail), constant_values=0).reshape(nb, block_size).max(1)
-    min_end = np.pad(ends, (0, tail), constant_values=t).reshape(nb, block_size).min(1)
-    blk_rows = np.minimum(block_size, t - np.arange(nb) * block_size)
-
-    seen_until = -(-max_end // block_size)  # [nb] exclusive
-    full_until = np.where(min_end >= t, nb, min_end // block_size)  # [nb]
-    diag_full = blk_rows == 1  # [nb]
-    blocks = np.arange(nb)
-    if window is not None:
-        pos = np.pad(position_ids.reshape(-1), (0, tail), mode="edge").reshape(nb, block_size)
-        pos_min, pos_max = pos.min(1), pos.max(1)
-
-    def tables(q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Dense [partial, full] flags of (query block q, key block k), broadcast."""
-        full = (k < q) & (q < full_until[k]) | (k == q) & diag_full[k]
-        seen = (k <= q) & (q < seen_until[k])
-        if window is not None:
-            full &= pos_max[q] - pos_min[k] < window
-            seen &= pos_min[q] - pos_max[k] < window
-        return seen & ~full, full
-
-    def ordered(dense: np.ndarray) -> tuple[Tensor, Tensor]:
-        # FlexAttention's ordered format: per row, the listed columns ascending, then the
-        # rest ascending. A stable sort of booleans is a radix sort in numpy.
-        count = dense.sum(-1, dtype=np.int32)
-        cols = np.argsort(~dense, axis=-1, kind="stable").astype(np.int32)
-        return (torch.from_numpy(count)[None, None].to(device),
-                torch.from_numpy(cols)[None, None].to(device))
-
-    part, full = tables(blocks[:, None], blocks[None, :])  # forward: rows are query blocks
-    kv_num, kv_idx = ordered(part)
-    full_kv_num, full_kv_idx = ordered(full)
-    part_t, full_t = tables(blocks[None, :], blocks[:, None])  # backward: rows are key blocks
-    q_num, q_idx = ordered(part_t)
-    full_q_num, full_q_idx = ordered(full_t)
+    ranges = _block_ranges(subtree_end, position_ids, block_size, window)
+    blocks = np.arange(ranges.seen_until.shape[0])
+    part, full = _block_flags(ranges, blocks[:, None], blocks[None, :], window)  # forward
+    part_t, full_t = _block_flags(ranges, blocks[None, :], blocks[:, None], window)  # backward
+    kv_num, kv_idx = _ordered(part, device)
+    full_kv_num, full_kv_idx = _ordered(full, device)
+    q_num, q_idx = _ordered(part_t, device)
+    full_q_num, full_q_idx = _ordered(full_t, device)
     return BlockMask(
         seq_lengths=(t, t),
         kv_num_blocks=kv_num,
@@ -114,3 +97,41 @@ def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod,
         BLOCK_SIZE=(block_size, block_size),
         mask_mod=mask_mod,
     )
+
+
+def _block_ranges(subtree_end: np.ndarray, position_ids: np.ndarray | None, block_size: int,
+                  window: int | None) -> _BlockRanges:
+    t = int(subtree_end.shape[0])
+    nb = -(-t // block_size)
+    tail = nb * block_size - t
+    ends = subtree_end.reshape(-1)
+    max_end = np.pad(ends, (0, tail), constant_values=0).reshape(nb, block_size).max(1)
+    min_end = np.pad(ends, (0, tail), constant_values=t).reshape(nb, block_size).min(1)
+    rows = np.minimum(block_size, t - np.arange(nb) * block_size)
+    pos_min = pos_max = None
+    if window is not None:
+        pos = np.pad(position_ids.reshape(-1), (0, tail), mode="edge").reshape(nb, block_size)
+        pos_min, pos_max = pos.min(1), pos.max(1)
+    return _BlockRanges(seen_until=-(-max_end // block_size),
+                        full_until=np.where(min_end >= t, nb, min_end // block_size),
+                        diag_full=rows == 1, pos_min=pos_min, pos_max=pos_max)
+
+
+def _block_flags(r: _BlockRanges, q: np.ndarray, k: np.ndarray, window: int | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Dense [partial, full] flags of (query block q, key block k), broadcast."""
+    full = (k < q) & (q < r.full_until[k]) | (k == q) & r.diag_full[k]
+    seen = (k <= q) & (q < r.seen_until[k])
+    if window is not None:
+        full &= r.pos_max[q] - r.pos_min[k] < window
+        seen &= r.pos_min[q] - r.pos_max[k] < window
+    return seen & ~full, full
+
+
+def _ordered(dense: np.ndarray, device) -> tuple[Tensor, Tensor]:
+    """FlexAttention's ordered format: per row, the listed columns ascending, then the rest
+    ascending. A stable sort of booleans is a radix sort in numpy."""
+    count = dense.sum(-1, dtype=np.int32)
+    cols = np.argsort(~dense, axis=-1, kind="stable").astype(np.int32)
+    return (torch.from_numpy(count)[None, None].to(device),
+            torch.from_numpy(cols)[None, None].to(device))

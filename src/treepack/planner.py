@@ -29,12 +29,13 @@ import dataclasses
 import heapq
 import math
 import numbers
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from treepack.forest import sort_and_lcp
+from treepack.forest import causal_pairs, ragged_arange, sort_and_lcp
 from treepack.checks import positive_int
 from treepack.tree import MAX_PAD_MULTIPLE, TreePack, validate_sequences
 
@@ -47,9 +48,16 @@ class PackSpec(NamedTuple):
     """One pack of a plan, before it is built."""
 
     seq_ids: np.ndarray  # indices of its sequences in the planned batch (ascending)
-    rows: int  # distinct rows (padding excluded)
+    packed_rows: int  # distinct rows (padding excluded)
     pairs: int  # visible (query, key) pairs
-    cost: float  # rows + pair_cost * pairs
+    cost: float  # packed_rows + pair_cost * pairs
+
+    @property
+    def rows(self) -> int:
+        """Deprecated (one release): :attr:`packed_rows`."""
+        warnings.warn("PackSpec.rows is now packed_rows; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return self.packed_rows
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,14 +81,21 @@ class Plan:
         return len(self.specs[0])
 
     @property
+    def packed_rows(self) -> int:
+        """Packed rows over every pack (padding excluded)."""
+        return sum(p.packed_rows for rank in self.specs for p in rank)
+
+    @property
     def rows(self) -> int:
-        """Rows over every pack (padding excluded)."""
-        return sum(p.rows for rank in self.specs for p in rank)
+        """Deprecated (one release): :attr:`packed_rows`."""
+        warnings.warn("Plan.rows is now Plan.packed_rows; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return self.packed_rows
 
     @property
     def efficiency(self) -> float:
-        """Rows over the one-forest minimum (1.0: no prefix computed twice)."""
-        return self.rows / max(self.min_rows, 1)
+        """Packed rows over the one-forest minimum (1.0: no prefix computed twice)."""
+        return self.packed_rows / max(self.min_rows, 1)
 
     @property
     def rank_costs(self) -> list[float]:
@@ -94,7 +109,19 @@ class Plan:
         return max(costs) / mean if mean > 0 else 1.0
 
     def packs(self, rank: int) -> list[TreePack]:
-        """Rank ``rank``'s packs, built on first use (empty packs where it has fewer)."""
+        """Rank ``rank``'s packs, built on first use.
+
+        Args:
+            rank: 0 .. ``world_size - 1``.
+
+        Returns:
+            ``packs_per_rank`` :class:`TreePack` objects, costliest first; empty packs
+            (:meth:`TreePack.empty`) where the rank has fewer real ones. The same list on later
+            calls.
+
+        Raises:
+            ValueError: a rank outside the plan.
+        """
         if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not (
                 0 <= rank < self.world_size):
             raise ValueError(f"rank={rank!r}: this plan has ranks 0 .. {self.world_size - 1}")
@@ -118,13 +145,8 @@ class Plan:
     def __str__(self) -> str:
         n = sum(len(p.seq_ids) for rank in self.specs for p in rank)
         return (f"Plan({n} sequences -> {self.world_size} ranks x {self.packs_per_rank} packs "
-                f"<= {self.max_tokens} rows; rows {self.rows} = {self.efficiency:.3f} x the "
+                f"<= {self.max_tokens} rows; packed rows {self.packed_rows} = {self.efficiency:.3f} x the "
                 f"one-forest minimum {self.min_rows}; rank imbalance {self.imbalance:.3f})")
-
-
-def _pairs(length: np.ndarray, shared: np.ndarray) -> np.ndarray:
-    """Visible pairs a sequence adds: its rows at depths shared .. length-1 see depth + 1 keys."""
-    return (length * (length + 1) - shared * (shared + 1)) // 2
 
 
 def _split_tree(a: int, b: int, s_len, new, lcp, budget) -> list[tuple[int, int]]:
@@ -200,19 +222,68 @@ def _assign(rows: np.ndarray, costs: np.ndarray, ranks: int, room: int | None) -
     return owner
 
 
+class _Pieces(NamedTuple):
+    """The units the planner places: whole trees, or runs of a tree too big for the budget,
+    as ranges ``[start, end)`` of the sorted sequences, numbered in sorted order."""
+
+    start: np.ndarray  # [P]
+    end: np.ndarray  # [P]
+    rows: np.ndarray  # [P] packed rows of the piece alone
+    pairs: np.ndarray  # [P] visible attention pairs of the piece alone
+    tree: np.ndarray  # [P] the tree the piece belongs to
+
+
+class _Sorted(NamedTuple):
+    order: np.ndarray  # [N] sorted position -> sequence
+    lcp: np.ndarray  # [N]
+    length: np.ndarray  # [N] lengths in sorted order
+    new: np.ndarray  # [N] rows each sorted sequence adds to the forest
+
+
 def plan(sequences, *, max_tokens: int, world_size: int = 1,
          pad_to_multiple_of: int | None = None, pair_cost: float = PAIR_COST,
          device: torch.device | str | None = None) -> Plan:
-    """Split ``sequences`` into packs of at most ``max_tokens`` distinct rows over
+    """Split ``sequences`` into packs of at most ``max_tokens`` packed rows over
     ``world_size`` ranks, keeping shared prefixes together and costs balanced.
 
-    Returns a :class:`Plan`: ``plan.ranks[r]`` (or ``plan.packs(r)``) is rank r's list of
-    :class:`TreePack`, every rank the same length; each pack's ``seq_ids`` are the indices of
-    its sequences in ``sequences``. Every sequence is in exactly one pack. ``plan.efficiency``
-    is rows over the one-forest minimum and ``plan.imbalance`` the most loaded rank's cost over
-    the mean. With ``pad_to_multiple_of``, ``max_tokens`` must be a multiple of it (padded
-    packs stay within the budget).
+    Args:
+        sequences: token-id sequences, as for :meth:`TreePack.from_sequences`.
+        max_tokens: the row budget: packed rows (distinct prefixes) per pack. Every sequence
+            must fit (a sequence is never split across packs).
+        world_size: data-parallel ranks; every rank gets the same number of packs.
+        pad_to_multiple_of: pad every pack's rows to a multiple of this (``max_tokens`` must
+            be a multiple of it, so padded packs stay within the budget).
+        pair_cost: the cost of a visible attention pair, in rows, for balancing.
+        device: where the packs' tensors go when built.
+
+    Returns:
+        A :class:`Plan`: ``plan.packs(r)`` is rank r's list of :class:`TreePack` (built on
+        first use); each pack's ``seq_ids`` are the indices of its sequences in
+        ``sequences``. Every sequence is in exactly one pack. ``plan.efficiency`` is packed
+        rows over the one-forest minimum, ``plan.imbalance`` the most loaded rank's cost
+        over the mean.
+
+    Raises:
+        ValueError: a sequence longer than the budget, a bad budget / rank count / padding /
+            pair cost, or bad sequences (the message names it and the fix).
     """
+    max_tokens, world_size, pad_to_multiple_of = _check_budget(
+        max_tokens, world_size, pad_to_multiple_of, pair_cost)
+    ids = validate_sequences(sequences)
+    lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
+    _check_lengths(lengths, max_tokens)
+    order, lcp = sort_and_lcp(ids)
+    srt = _Sorted(order, lcp, lengths[order], lengths[order] - lcp)
+    pieces = _pieces(srt, max_tokens)
+    bins = _spread_and_pack(pieces, pieces.rows + pair_cost * pieces.pairs, world_size,
+                            max_tokens)
+    per_rank = max(len(b) for b in bins)
+    specs = [_specs(srt, pieces, rank_bins, pair_cost, per_rank) for rank_bins in bins]
+    return Plan(specs=specs, min_rows=int(srt.new.sum()), max_tokens=max_tokens,
+                pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device)
+
+
+def _check_budget(max_tokens, world_size, pad_to_multiple_of, pair_cost):
     max_tokens = positive_int(max_tokens, "max_tokens", hint=" (rows per pack)")
     world_size = positive_int(world_size, "world_size", hint=" (data-parallel ranks)")
     if isinstance(pair_cost, bool) or not isinstance(pair_cost, numbers.Real) or not (
@@ -223,13 +294,16 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
         pad_to_multiple_of = positive_int(pad_to_multiple_of, "pad_to_multiple_of",
                                           maximum=MAX_PAD_MULTIPLE)
         if max_tokens % pad_to_multiple_of:
+            fit = max_tokens // pad_to_multiple_of * pad_to_multiple_of or pad_to_multiple_of
             raise ValueError(
                 f"max_tokens={max_tokens} is not a multiple of pad_to_multiple_of="
                 f"{pad_to_multiple_of}: a padded pack could exceed the budget; use "
-                f"max_tokens={max_tokens // pad_to_multiple_of * pad_to_multiple_of or pad_to_multiple_of}"
+                f"max_tokens={fit}"
             )
-    ids = validate_sequences(sequences)
-    lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
+    return max_tokens, world_size, pad_to_multiple_of
+
+
+def _check_lengths(lengths: np.ndarray, max_tokens: int) -> None:
     too_long = np.flatnonzero(lengths > max_tokens)
     if too_long.size:
         i = int(too_long[0])
@@ -239,69 +313,72 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
             f"raise max_tokens to at least {int(lengths.max())} or truncate it"
             + (f" ({too_long.size} sequences are too long)" if too_long.size > 1 else "")
         )
-    order, lcp = sort_and_lcp(ids)
-    s_len = lengths[order]
-    new = s_len - lcp
-    seq_pairs = _pairs(s_len, lcp)
 
-    # Pieces: whole trees, or runs of a tree too big for the budget.
-    tree_start = np.flatnonzero(lcp == 0)
-    tree_end = np.append(tree_start[1:], len(ids))
-    tree_rows = np.add.reduceat(new, tree_start)
-    starts, ends = [tree_start[tree_rows <= max_tokens]], [tree_end[tree_rows <= max_tokens]]
-    for t in np.flatnonzero(tree_rows > max_tokens):
-        runs = np.array(_split_tree(tree_start[t], tree_end[t], s_len, new, lcp, max_tokens))
+
+def _pieces(srt: _Sorted, max_tokens: int) -> _Pieces:
+    """Whole trees where they fit, else runs cut where the LCP is smallest."""
+    tree_start = np.flatnonzero(srt.lcp == 0)
+    tree_end = np.append(tree_start[1:], len(srt.order))
+    tree_rows = np.add.reduceat(srt.new, tree_start)
+    fits = tree_rows <= max_tokens
+    starts, ends = [tree_start[fits]], [tree_end[fits]]
+    for t in np.flatnonzero(~fits):
+        runs = np.array(_split_tree(tree_start[t], tree_end[t], srt.length, srt.new, srt.lcp,
+                                    max_tokens))
         starts.append(runs[:, 0])
         ends.append(runs[:, 1])
     start, end = np.concatenate(starts), np.concatenate(ends)
     by_start = np.argsort(start, kind="stable")  # number the pieces in sorted order
     start, end = start[by_start], end[by_start]
-    first = lcp[start]  # a run's first sequence repeats its shared prefix
-    piece_rows = np.add.reduceat(new, start) + first
-    piece_pairs = np.add.reduceat(seq_pairs, start) + first * (first + 1) // 2
-    piece_cost = piece_rows + pair_cost * piece_pairs
+    first = srt.lcp[start]  # a run's first sequence repeats its shared prefix
+    seq_pairs = causal_pairs(srt.length) - causal_pairs(srt.lcp)  # depths lcp.. see depth + 1
+    return _Pieces(start, end, rows=np.add.reduceat(srt.new, start) + first,
+                   pairs=np.add.reduceat(seq_pairs, start) + causal_pairs(first),
+                   tree=np.searchsorted(tree_start, start, side="right") - 1)
 
-    # Pieces onto ranks by cost (largest first onto the least loaded rank), then each rank's
-    # pieces into packs (best fit, largest first). First try the fewest packs per rank that
-    # could hold the rows, m0, keeping each rank within m0 packs' rows; if some rank then needs
-    # more packs, balance costs freely and give every rank as many packs as the fullest needs.
-    m0 = max(1, -(-int(piece_rows.sum()) // (world_size * max_tokens)))
+
+def _spread_and_pack(pieces: _Pieces, cost: np.ndarray, world_size: int,
+                     max_tokens: int) -> list[list[list[int]]]:
+    """Per rank, its packs as lists of pieces. Pieces go onto ranks by cost (largest first
+    onto the least loaded rank), then each rank's pieces into packs (best fit, largest
+    first). The first try keeps every rank within the fewest packs that could hold the rows,
+    m0; if some rank then needs more, costs are balanced freely."""
+    m0 = max(1, -(-int(pieces.rows.sum()) // (world_size * max_tokens)))
     for room in (m0 * max_tokens, None):
-        owner = _assign(piece_rows, piece_cost, world_size, room)
+        owner = _assign(pieces.rows, cost, world_size, room)
         if owner is None:
             continue
         mine = [np.flatnonzero(owner == r) for r in range(world_size)]
-        bins = [[mine[r][b] for b in _best_fit_decreasing(piece_rows[mine[r]], max_tokens)]
+        bins = [[mine[r][b] for b in _best_fit_decreasing(pieces.rows[mine[r]], max_tokens)]
                 for r in range(world_size)]
-        m = max(len(b) for b in bins)
-        if room is None or m <= m0:
-            break
+        if room is None or max(len(b) for b in bins) <= m0:
+            return bins
+    raise AssertionError("unreachable: the unconstrained pass always places every piece")
 
-    tree_of = np.searchsorted(tree_start, start, side="right") - 1
-    rows_of, pairs_of = piece_rows.tolist(), piece_pairs.tolist()
+
+def _specs(srt: _Sorted, pieces: _Pieces, bins: list, pair_cost: float,
+           per_rank: int) -> list[PackSpec]:
+    """One rank's pack specs, costliest first, padded with empty packs to ``per_rank``."""
+    rows_of, pairs_of = pieces.rows.tolist(), pieces.pairs.tolist()
     specs = []
-    for r in range(world_size):
-        rank_specs = []
-        for members in bins[r]:
-            if len(members) == 1:  # the common case under a tight budget: no numpy per pack
-                (p,) = members
-                rows, pairs = rows_of[p], pairs_of[p]
-                rank_specs.append(PackSpec(np.sort(order[start[p]:end[p]]), rows, pairs,
-                                           rows + pair_cost * pairs))
-                continue
-            pieces = np.sort(members)  # pieces are numbered in sorted order
-            rows, pairs = int(piece_rows[pieces].sum()), int(piece_pairs[pieces].sum())
+    for members in bins:
+        if len(members) == 1:  # the common case under a tight budget: no numpy per pack
+            (p,) = members
+            rows, pairs = rows_of[p], pairs_of[p]
+            ids = np.sort(srt.order[pieces.start[p]:pieces.end[p]])
+        else:
+            members = np.sort(members)  # pieces are numbered in sorted order
+            rows = int(pieces.rows[members].sum())
+            pairs = int(pieces.pairs[members].sum())
             # Two runs of one split tree in the same pack share their common prefix again.
-            for p, q in zip(pieces[:-1], pieces[1:]):
-                if tree_of[p] == tree_of[q]:
-                    shared = int(lcp[end[p]:start[q] + 1].min())
+            for p, q in zip(members[:-1], members[1:]):
+                if pieces.tree[p] == pieces.tree[q]:
+                    shared = int(srt.lcp[pieces.end[p]:pieces.start[q] + 1].min())
                     rows -= shared
-                    pairs -= shared * (shared + 1) // 2
-            sorted_pos = np.concatenate([np.arange(start[p], end[p]) for p in pieces])
-            rank_specs.append(PackSpec(seq_ids=np.sort(order[sorted_pos]), rows=rows,
-                                       pairs=pairs, cost=rows + pair_cost * pairs))
-        rank_specs.sort(key=lambda p: -p.cost)  # micro-step j of every rank: similar costs
-        empty = PackSpec(np.zeros(0, dtype=np.int64), 0, 0, 0.0)
-        specs.append(rank_specs + [empty] * (m - len(rank_specs)))
-    return Plan(specs=specs, min_rows=int(new.sum()), max_tokens=max_tokens,
-                pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device)
+                    pairs -= causal_pairs(shared)
+            ids = np.sort(srt.order[ragged_arange(pieces.start[members],
+                                                  pieces.end[members] - pieces.start[members])])
+        specs.append(PackSpec(ids, rows, pairs, rows + pair_cost * pairs))
+    specs.sort(key=lambda p: -p.cost)  # micro-step j of every rank: similar costs
+    empty = PackSpec(np.zeros(0, dtype=np.int64), 0, 0, 0.0)
+    return specs + [empty] * (per_rank - len(specs))

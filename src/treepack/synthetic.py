@@ -36,7 +36,19 @@ def grpo_batch(
 ) -> list[np.ndarray]:
     """``groups * rollouts`` sequences: a shared prompt then an independent response.
 
-    ``jitter`` spreads lengths uniformly over ``len * (1 +- jitter)``.
+    Args:
+        groups: distinct prompts.
+        rollouts: responses per prompt.
+        prompt_len, response_len: mean lengths.
+        jitter: spreads every length uniformly over ``len * (1 +- jitter)``.
+        vocab: token ids are drawn from ``[1, vocab)``.
+        seed: the generator's seed (the batch is deterministic).
+
+    Returns:
+        A list of int64 numpy arrays, group by group.
+
+    Raises:
+        Nothing of its own.
     """
     rng = np.random.default_rng(seed)
     out = []
@@ -59,7 +71,21 @@ def agent_batch(
     vocab: int = 32000,
     seed: int = 0,
 ) -> list[np.ndarray]:
-    """``prompts * trajectories * steps`` sequences, one per agent step (see module doc)."""
+    """``prompts * trajectories * steps`` sequences, one per agent step (see the module doc).
+
+    Args:
+        prompts, trajectories, steps: the batch's shape.
+        prompt_len, response_len, tool_len: mean lengths.
+        jitter: spreads every length uniformly over ``len * (1 +- jitter)``.
+        vocab: token ids are drawn from ``[1, vocab)``.
+        seed: the generator's seed.
+
+    Returns:
+        A list of int64 numpy arrays; step i of a trajectory is a prefix of step i + 1.
+
+    Raises:
+        Nothing of its own.
+    """
     rng = np.random.default_rng(seed)
     out = []
     for plen in _lengths(rng, prompt_len, prompts, jitter):
@@ -81,6 +107,15 @@ def agentic_batch(seed: int = 0) -> list[np.ndarray]:
     4 GRPO groups of 8 rollouts (prompts ~1024 tokens, responses ~384) and 4 agent prompts x
     4 trajectories x 4 steps (prompts ~512, responses ~128, tool outputs ~96), lengths jittered
     by 50 %: 96 sequences, about 120k tokens.
+
+    Args:
+        seed: the generator's seed.
+
+    Returns:
+        A list of int64 numpy arrays.
+
+    Raises:
+        Nothing of its own.
     """
     grpo = grpo_batch(groups=4, rollouts=8, prompt_len=1024, response_len=384, jitter=0.5,
                       seed=seed)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
@@ -27,8 +28,7 @@ from torch import Tensor
 
 from treepack.checks import floating, positive_finite, positive_int
 from treepack import mask as _mask
-from treepack.forest import ForestStats, Layout, build_layout
-from treepack.forest import forest_stats as _forest_stats
+from treepack.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
            "validate_sequences", "derived_from_pack", "MAX_PAD_MULTIPLE"]
@@ -65,25 +65,6 @@ class Predictions(NamedTuple):
     index: Tensor  # [M] flat position s * L + p in the [N, L] layout
 
 
-class HostLayout(NamedTuple):
-    """Host (numpy) copies of the integer tables that shape-dependent code reads.
-
-    Backends and mask builders read these instead of calling ``.tolist()`` / ``.item()`` on
-    device tensors inside a forward.
-    """
-
-    subtree_end: np.ndarray  # [T'] int64
-    position_ids: np.ndarray  # [T'] int64
-    lengths: np.ndarray  # [N] int64
-    segment_start: np.ndarray  # [S] int64
-    segment_end: np.ndarray  # [S] int64
-    segment_parent: np.ndarray  # [S] int64
-    segment_sequence: np.ndarray  # [S] int64, an input sequence passing through the segment
-    rows: np.ndarray  # [N, L] int64 (or [total] in the flat layout), as TreePack.rows
-    parent_row: np.ndarray  # [T'] int64, as TreePack.parent_row
-    offsets: np.ndarray  # [N + 1] int64, as TreePack.offsets
-
-
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class TreePack:
     """One forward's worth of sequences, merged into a prefix forest.
@@ -101,7 +82,7 @@ class TreePack:
     >>> A, B, C, D, E, F, G = range(1, 8)
     >>> pack = TreePack.from_sequences([[A, B, C, D], [A, B, C, E], [A, B, F, G]])
     >>> pack
-    TreePack(sequences=3, rows=7, original_tokens=12, token_ratio=0.583, segments=5, predictions=9)
+    TreePack(sequences=3, packed_rows=7, original_tokens=12, token_ratio=0.583, segments=5, predictions=9)
     >>> pack.input_ids.tolist()  # A B C D E F G
     [1, 2, 3, 4, 5, 6, 7]
     >>> pack.position_ids.tolist()  # depth on the original sequence: F is at depth 2
@@ -159,7 +140,7 @@ class TreePack:
     prediction_mask: Tensor  # [N, L] (flat: [total]) True where logps is a real prediction
     segments: Segments
     predictions: Predictions
-    num_tokens: int  # T: distinct rows, padding excluded
+    num_packed_rows: int  # T: distinct rows, padding excluded
     num_original_tokens: int  # sum of the input lengths
     num_prediction_rows: int  # distinct rows whose logits predict at least one token
     max_token_id: int  # the largest token id (-1 for an empty pack): checked against V
@@ -204,9 +185,13 @@ class TreePack:
                 costs N x the longest; the layout of padding-free trainers (verl's nested
                 tensors).
 
+        Returns:
+            The :class:`TreePack` (immutable).
+
         Raises:
             TypeError / ValueError: a sequence that is empty, not 1-D, not integer, or holds a
-                negative id (the message names it); a bad ``pad_to_multiple_of`` or ``seq_ids``.
+                negative id (the message names it); a bad ``pad_to_multiple_of``, ``seq_ids``,
+                ``share_prefixes`` or ``layout``.
         """
         ids = validate_sequences(sequences)
         seq_ids = _check_seq_ids(seq_ids, len(ids))
@@ -221,7 +206,7 @@ class TreePack:
                              "([total tokens] outputs, sequence after sequence)")
         tables = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes,
                               flat=layout == "flat")
-        pack = cls._from_layout(tables, seq_ids)
+        pack = cls._from_host(tables, seq_ids)
         return pack if device is None else pack.to(device)
 
     @classmethod
@@ -230,57 +215,58 @@ class TreePack:
 
         For ranks that have fewer packs than others in a step: running it keeps collectives
         (DDP, FSDP) in step and adds nothing to any loss or gradient.
+
+        Args:
+            num_rows: padding rows, at least 1.
+            device: where the tensors live (default CPU).
+
+        Returns:
+            The empty :class:`TreePack`.
+
+        Raises:
+            ValueError: ``num_rows`` not a positive int (or beyond ``MAX_PAD_MULTIPLE``).
         """
         num_rows = positive_int(num_rows, "num_rows", maximum=MAX_PAD_MULTIPLE)
-        none = np.zeros(0, dtype=np.int64)
-        pad = np.arange(num_rows)
-        layout = Layout(
-            input_ids=np.zeros(num_rows, dtype=np.int64), position_ids=np.zeros_like(pad),
-            subtree_end=pad + 1, parent_row=np.full_like(pad, -1),
-            rows=np.zeros((0, 0), dtype=np.int64), lengths=none, offsets=np.zeros(1, np.int64),
-            prediction_mask=np.zeros((0, 0), dtype=bool), seg_start=none, seg_end=none,
-            seg_parent=none, seg_sequence=none, pred_source=none, pred_target=none,
-            pred_index=none, num_tokens=0, num_prediction_rows=0,
-        )
-        pack = cls._from_layout(layout, none)
+        pack = cls._from_host(HostLayout.empty(num_rows), np.zeros(0, dtype=np.int64))
         return pack if device is None else pack.to(device)
 
     @classmethod
-    def _from_layout(cls, lay: Layout, seq_ids: np.ndarray) -> TreePack:
-        t = torch.from_numpy
-        host = HostLayout(
-            subtree_end=lay.subtree_end,
-            position_ids=lay.position_ids,
-            lengths=lay.lengths,
-            segment_start=lay.seg_start,
-            segment_end=lay.seg_end,
-            segment_parent=lay.seg_parent,
-            segment_sequence=lay.seg_sequence,
-            rows=lay.rows,
-            parent_row=lay.parent_row,
-            offsets=lay.offsets,
-        )
+    def _from_host(cls, host: HostLayout, seq_ids: np.ndarray) -> TreePack:
+        t = torch.from_numpy  # CPU tensors share the host tables' memory
         return cls(
-            input_ids=t(lay.input_ids),
-            position_ids=t(lay.position_ids),
-            subtree_end=t(lay.subtree_end),
-            parent_row=t(lay.parent_row),
-            rows=t(lay.rows),
-            lengths=t(lay.lengths),
-            offsets=t(lay.offsets),
+            input_ids=t(host.input_ids),
+            position_ids=t(host.position_ids),
+            subtree_end=t(host.subtree_end),
+            parent_row=t(host.parent_row),
+            rows=t(host.rows),
+            lengths=t(host.lengths),
+            offsets=t(host.offsets),
             seq_ids=t(seq_ids),
-            prediction_mask=t(lay.prediction_mask),
-            segments=Segments(t(lay.seg_start), t(lay.seg_end), t(lay.seg_parent)),
-            predictions=Predictions(t(lay.pred_source), t(lay.pred_target), t(lay.pred_index)),
-            num_tokens=lay.num_tokens,
-            num_original_tokens=int(lay.lengths.sum()),
-            num_prediction_rows=lay.num_prediction_rows,
-            max_token_id=int(lay.input_ids[: lay.num_tokens].max(initial=-1)),
+            prediction_mask=t(host.prediction_mask),
+            segments=Segments(t(host.segment_start), t(host.segment_end),
+                              t(host.segment_parent)),
+            predictions=Predictions(t(host.prediction_source), t(host.prediction_target),
+                                    t(host.prediction_index)),
+            num_packed_rows=host.num_packed_rows,
+            num_original_tokens=int(host.lengths.sum()),
+            num_prediction_rows=host.num_prediction_rows,
+            max_token_id=int(host.input_ids[: host.num_packed_rows].max(initial=-1)),
             host=host,
         )
 
     def to(self, device: torch.device | str) -> TreePack:
-        """The same pack with every tensor on ``device`` (host tables stay on the host)."""
+        """The same pack with every tensor on ``device``.
+
+        Args:
+            device: a torch device or its name.
+
+        Returns:
+            A new :class:`TreePack`; host tables stay on the host, and structures derived from
+            the pack (attention plans, block masks) are rebuilt there on first use.
+
+        Raises:
+            Nothing of its own (torch raises for an unknown device).
+        """
 
         def move(value):
             if isinstance(value, dict):
@@ -332,8 +318,16 @@ class TreePack:
 
     @property
     def num_rows(self) -> int:
-        """T', packed rows including padding (the length the model runs on)."""
+        """T', the padded rows: packed rows plus padding, the length the model runs on."""
         return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Deprecated (one release): :attr:`num_packed_rows`, T, the distinct packed rows."""
+        warnings.warn("TreePack.num_tokens is now TreePack.num_packed_rows (distinct packed "
+                      "rows, padding excluded); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return self.num_packed_rows
 
     @property
     def num_segments(self) -> int:
@@ -345,14 +339,20 @@ class TreePack:
         return self.predictions.source.shape[0]
 
     @property
+    def visible_pairs(self) -> int:
+        """Visible (query, key) pairs of one attention pass over the packed rows: each row
+        sees its depth + 1 ancestors and itself (padding excluded)."""
+        return int((self.host.position_ids[: self.num_packed_rows] + 1).sum())
+
+    @property
     def token_ratio(self) -> float:
         """Distinct rows over original tokens (padding excluded): the share of work left."""
-        return self.num_tokens / max(self.num_original_tokens, 1)
+        return self.num_packed_rows / max(self.num_original_tokens, 1)
 
     def __repr__(self) -> str:
-        pad = f", padded_rows={self.num_rows}" if self.num_rows != self.num_tokens else ""
+        pad = f", padded_rows={self.num_rows}" if self.num_rows != self.num_packed_rows else ""
         return (
-            f"TreePack(sequences={self.num_sequences}, rows={self.num_tokens}{pad}, "
+            f"TreePack(sequences={self.num_sequences}, packed_rows={self.num_packed_rows}{pad}, "
             f"original_tokens={self.num_original_tokens}, token_ratio={self.token_ratio:.3f}, "
             f"segments={self.num_segments}, predictions={self.num_predictions}"
             + (", layout=flat)" if self.layout == "flat" else ")")
@@ -364,13 +364,33 @@ class TreePack:
         """BoolTensor [T', T']: True where query row i may attend key row j.
 
         The slow, obviously correct reference for tests and small packs: it allocates T'^2
-        booleans. Models should use :meth:`block_mask` or the segment backend.
+        booleans. Models should use an attention backend (:mod:`treepack.attention`).
+
+        Args:
+            None.
+
+        Returns:
+            ``mask[i, j] = j <= i < subtree_end[j]``.
+
+        Raises:
+            Nothing of its own.
         """
         return _mask.dense_mask(self.subtree_end)
 
     def mask_mod(self, *, window: int | None = None):
-        """A FlexAttention ``mask_mod``: ``(kv <= q) & (q < subtree_end[kv])``, and with a
-        sliding ``window`` also ``position_ids[q] - position_ids[kv] < window``."""
+        """A FlexAttention ``mask_mod`` for the pack.
+
+        Args:
+            window: with a sliding window, keys fewer than ``window`` positions (depths)
+                back only.
+
+        Returns:
+            ``mask_mod(b, h, q, kv) = (kv <= q) & (q < subtree_end[kv])`` (and
+            ``position_ids[q] - position_ids[kv] < window``), a closure over O(T') tensors.
+
+        Raises:
+            Nothing of its own.
+        """
         return _mask.tree_mask_mod(self.subtree_end, self.position_ids, window)
 
     def block_mask(self, block_size: int = 128, *, window: int | None = None):
@@ -381,6 +401,16 @@ class TreePack:
         skips ``mask_mod`` on them, and the query-side tables for the backward pass are
         built directly rather than by transposing. With a sliding ``window``, blocks wholly
         out of reach in depth are skipped as well.
+
+        Args:
+            block_size: FlexAttention's block size (128 by default).
+            window: a sliding window in positions, or None.
+
+        Returns:
+            The ``BlockMask`` (on the pack's device).
+
+        Raises:
+            ValueError: ``block_size`` not a positive int.
         """
         return _mask.block_mask(
             self.host.subtree_end, block_size=block_size, device=self.device,
@@ -403,6 +433,9 @@ class TreePack:
             logits: [T', V] floating-point logits of the packed rows (``out.logits[0]``).
             temperature: a finite number > 0 the logits are divided by.
 
+        Returns:
+            [N, L] (flat: [total]) log-probs in float32 at least.
+
         Raises:
             ValueError: logits of the wrong shape, device, dtype or vocabulary (a token id
                 of the pack beyond V), or a bad temperature.
@@ -413,9 +446,19 @@ class TreePack:
         return self.place(z[src, tgt] - lse[src])
 
     def token_entropy(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
-        """Entropy [N, L] of each prediction's distribution, in the layout of
+        """Entropy of each prediction's next-token distribution, in the layout of
         :meth:`token_logprobs` (``out[s, p]`` is the entropy at row ``rows[s, p-1]``).
-        Arguments and errors as :meth:`token_logprobs`."""
+
+        Args:
+            logits: [T', V] floating-point logits of the packed rows.
+            temperature: a finite number > 0 the logits are divided by.
+
+        Returns:
+            [N, L] (flat: [total]) entropies; a ``-inf`` logit contributes 0.
+
+        Raises:
+            ValueError: as :meth:`token_logprobs`.
+        """
         z = self._scaled_logits(logits, temperature, "token_entropy")
         logp = torch.log_softmax(z, dim=-1)  # [T', V]
         # A -inf logit (a masked-out token) has p = 0 and contributes 0, in value and gradient.
@@ -423,8 +466,18 @@ class TreePack:
         return self.place(ent[self.predictions.source])
 
     def place(self, values: Tensor) -> Tensor:
-        """Per-prediction values [M] (in :attr:`predictions` order) placed in the pack's
-        layout: [N, L] label-aligned (flat: [total]), 0 where there is no prediction."""
+        """Per-prediction values placed in the pack's layout.
+
+        Args:
+            values: [M] one value per prediction occurrence, in :attr:`predictions` order.
+
+        Returns:
+            [N, L] label-aligned (flat: [total]), 0 where there is no prediction; autograd
+            flows back to ``values``.
+
+        Raises:
+            Nothing of its own (torch raises for a wrong length).
+        """
         out = values.new_zeros(self.rows.numel()).index_put((self.predictions.index,), values)
         return out.view(self.rows.shape)
 
@@ -494,12 +547,20 @@ class TreePack:
         return (positions >= plen[:, None]) & self.prediction_mask
 
     def unpack(self, x: Tensor) -> Tensor:
-        """Map a per-row tensor [T', ...] to the original layout [N, L, ...] (flat layout:
-        [total, ...]).
+        """Map a per-row tensor to the original layout: the inverse of packing.
 
-        ``out[s, p] = x[rows[s, p]]`` and 0 beyond each sequence's length. The inverse of
-        packing: a shared row is copied to every occurrence, and in backward each
-        occurrence's gradient is added into it.
+        ``out[s, p] = x[rows[s, p]]`` and 0 beyond each sequence's length. A shared row is
+        copied to every occurrence, and in backward each occurrence's gradient is added into
+        it.
+
+        Args:
+            x: [T', ...] one value (or vector) per packed row, e.g. ``out.hidden_states[k][0]``.
+
+        Returns:
+            [N, L, ...] (flat layout: [total, ...]).
+
+        Raises:
+            ValueError: ``x`` does not have T' rows.
         """
         if x.dim() == 0 or x.shape[0] != self.num_rows:
             raise ValueError(
@@ -629,7 +690,16 @@ def forest_stats(sequences) -> ForestStats:
     """What packing ``sequences`` into one forest saves, without building the layout.
 
     O(total tokens) time and memory (sort and adjacent LCPs only), so it suits whole
-    datasets: ``packed_tokens``, ``token_ratio``, visible attention pairs packed vs
-    unpacked, and the number of trees.
+    datasets.
+
+    Args:
+        sequences: token-id sequences, as for :meth:`TreePack.from_sequences`.
+
+    Returns:
+        :class:`ForestStats`: ``packed_rows``, ``token_ratio``, visible attention pairs
+        packed vs unpacked, and the number of trees.
+
+    Raises:
+        TypeError / ValueError: bad sequences, as :meth:`TreePack.from_sequences`.
     """
-    return _forest_stats(validate_sequences(sequences))
+    return stats_of_arrays(validate_sequences(sequences))

@@ -51,13 +51,27 @@ def per_token_logps_and_entropies(
     pad_to_multiple_of: int | None = None,
     cast_lm_head_to_fp32: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """``(logps [B, K], entropies [B, K] or None, aux_loss or None)`` for TRL's layout.
+    """TRL's per-token log-probs (and entropies) of a batch, from packed forwards.
 
     Column ``j`` of row ``b`` is the log-prob of ``input_ids[b, S - K + j]`` given everything
-    before it in that row (``K = logits_to_keep``); padding positions hold 0. The first seven
-    arguments are TRL's seam's; ``backend``, ``max_tokens`` and ``pad_to_multiple_of`` choose
-    how the rows are packed (see :func:`patch`), ``cast_lm_head_to_fp32`` mirrors TRL's
-    option of that name. ``model`` must be prepared (:func:`treepack.hf.prepare`).
+    before it in that row (``K = logits_to_keep``); padding positions hold 0.
+
+    Args:
+        model: a prepared causal LM (:func:`treepack.hf.prepare`).
+        input_ids, attention_mask: [B, S], left-padded prompts then right-padded completions.
+        logits_to_keep: K, the completion columns TRL scores.
+        temperature: TRL's sampling temperature.
+        compute_entropy, compute_aux_loss: as TRL's seam.
+        backend: the attention backend.
+        max_tokens: rows per forward (the batch planned into several packs); default one.
+        pad_to_multiple_of: pad each pack's rows to a multiple of this.
+        cast_lm_head_to_fp32: TRL's option of that name.
+
+    Returns:
+        ``(logps [B, K], entropies [B, K] or None, aux_loss or None)``.
+
+    Raises:
+        As :func:`treepack.hf.forward` and :func:`treepack.logprobs_from_hidden`.
     """
     mask = attention_mask.bool()
     packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of)
@@ -133,7 +147,10 @@ def _seam(self, model, input_ids, attention_mask, logits_to_keep, batch_size=Non
 
 def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None = None,
           pad_to_multiple_of: int | None = None) -> GRPOTrainer:
-    """Make ``trainer`` compute per-token log-probs from packed forwards; returns it.
+    """Make ``trainer`` compute per-token log-probs from packed forwards.
+
+    The trainer's models (policy and reference) are prepared with
+    :func:`treepack.hf.prepare`: their ordinary batches (generation) run as before.
 
     Args:
         trainer: a ``trl.GRPOTrainer`` (or subclass).
@@ -142,8 +159,8 @@ def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None
             default the whole batch is one pack.
         pad_to_multiple_of: pad each pack's rows to a multiple of this.
 
-    The trainer's models (policy and reference) are prepared with
-    :func:`treepack.hf.prepare`: their ordinary batches (generation) run as before.
+    Returns:
+        ``trainer`` itself.
 
     Raises:
         TypeError: not a GRPOTrainer.

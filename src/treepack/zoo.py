@@ -54,7 +54,19 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 
 
 def tiny_config(family: str, *, layers: int = 2, **overrides):
-    """The config of a tiny random model of ``family`` (see the module doc)."""
+    """The config of a tiny random model of ``family`` (see the module doc), dropout off.
+
+    Args:
+        family: a key of :data:`FAMILIES`.
+        layers: hidden layers.
+        **overrides: config fields to set.
+
+    Returns:
+        A transformers config.
+
+    Raises:
+        ValueError: an unknown family.
+    """
     import transformers
 
     if family not in FAMILIES:
@@ -72,8 +84,22 @@ def tiny_config(family: str, *, layers: int = 2, **overrides):
 
 def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
                attn_implementation: str | None = None, **overrides):
-    """A random-init tiny causal LM of ``family`` in ``dtype`` (default float32;
-    deterministic for ``seed``)."""
+    """A random-init tiny causal LM of ``family`` (deterministic for ``seed``).
+
+    Args:
+        family: a key of :data:`FAMILIES`.
+        layers: hidden layers.
+        seed: the weights' random seed.
+        dtype: the parameters' dtype (default float32).
+        attn_implementation: transformers' attention implementation (default: its own).
+        **overrides: config fields to set.
+
+    Returns:
+        An unprepared ``AutoModelForCausalLM`` (:func:`treepack.hf.prepare` it for packs).
+
+    Raises:
+        ValueError: an unknown family.
+    """
     import torch
     import transformers
 
@@ -91,8 +117,20 @@ def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
 
 
 def qwen2_40m_config():
-    """A Qwen2-like config of about 40M parameters (22.5M in 8 layers, 16.4M tied embedding,
-    vocabulary 32000) for benchmarks: GQA 8/2 heads of 64, intermediate 1408."""
+    """A Qwen2-like config of about 40M parameters, for CPU benchmarks.
+
+    22.5M parameters in 8 layers and a 16.4M tied embedding (vocabulary 32000); GQA 8/2 heads
+    of 64, intermediate 1408.
+
+    Args:
+        None.
+
+    Returns:
+        A ``transformers.Qwen2Config``.
+
+    Raises:
+        Nothing of its own.
+    """
     import transformers
 
     return transformers.Qwen2Config(
@@ -103,9 +141,20 @@ def qwen2_40m_config():
 
 
 def qwen25_05b_config():
-    """Qwen2.5-0.5B's shape with random weights (494M parameters): 24 layers, hidden 896, GQA
-    14/2 heads of 64, intermediate 4864, vocabulary 151,936, tied embedding. For GPU
-    benchmarks; nothing is downloaded."""
+    """Qwen2.5-0.5B's shape with random weights (494M parameters), for GPU benchmarks.
+
+    24 layers, hidden 896, GQA 14/2 heads of 64, intermediate 4864, vocabulary 151,936, tied
+    embedding. Nothing is downloaded.
+
+    Args:
+        None.
+
+    Returns:
+        A ``transformers.Qwen2Config``.
+
+    Raises:
+        Nothing of its own.
+    """
     import transformers
 
     return transformers.Qwen2Config(

@@ -34,7 +34,7 @@ An explicit backend never falls back: if it cannot run, it raises and lists ever
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
@@ -43,9 +43,21 @@ from treepack.attention import dense, flex, segment, varlen
 if TYPE_CHECKING:
     from treepack.tree import TreePack
 
-__all__ = ["TreeAttention", "BACKENDS", "CHOICES", "choose_backend"]
+__all__ = ["TreeAttention", "Backend", "BACKENDS", "CHOICES", "choose_backend"]
 
-BACKENDS: dict[str, Callable] = {
+
+class Backend(Protocol):
+    """What every backend module's ``attention`` function is: checked inputs in (``q``
+    ``[1, Hq, T', D]``, ``k``/``v`` ``[1, Hkv, T', D]``, the :class:`TreeAttention` with the
+    pack), ``[1, Hq, T', D]`` out; it raises ``RuntimeError`` listing every reason it cannot
+    run these inputs."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, attend: TreeAttention, *,
+                 scale: float, softcap: float | None, window: int | None,
+                 dropout: float) -> Tensor: ...
+
+
+BACKENDS: dict[str, Backend] = {
     "segment": segment.attention,
     "varlen": varlen.attention,
     "flex": flex.attention,
@@ -59,7 +71,20 @@ _LOGGED: set[tuple[str, str]] = set()
 
 def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dropout: float
                    ) -> tuple[str, str]:
-    """What ``backend="auto"`` runs for these inputs, and why the faster ones do not apply."""
+    """What ``backend="auto"`` runs for these inputs.
+
+    Args:
+        q, k, v: the attention inputs (their device, dtype and head size decide).
+        softcap: logit soft-capping of the layer, or None.
+        dropout: attention dropout probability.
+
+    Returns:
+        ``(backend, why)``: ``"varlen"``, ``"flex"`` or ``"segment"``, and why the faster
+        ones do not apply (never ``"dense"``).
+
+    Raises:
+        Nothing of its own.
+    """
     if q.device.type != "cuda":
         return "segment", f"on {q.device.type}, where varlen and flex cannot train"
     skipped = varlen.unsupported(q, softcap=softcap, dropout=dropout)

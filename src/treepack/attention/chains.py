@@ -76,7 +76,7 @@ def chains(pack: TreePack, window: int | None = None) -> Chains:
     context = depth - lo
     # A chain starts a compressed segment, and any sequence through that segment passes
     # through the chain's ancestors: its rows at depths lo .. depth - 1 are the context.
-    real = start < pack.num_tokens
+    real = start < pack.num_packed_rows
     seq = np.zeros_like(start)
     seq[real] = h.segment_sequence[np.searchsorted(h.segment_start, start[real])]
     # where sequence `seq`'s rows start in the flattened rows table ([N, L] or flat)

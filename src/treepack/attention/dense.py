@@ -52,6 +52,6 @@ def visible(pack, window: int | None) -> Tensor:
     return mask if win is None else mask & win
 
 
-def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
-    mask = visible(ctx.pack, window)
+def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
+    mask = visible(attend.pack, window)
     return sdpa(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)

@@ -112,9 +112,9 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float) -> list[str]
     return reasons
 
 
-def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
     reasons = unsupported(q, k, v, dropout=dropout)
     if reasons:
         raise RuntimeError("backend='flex' cannot run here: " + "; ".join(reasons))
-    return _run(ctx.pack, q, k, v, block_size=ctx.block_size, scale=scale, softcap=softcap,
+    return _run(attend.pack, q, k, v, block_size=attend.block_size, scale=scale, softcap=softcap,
                 window=window)

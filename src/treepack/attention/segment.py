@@ -172,9 +172,9 @@ class _SelectSlots(torch.autograd.Function):
         return grad.index_select(1, row_slot), None, None
 
 
-def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
     width = q.shape[1] * q.shape[3]
-    plan = shape_groups(ctx.pack, window, width)
+    plan = shape_groups(attend.pack, window, width)
     q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
     q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
     sizes = [g.size * g.kv for g in plan.groups]

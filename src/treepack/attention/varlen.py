@@ -71,11 +71,11 @@ def unsupported(q: Tensor, *, softcap, dropout) -> list[str]:
     return reasons
 
 
-def attention(q, k, v, ctx, *, scale, softcap, window, dropout) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
     reasons = unsupported(q, softcap=softcap, dropout=dropout)
     if reasons:
         raise RuntimeError("backend='varlen' cannot run here: " + "; ".join(reasons))
-    index = varlen_index(ctx.pack, window)
+    index = varlen_index(attend.pack, window)
     qf = q[0].transpose(0, 1)  # [T', Hq, D], a view: the rows are the queries as they are
     kf, vf = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T', Hkv, D]
     if index.key_rows is not None:
