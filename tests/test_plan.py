@@ -100,11 +100,11 @@ def test_a_sequence_longer_than_the_budget_is_named():
 def test_packs_are_built_on_demand_per_rank():
     seqs = grpo_batch(groups=4, rollouts=2, prompt_len=20, response_len=10)
     p = plan(seqs, max_tokens=40, world_size=2, device="meta")
-    assert p._built == {}
+    assert p.built_ranks == []
     packs = p.packs(1)
-    assert set(p._built) == {1} and packs is p.packs(1)
+    assert p.built_ranks == [1] and packs is p.packs(1)
     assert all(pk.input_ids.device.type == "meta" for pk in packs)
-    assert len(p.ranks) == 2 and set(p._built) == {0, 1}
+    assert len(p.ranks) == 2 and p.built_ranks == [0, 1]
     assert "2 ranks x" in str(p)
 
 

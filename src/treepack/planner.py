@@ -81,6 +81,11 @@ class Plan:
         return len(self.specs[0])
 
     @property
+    def built_ranks(self) -> list[int]:
+        """The ranks whose packs :meth:`packs` has built so far."""
+        return sorted(self._built)
+
+    @property
     def packed_rows(self) -> int:
         """Packed rows over every pack (padding excluded)."""
         return sum(p.packed_rows for rank in self.specs for p in rank)
