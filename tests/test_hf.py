@@ -37,7 +37,9 @@ def test_every_family_equals_each_sequence_alone_float64(family):
     expect = alone_logprobs(model, SEQS)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     flat = TreePack.from_sequences(SEQS, share_prefixes=False)  # the padding-free baseline
-    tol = 16 * torch.finfo(torch.float32).eps if family in EAGER_REFERENCE else 1e-12
+    # eager's float32 softmax: float32 rounding relative to the log-probs' magnitude
+    tol = (16 * torch.finfo(torch.float32).eps * float(expect.abs().max())
+           if family in EAGER_REFERENCE else 1e-12)
     softcapped = bool(getattr(model.config, "attn_logit_softcapping", None))
     for p, backend in ((pack, "segment"), (pack, "dense"), (pack, "varlen"), (flat, "auto")):
         if backend == "varlen" and softcapped:
@@ -118,14 +120,15 @@ def test_prepared_model_runs_padded_batches_unchanged():
     mask[0, :4] = 0  # left padding
     mask[1, 9:] = 0  # right padding
     before = model(input_ids=ids, attention_mask=mask).logits
+    original = hf.original_attention(model)  # "eager" or "sdpa", by transformers version
     hf.prepare(model)
-    assert hf.is_prepared(model) and model.config._attn_implementation == "treepack_eager"
+    assert hf.is_prepared(model) and model.config._attn_implementation == f"treepack_{original}"
     assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
     pack = TreePack.from_sequences(SEQS)
     hf.forward(model, pack)  # and the same object runs packs
     assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
     hf.unprepare(model)
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == original
 
 
 def loss_and_grads(model, pack, mask=None, backend="segment"):
@@ -163,7 +166,8 @@ def test_gradient_checkpointing_recomputes_tree_attention(reentrant):
     model = tiny("qwen2", dtype=torch.float64).train()
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=8)
     loss, plain = loss_and_grads(model, pack)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    # gradient_checkpointing_enable is the name every transformers version keeps
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     loss2, ckpt = loss_and_grads(model, pack)
     assert loss2 == loss
     assert_grads_close(ckpt, plain, 0)

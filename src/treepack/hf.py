@@ -161,7 +161,8 @@ def prepare(model, *, check: bool = True):
         model: a transformers causal LM, or a DDP / FSDP / ``torch.compile`` wrapper of one.
         check: run two 2-token forwards, once, that verify the model reads
             ``position_ids`` (treepack's depths reach the model only that way) and that its
-            own code runs a tree forward.
+            own code runs a tree forward. They run through ``model`` as given, so with a
+            sharded wrapper (FSDP) call ``prepare`` on every rank, as any forward.
 
     Returns:
         ``model`` itself.
@@ -188,7 +189,7 @@ def prepare(model, *, check: bool = True):
     compat.set_attn_implementation(config, _registered_name(original))
     if check:
         try:
-            _check_reads_position_ids(core)
+            _check_reads_position_ids(model, core)
         except Exception:
             compat.set_attn_implementation(config, original)
             raise
@@ -252,9 +253,11 @@ def _eval_no_grad(model):
         model.train(was_training)
 
 
-def _check_reads_position_ids(model) -> None:
+def _check_reads_position_ids(model, core) -> None:
+    """Two forwards through ``model`` as given: a sharded wrapper (FSDP) gathers its
+    parameters only in its own forward, so every rank runs them together."""
     device = next(model.parameters()).device
-    ids = torch.tensor([[1, 2]], device=device) % _text_config(model).vocab_size
+    ids = torch.tensor([[1, 2]], device=device) % _text_config(core).vocab_size
     pack = TreePack.from_sequences([[1, 2]], device=device)
     outs = []
     with _eval_no_grad(model):
@@ -268,18 +271,18 @@ def _check_reads_position_ids(model) -> None:
                 raise
             except Exception as e:  # the model's own code failed on a tree forward
                 raise UnsupportedModel(
-                    f"{type(model).__name__} cannot run a tree forward: its own code raised "
+                    f"{type(core).__name__} cannot run a tree forward: its own code raised "
                     f"{type(e).__name__} ({str(e)[:200]}) when given treepack's attention and "
                     "depth position_ids, as models with ALiBi biases or custom attention code "
                     "do. treepack supports models whose layers all attend through "
                     "transformers' attention interface and take positions from position_ids "
                     "(rotary or learned); run this one unpacked"
                 ) from e
-            _check_calls(model, tree)
+            _check_calls(core, tree)
             outs.append(out.logits)
     if torch.equal(outs[0], outs[1]):
         raise ValueError(
-            f"{type(model).__name__} ignores position_ids (the output did not change when "
+            f"{type(core).__name__} ignores position_ids (the output did not change when "
             "they did): packed rows would get positions from their packed index instead of "
             "their depth. treepack supports models that take positions from position_ids "
             "(rotary or learned absolute); run this one unpacked"

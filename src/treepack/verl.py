@@ -1,0 +1,333 @@
+"""verl integration: tree-packed micro-batches inside verl's FSDP language-model engine.
+
+Switch it on with one line of verl config (every actor, rollout-log-prob and reference
+forward then runs on prefix-tree packs)::
+
+    actor_rollout_ref.model.external_lib=treepack.verl
+
+verl imports ``external_lib`` in every worker before it builds the engine; importing this
+module registers :class:`TreepackEngine` as verl's FSDP / FSDP2 language-model engine
+(``treepack.verl.register()`` does the same from a launch script). Written against verl
+0.9.1 (``treepack[verl]`` pins it).
+
+What changes, and what does not:
+
+- **Micro-batches are formed by trees.** The rank's rows are planned with
+  :func:`treepack.plan` under verl's token budget (``ppo_max_token_len_per_gpu`` /
+  ``log_prob_max_token_len_per_gpu``, or ``micro_batch_size_per_gpu`` x the longest row),
+  so the rollouts of one prompt and the steps of one agent trajectory (whose histories are
+  prefixes of each other) land in the same pack. Every rank runs the same number of
+  micro-batches (the count is all-reduced; a rank with fewer runs empty packs).
+- **One packed forward per micro-batch**, through :func:`treepack.hf.forward` with the
+  default backend, inside the FSDP module (so FSDP1 and FSDP2 both work).
+- **Outputs in verl's layout.** ``log_probs`` and ``entropy`` are nested tensors in verl's
+  prediction-aligned layout (position p holds the log-prob of token p + 1), each row at its
+  own temperature (verl's per-sample temperature too; the model still runs once per
+  micro-batch). verl's own ``loss_function`` (policy losses, ``loss_agg_mode``,
+  KL, entropy) runs unchanged on them, normalised by verl's global token counts. The last
+  position of each row (which verl's losses never read, and whose value in stock verl
+  depends on the micro-batch's next row) is 0.
+- **Transparent fallback.** Micro-batches or models that cannot be packed — multi-modal
+  inputs, mrope position ids, Ulysses sequence parallelism, fused kernels, distillation
+  outputs, a temperature that is not finite and > 0, a model :func:`treepack.hf.prepare`
+  refuses — run verl's stock path, with one log line saying why (logger ``treepack.verl``).
+- Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens) in its metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack import hf
+from treepack.planner import plan
+from treepack.tree import TreePack
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.utils.py_functional import append_to_dict
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.utils import detach_tree
+except ImportError as e:  # pragma: no cover - exercised only without verl
+    raise ImportError("treepack.verl needs verl 0.9.1: pip install 'treepack[verl]'") from e
+
+__all__ = ["TreepackEngine", "register", "VERL_VERSION", "verl_log_probs"]
+
+VERL_VERSION = "0.9.1"
+log = logging.getLogger("treepack.verl")
+_SAID: set[str] = set()
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        log.warning("treepack: running verl's stock engine path: %s", reason)
+
+
+class TreepackEngine(FSDPEngineWithLMHead):
+    """verl's FSDP language-model engine with tree-packed micro-batches (module doc)."""
+
+    treepack_backend = "auto"  # the attention backend of the packed forwards
+
+    def initialize(self):
+        super().initialize()
+        self._treepack_refused = None
+        try:
+            hf.prepare(self.module)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            self._treepack_refused = f"{_model_name(self.module)}: {e}"
+
+    # ---------------------------------------------------------------- the seam
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        reason = self._stock_reason(data)
+        if reason is not None:
+            _say_once(reason)
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        group = self.get_data_parallel_group()
+        # verl's loss normalisation: the global count of loss tokens, and the DP size
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        torch.distributed.all_reduce(batch_num_tokens, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
+                             dp_size=self.get_data_parallel_size())
+        micro = self._micro_batches(data)
+        count = torch.tensor([len(micro)], device=get_device_id())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        keep_outputs = forward_only or tu.get_non_tensor_data(
+            data=data, key="return_model_output", default=False)  # verl drops them in training
+        grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
+        scaler = getattr(self, "scaler", None)
+        outputs = []
+        for i in range(int(count.item())):
+            sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(
+                is_last_micro_batch=i == int(count.item()) - 1)
+            with grad, sync, torch.profiler.record_function(f"micro_batch{i}"):
+                if i < len(micro):
+                    rows = tu.index_select_tensor_dict(data, torch.from_numpy(micro[i]))
+                    loss, out = self._tree_step(rows, loss_function, forward_only)
+                else:  # keeps this rank's collectives in step with the others'
+                    loss, out = self._idle_step()
+                if not forward_only:
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+            if not keep_outputs:
+                out.pop("model_output", None)
+            outputs.append(out)
+        return _collect(outputs, micro)
+
+    def _stock_reason(self, data) -> str | None:
+        """Why this batch runs verl's stock path, or None to pack it."""
+        if self._treepack_refused:
+            return f"the model cannot be tree-packed ({self._treepack_refused})"
+        if self.use_ulysses_sp:
+            return "Ulysses sequence parallelism splits rows across ranks"
+        flags = {k: tu.get_non_tensor_data(data=data, key=k, default=False)
+                 for k in ("use_fused_kernels", "distillation_use_topk", "distillation_only",
+                           "calculate_sum_pi_squared")}
+        if any(flags.values()):
+            return f"{[k for k, v in flags.items() if v]} (outputs treepack does not produce)"
+        if len(data.get("multi_modal_inputs", [])) and any(
+                x for x in data.get("multi_modal_inputs", [])):
+            return "multi-modal inputs"
+        ids, positions = data["input_ids"], data["position_ids"]
+        if not ids.is_nested:
+            return "input_ids are not nested (padded pad_mode)"
+        if positions.dim() == 3:
+            return "multi-dimensional (mrope) position ids"
+        t = torch.as_tensor(data["temperature"], dtype=torch.float32)
+        if not bool((torch.isfinite(t) & (t > 0)).all()):
+            return f"temperature {t.tolist()} (verl clamps it to 1e-8; treepack needs > 0)"
+        return None
+
+    def _budget(self, data) -> int:
+        """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""
+        lengths = data["input_ids"].offsets().diff()
+        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+            return int(data["max_token_len_per_gpu"]) * int(self.ulysses_sequence_parallel_size)
+        return int(data["micro_batch_size_per_gpu"]) * int(lengths.max())
+
+    def _micro_batches(self, data) -> list[np.ndarray]:
+        """The rows of each micro-batch: one pack each, trees kept together."""
+        ids = data["input_ids"]
+        sequences = np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
+        specs = plan(sequences, max_tokens=self._budget(data)).specs[0]
+        return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
+
+    def _tree_step(self, micro_batch, loss_function, forward_only):
+        micro_batch = micro_batch.to(get_device_id())
+        ids = micro_batch["input_ids"]
+        offsets, values = ids.offsets(), ids.values()
+        sequences = list(torch.split(values, offsets.diff().tolist()))
+        entropy_too = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
+                                             default=False)
+        with self._autocast():
+            pack = TreePack.from_sequences(sequences, layout="flat", device=values.device)
+            logits = hf.forward(self.module, pack, self.treepack_backend).logits[0]
+            log_probs, entropy = verl_log_probs(pack, logits, micro_batch["temperature"],
+                                                entropy_too)
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs,
+                                                                                offsets)}
+            if entropy_too:
+                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
+            if loss_function is not None:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss, metrics = torch.tensor(1.0, device=values.device), {}
+        metrics = dict(metrics)
+        metrics["treepack/token_ratio"] = pack.num_packed_rows / max(pack.num_original_tokens, 1)
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(),
+                      "metrics": metrics}
+
+    def _idle_step(self):
+        """An empty pack through the model: collectives in step, nothing learned."""
+        device = next(self.module.parameters()).device
+        with self._autocast():
+            logits = hf.forward(self.module, TreePack.empty(1, device=device)).logits
+        return logits.sum() * 0.0, {"loss": 0.0, "metrics": {}}
+
+    def _autocast(self):
+        """The engine's autocast, as its stock forward_step uses it."""
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+
+def _model_name(module) -> str:
+    try:
+        return type(hf.unwrap(module)).__name__
+    except TypeError:
+        return type(module).__name__
+
+
+def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
+                   entropy_too: bool = False) -> tuple[Tensor, Tensor | None]:
+    """A flat pack's outputs in verl's prediction-aligned layout.
+
+    Position ``p`` of sequence ``s`` (flat ``offsets[s] + p``) holds
+    ``log p(seq_s[p + 1] | seq_s[:p + 1])`` at the sequence's temperature, and 0 at each
+    sequence's last position; with ``entropy_too`` also the entropy of the distribution at
+    every position (the last included), as verl's ``prepare_model_outputs`` computes them.
+    The model runs once whatever the temperatures: a packed row shared by sequences of
+    different temperatures is normalised once per temperature, the others once.
+
+    Args:
+        pack: a pack built with ``layout="flat"``.
+        logits: [T', V] its logits.
+        temperature: a finite number > 0, or one per sequence ([N] or [1]).
+        entropy_too: also return the entropies.
+
+    Returns:
+        ``(log_probs [total], entropy [total] or None)``, float32 at least.
+
+    Raises:
+        ValueError: a dense pack, a temperature that is not finite and > 0 or not one per
+            sequence, or logits as :meth:`TreePack.token_logprobs` refuses them.
+    """
+    if pack.layout != "flat":
+        raise ValueError("verl_log_probs takes a pack built with layout='flat'")
+    if not logits.is_floating_point() or logits.shape[:-1] != (pack.num_packed_rows,):
+        raise ValueError(f"logits must be floating point [{pack.num_packed_rows}, V] (one row "
+                         f"per packed row), got {logits.dtype} {tuple(logits.shape)}")
+    pack.check_vocabulary(logits.shape[-1])
+    temps = _per_sequence(temperature, pack.num_sequences, pack.device)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    src, tgt, target_at = pack.predictions  # occurrence m predicts flat position target_at[m]
+    at = target_at - 1  # ... and its log-prob goes to the position before, whose row is src[m]
+    log_probs = logits.new_zeros(pack.num_original_tokens, dtype=dtype)
+    entropy = log_probs.clone() if entropy_too else None
+    distinct = temps.unique()
+    if len(distinct) == 1:  # every row once, in row order
+        logp = torch.log_softmax(logits.to(dtype) / distinct.item(), dim=-1)  # [T', V]
+        log_probs = log_probs.index_put((at,), logp[src, tgt])
+        if entropy_too:
+            entropy = _entropy(logp)[pack.rows]
+        return log_probs, entropy
+    per_token = temps.repeat_interleave(pack.offsets.diff())  # [total]
+    local = torch.empty(pack.num_packed_rows, dtype=torch.long, device=pack.device)
+    for t in distinct.tolist():  # only the rows this temperature's sequences read, once each
+        positions = (per_token == t).nonzero()[:, 0]
+        needed, row_of = pack.rows[positions].unique(return_inverse=True)
+        local[needed] = torch.arange(len(needed), device=pack.device)
+        logp = torch.log_softmax(logits[needed].to(dtype) / t, dim=-1)  # [rows of t, V]
+        mine = per_token[at] == t
+        log_probs = log_probs.index_put((at[mine],), logp[local[src[mine]], tgt[mine]])
+        if entropy_too:
+            entropy = entropy.index_put((positions,), _entropy(logp)[row_of])
+    return log_probs, entropy
+
+
+def _entropy(logp: Tensor) -> Tensor:
+    """[R] entropy of each row of log-probs [R, V]; a -inf (masked) entry contributes 0."""
+    return -(logp.exp() * logp.masked_fill(logp.isneginf(), 0)).sum(-1)
+
+
+def _per_sequence(temperature, n: int, device) -> Tensor:
+    """verl's temperature (a number, or a tensor with one per sequence) as [N] float64 (exact
+    for any float32 or Python value)."""
+    t = torch.as_tensor(temperature).to(torch.float64).reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(n)
+    if t.numel() != n:
+        raise ValueError(f"temperature has {t.numel()} values for {n} sequences: give one "
+                         "number or one per sequence")
+    if not bool(torch.isfinite(t).all() & (t > 0).all()):
+        raise ValueError(f"temperature must be finite and > 0, got {t.tolist()}")
+    return t.to(device)
+
+
+def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
+    """verl's ``postprocess_batch_func`` for tree micro-batches: model outputs back in the
+    batch's row order, losses and metrics listed per micro-batch."""
+    model_output: dict[str, list] = {}
+    for out in outputs:
+        for key, value in out.get("model_output", {}).items():
+            model_output.setdefault(key, []).extend(value.unbind())
+    order = np.argsort(np.concatenate(micro)) if micro else np.zeros(0, dtype=np.int64)
+    for key, rows in model_output.items():
+        model_output[key] = torch.nested.as_nested_tensor([rows[i] for i in order],
+                                                          layout=torch.jagged)
+    metrics: dict = {}
+    for out in outputs:
+        append_to_dict(metrics, out.get("metrics", {}))
+    return {"model_output": model_output, "loss": [out["loss"] for out in outputs],
+            "metrics": metrics}
+
+
+def register(devices=("cuda", "npu")) -> None:
+    """Make :class:`TreepackEngine` verl's FSDP / FSDP2 language-model engine.
+
+    Importing this module does it. Every registry entry that names verl's stock
+    ``FSDPEngineWithLMHead`` (any device, any vendor) now names :class:`TreepackEngine`, and
+    so do the plain ``devices`` keys (call it with ``devices=("cpu",)`` to run verl's engine
+    on CPU, as the tests do). Writes verl's registry table directly: its ``register``
+    decorator refuses keys that are taken, and the stock engine has taken these.
+
+    Args:
+        devices: device names to register for, besides those the stock engine holds.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing of its own.
+    """
+    table = EngineRegistry._engines.setdefault("language_model", {})
+    for backend in ("fsdp", "fsdp2"):
+        entries = table.setdefault(backend, {})
+        for key, engine in list(entries.items()):
+            if engine is FSDPEngineWithLMHead:
+                entries[key] = TreepackEngine
+        for device in devices:
+            entries[device] = TreepackEngine
+
+
+register()

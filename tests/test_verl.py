@@ -1,0 +1,159 @@
+"""treepack.verl against verl's real FSDP engine (CPU, gloo): the stock engine and
+TreepackEngine, built from the same checkpoint, must give the same log-probs, entropies,
+losses and gradients. Runs where verl is installed (`.ci/run` makes a `.venv-verl`)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import warnings
+
+import pytest
+
+pytest.importorskip("verl", reason="verl tests run in the verl environment (.ci/run)")
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as mp  # noqa: E402
+
+# verl announces each optional engine it cannot import (torchtitan, megatron, ...)
+warnings.filterwarnings("ignore", message=".* engine is not available")
+
+import verl_workers  # noqa: E402  (installs the CPU platform)
+from verl_workers import TOLERANCE  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world, *args):
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("verl")))
+
+
+@pytest.mark.parametrize("world,strategy", [(1, "fsdp2"), (2, "fsdp2"), (2, "fsdp")])
+def test_verl_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.compare_engines, world, model_dir, strategy, str(out))
+    r = torch.load(out)
+    assert r["registered"] == "TreepackEngine"
+    for key in ("log_probs_scalar", "entropy_scalar", "log_probs_per_row", "entropy_per_row",
+                "log_probs_fixed_size", "grads_token-mean", "grads_seq-mean-token-mean",
+                "log_probs_after_step"):
+        assert r[key] <= TOLERANCE, (key, r[key])
+    for key in ("loss_token-mean", "loss_seq-mean-token-mean", "grad_norm"):
+        got, want = r[key]
+        assert abs(got - want) <= TOLERANCE * abs(want), (key, got, want)
+    assert r["grad_names_token-mean"] and r["model_output_dropped"]
+    # every rank runs as many micro-batches; the shared prefixes were packed once
+    assert len({run for run, _ in r["micro_batches"]}) == 1, r["micro_batches"]
+    assert all(0 < ratio < 1 for ratio in r["token_ratio"]), r["token_ratio"]
+    if world == 2:  # the agent rows need more packs than the GRPO rows: one rank idles
+        assert len({packed for _, packed in r["micro_batches"]}) == 2, r["micro_batches"]
+
+
+def test_verl_falls_back_to_the_stock_path_and_says_why_once(model_dir, tmp_path):
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.fallback, 1, model_dir, str(out))
+    r = torch.load(out)
+    assert r["same"]
+    assert len(r["messages"]) == 1 and "cannot be tree-packed" in r["messages"][0]
+    assert "a layer treepack cannot pack" in r["messages"][0]
+    assert "treepack/token_ratio" not in r["metrics"]
+
+
+def test_verl_external_lib_switches_the_engine(model_dir):
+    """The documented switch: verl imports `model.external_lib` in every worker, and the
+    engine it then builds for the actor is treepack's."""
+    code = (
+        "import os; os.environ['VERL_ENGINE_DEVICE'] = 'cuda'\n"
+        "import verl_workers\n"  # a platform verl can start on without a GPU
+        "from verl.workers.config import HFModelConfig\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        f"HFModelConfig(path={model_dir!r}, external_lib=['treepack.verl'])\n"
+        "print(*(EngineRegistry.get_engine_cls('language_model', b).__name__\n"
+        "        for b in ('fsdp', 'fsdp2')))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["TreepackEngine", "TreepackEngine"], done.stdout
+
+
+def test_verl_config_snippet_in_the_docs_is_a_valid_verl_config():
+    """Every key of docs/integrations.md's verl command exists in verl's Hydra config."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import verl.trainer.main_ppo as main_ppo
+
+    doc = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    command = re.search(r"## verl\n.*?```bash\n(.*?)```", doc, re.S).group(1)
+    words = shlex.split(command.replace("\\\n", " "))
+    assert words[:3] == ["python3", "-m", "verl.trainer.main_ppo"], words[:3]
+    overrides = words[3:]
+    assert "actor_rollout_ref.model.external_lib=treepack.verl" in overrides
+    config_dir = Path(main_ppo.__file__).parent / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        config = compose("ppo_trainer", overrides=overrides)  # unknown keys raise
+    assert config.actor_rollout_ref.model.external_lib == "treepack.verl"
+    assert config.trainer.balance_batch is False
+
+
+def sequences_and_logits(seed=0, n=7, vocab=11):
+    from treepack import TreePack
+
+    g = torch.Generator().manual_seed(seed)
+    stem = torch.randint(0, vocab, (5,), generator=g).tolist()
+    seqs = [stem[:int(torch.randint(1, 6, (1,), generator=g))]
+            + torch.randint(0, vocab, (int(torch.randint(0, 4, (1,), generator=g)),),
+                            generator=g).tolist() for _ in range(n)]
+    seqs = [s or [1] for s in seqs]
+    pack = TreePack.from_sequences(seqs, layout="flat")
+    return seqs, pack, torch.randn(pack.num_packed_rows, vocab, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_verl_log_probs_are_prediction_aligned_at_each_rows_temperature(per_row):
+    """Position p of each row holds log p(token p+1) from its own packed row at its own
+    temperature, 0 at the last; entropy at every position. Reference: the packed row of every
+    position read one sequence at a time."""
+    from treepack.verl import verl_log_probs
+
+    seqs, pack, logits = sequences_and_logits()
+    temps = torch.tensor([0.5, 1.0, 2.0] * 3)[:len(seqs)] if per_row else torch.tensor(0.7)
+    lp, ent = verl_log_probs(pack, logits, temps, entropy_too=True)
+    rows = pack.rows.split(pack.offsets.diff().tolist())
+    for s, seq in enumerate(seqs):
+        t = float(temps[s] if per_row else temps)
+        logp = torch.log_softmax(logits[rows[s]] / t, dim=-1)  # [len, V]
+        want = torch.zeros(len(seq), dtype=torch.float64)
+        want[:-1] = logp[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+        a, b = pack.offsets[s], pack.offsets[s + 1]
+        torch.testing.assert_close(lp[a:b], want, rtol=1e-12, atol=0)
+        torch.testing.assert_close(ent[a:b], -(logp.exp() * logp).sum(-1), rtol=1e-12, atol=0)
+
+
+def test_verl_log_probs_refuse_what_they_cannot_place():
+    from treepack import TreePack
+    from treepack.verl import verl_log_probs
+
+    seqs, pack, logits = sequences_and_logits()
+    with pytest.raises(ValueError, match="layout='flat'"):
+        verl_log_probs(TreePack.from_sequences(seqs), logits, 1.0)
+    with pytest.raises(ValueError, match="one row per packed row"):
+        verl_log_probs(pack, logits[1:], 1.0)
+    with pytest.raises(ValueError, match="one number or one per sequence"):
+        verl_log_probs(pack, logits, torch.ones(len(seqs) + 1))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        verl_log_probs(pack, logits, torch.zeros(len(seqs)))

@@ -1,0 +1,451 @@
+"""verl's real FSDP language-model engine on CPU, for tests/test_verl.py (spawned ranks import
+this module).
+
+verl 0.9.1 knows only GPU and NPU platforms. The test-only adjustments, none of which changes
+verl's code:
+
+- a CPU platform (``platform_manager.set_platform``): device ``"cpu"``, collectives over gloo,
+  no-op versions of the ``torch.cuda`` calls verl makes through ``get_torch_device()``;
+  installed before ``transformer_impl`` is imported, which reads the device name at import;
+- FSDP1 only: torch's guard against ``sync_module_states=True`` with CPU tensors (verl
+  hard-codes that flag; the broadcast itself works over gloo) is switched off;
+- ``attn_implementation="sdpa"`` (verl's default, flash_attention_2, needs flash-attn) and an
+  fp32 mixed-precision policy, so both engines compute in float32 and compare exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from verl.plugin.platform import platform_manager
+from verl.plugin.platform.platform_base import PlatformBase
+
+
+def _none(*args, **kwargs):
+    return None
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+class _CPUDevice(types.ModuleType):
+    """``torch.cpu`` plus the ``torch.cuda`` calls verl makes (memory stats, cache, rng)."""
+
+    empty_cache = ipc_collect = reset_peak_memory_stats = staticmethod(_none)
+    set_per_process_memory_fraction = manual_seed = manual_seed_all = staticmethod(_none)
+    memory_allocated = memory_reserved = staticmethod(_zero)
+    max_memory_allocated = max_memory_reserved = staticmethod(_zero)
+    mem_get_info = staticmethod(lambda *a, **k: (0, 0))
+    get_rng_state = staticmethod(lambda *a, **k: torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, *a, **k: torch.set_rng_state(state))
+    get_device_name = staticmethod(lambda *a, **k: "cpu")
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+
+class CPUPlatform(PlatformBase):
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = _CPUDevice("verl_test_cpu")
+
+    def current_device(self):
+        return "cpu"  # verl passes it to .to(): an int would mean an accelerator
+
+    def communication_backend_name(self):
+        return "gloo"
+
+    def is_available(self):
+        return True
+
+    def device_count(self):
+        return 1
+
+    def get_device_capability(self, device_index=0):
+        return None, None
+
+    def visible_devices_envvar(self):
+        return "CUDA_VISIBLE_DEVICES"
+
+    def ray_resource_name(self):
+        return "CPU"
+
+    def ray_noset_envvars(self):
+        return []
+
+    def is_ipc_supported(self):
+        return False
+
+    def manual_seed(self, seed):
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    @contextmanager
+    def nvtx_range(self, msg):
+        yield
+
+    set_device = synchronize = set_allocator_settings = empty_cache = _none
+    profiler_start = profiler_stop = cudart = _none
+
+
+if not isinstance(platform_manager._current_platform, CPUPlatform):
+    platform_manager.set_platform(CPUPlatform())
+
+from verl.trainer.config import CheckpointConfig  # noqa: E402  (after the platform)
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.dataset.dataset_utils import DatasetPadMode  # noqa: E402
+from verl.workers.config import (  # noqa: E402
+    ActorConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+)
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import response_from_nested  # noqa: E402
+
+import treepack.verl as treepack_verl  # noqa: E402
+
+VOCAB = 128
+PAD, EOS, BOS, UNK = 0, 1, 2, 3
+TOLERANCE = 1e-5  # relative, float32
+
+
+# ------------------------------------------------------------------------------- the model
+
+def make_model_dir(root: str) -> str:
+    """A random tiny Qwen2 and a word-level tokenizer, saved where verl loads models from."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = os.path.join(root, "tiny_qwen2")
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=False,
+                         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<bos>": BOS, "<unk>": UNK}
+    vocab.update({f"t{i}": i for i in range(4, VOCAB)})
+    words = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>",
+                            bos_token="<bos>", unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def make_engine(engine_cls, path: str, strategy: str, **engine_config):
+    """verl's engine as its workers build it, computing in float32 on CPU."""
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import _init_utils
+
+        _init_utils._check_module_states_for_sync_module_states = _none
+    config = dict(strategy=strategy, model_dtype="fp32", use_torch_compile=False,
+                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
+                                   "buffer_dtype": "fp32"},
+                  use_dynamic_bsz=True, max_token_len_per_gpu=96,
+                  infer_max_token_len_per_gpu=96, micro_batch_size_per_gpu=2,
+                  infer_micro_batch_size_per_gpu=2, seed=42)
+    config.update(engine_config)
+    engine = engine_cls(
+        model_config=HFModelConfig(path=path, use_remove_padding=True,
+                                   enable_gradient_checkpointing=True,
+                                   override_config={"attn_implementation": "sdpa"}),
+        engine_config=FSDPEngineConfig(**config),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-2, total_training_steps=10,
+                                             lr_warmup_steps=0, weight_decay=0.0,
+                                             clip_grad=1.0),
+        checkpoint_config=CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+# ------------------------------------------------------------------------------- the batch
+
+def make_rows(seed: int = 0) -> list[dict]:
+    """Rollout rows as verl's agent loop writes them, each with its ``uid``: GRPO groups (one
+    prompt, ragged responses) and agent trajectories whose every step is a row repeating the
+    whole history, with tool tokens (response mask 0) inside later responses."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+
+    def between(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    def group(uid, rollouts):  # GRPO: one prompt, ragged responses
+        prompt = tokens(between(8, 14))
+        for _ in range(rollouts):
+            response = tokens(between(2, 12)) + [EOS]
+            rows.append(dict(uid=uid, prompt=prompt, response=response,
+                             mask=[1] * len(response)))
+
+    def trajectory(uid, steps):  # every step a row that repeats the whole history
+        history = tokens(10)
+        for _ in range(steps):
+            said, tool, more = tokens(between(2, 5)), tokens(3), tokens(between(1, 3)) + [EOS]
+            rows.append(dict(uid=uid, prompt=history, response=said + tool + more,
+                             mask=[1] * len(said) + [0] * len(tool) + [1] * len(more)))
+            history = history + said + tool + more + tokens(2)
+
+    # With 2 ranks, the first (one group) packs into fewer micro-batches than the second.
+    rows = []
+    group("prompt0", 9)
+    trajectory("agent0", 3)
+    trajectory("agent1", 3)
+    group("prompt1", 3)
+    return rows
+
+
+def _nested(rows) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+
+
+def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=None,
+               ref_log_prob=None, advantages=None, **flags):
+    """The batch verl's trainer and worker hand to ``forward_backward_batch``: nested
+    ``input_ids`` / ``position_ids`` / ``prompts`` / ``responses`` / ``loss_mask``, per-row
+    ``uid``, the trainer's and the worker's flags."""
+    ids = [torch.tensor(r["prompt"] + r["response"]) for r in rows]
+    mask = [torch.tensor(r["mask"]) for r in rows]
+    tensors = {
+        "input_ids": _nested(ids), "position_ids": _nested(torch.arange(len(i)) for i in ids),
+        "prompts": _nested(torch.tensor(r["prompt"]) for r in rows),
+        "responses": _nested(torch.tensor(r["response"]) for r in rows),
+        "response_mask": _nested(mask), "loss_mask": _nested(mask),
+        "uid": [r["uid"] for r in rows],
+    }
+    for key, value in (("old_log_probs", old_log_probs), ("ref_log_prob", ref_log_prob),
+                       ("advantages", advantages)):
+        if value is not None:
+            tensors[key] = _nested(value)
+    config = engine.engine_config
+    flags = dict(calculate_entropy=True, compute_loss=not forward_only,
+                 global_batch_size=len(rows), pad_mode=DatasetPadMode.NO_PADDING,
+                 use_remove_padding=True, use_dynamic_bsz=config.use_dynamic_bsz,
+                 max_token_len_per_gpu=(config.infer_max_token_len_per_gpu if forward_only
+                                        else config.max_token_len_per_gpu),
+                 micro_batch_size_per_gpu=(config.infer_micro_batch_size_per_gpu if forward_only
+                                           else config.micro_batch_size_per_gpu),
+                 use_fused_kernels=False) | flags
+    if isinstance(temperature, torch.Tensor):
+        tensors["temperature"] = temperature
+    else:
+        flags["temperature"] = temperature
+    return tu.get_tensordict(tensors, non_tensor_dict=flags)
+
+
+def shard(batch, rank: int, world: int):
+    """This rank's contiguous share, as verl's data-parallel dispatch cuts it."""
+    return tu.chunk_tensordict(batch, world)[rank]
+
+
+# ------------------------------------------------------------------------------- reading out
+
+def full_grads(module) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient (a collective), by its original name."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.tensor import DTensor
+
+    def name(n):
+        for wrapper in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+            n = n.replace(wrapper, "")
+        return n
+
+    if isinstance(module, FSDP):  # FSDP1 flat parameters: gather each shard, split it back
+        out, world = {}, dist.get_world_size()
+        for prefix, m in module.named_modules():
+            if not isinstance(m, FSDP) or m._handle is None:
+                continue
+            flat = m._handle.flat_param
+            g = (flat.grad if flat.grad is not None else torch.zeros_like(flat)).detach()
+            if m._handle.uses_sharded_strategy and world > 1:
+                parts = [torch.empty_like(g) for _ in range(world)]
+                dist.all_gather(parts, g.contiguous())
+                g = torch.cat(parts)
+            g = g[:flat._unpadded_unsharded_size.numel()]
+            names = iter(zip(flat._fqns, flat._shapes))
+            for piece, padding in zip(torch.split(g, list(flat._numels_with_padding)),
+                                      flat._is_padding_mask):
+                if not padding:
+                    fqn, shape = next(names)
+                    out[name(f"{prefix}.{fqn}" if prefix else fqn)] = piece.view(shape).clone()
+        return out
+    out = {}
+    for n, p in module.named_parameters():  # FSDP2: DTensors
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        out[name(n)] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def gather_rows(nested: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's rows of a nested output, in global batch order."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [t.detach().float() for t in nested.unbind()])
+    return [t for part in every for t in part]
+
+
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """max |got - want| / max |want| over paired rows."""
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+    return diff / max(float(b.abs().max()) for b in want)
+
+
+def global_loss(out, data) -> float:
+    """The mini-batch's loss: verl scales each micro-batch's by dp_size and FSDP averages the
+    gradients over ranks, so the loss is the sum over ranks and micro-batches / dp_size."""
+    total = torch.tensor([float(sum(out["loss"]))], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total) / data["dp_size"]
+
+
+def actor_loss(loss_agg_mode: str, rows: int):
+    """verl's ppo_loss as its actor worker binds it: clipping, KL and entropy terms on."""
+    config = ActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows,
+                         use_dynamic_bsz=True, loss_agg_mode=loss_agg_mode, clip_ratio=0.2,
+                         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                         entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.05,
+                         kl_loss_type="low_var_kl")
+    return functools.partial(ppo_loss, config=config)
+
+
+# ------------------------------------------------------------------------------- the ranks
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: str,
+                    out_path: str) -> None:
+    """Stock engine vs TreepackEngine on the same batches; rank 0 saves the measured errors."""
+    init(rank, world, port)
+    try:
+        treepack_verl.register(devices=("cpu",))
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy)
+        tree = make_engine(treepack_verl.TreepackEngine, model_dir, strategy)
+        rows = make_rows()
+        result = {"registered": type(tree).__name__}
+
+        def infer(engine, **kw):
+            data = shard(make_batch(rows, engine, forward_only=True, **kw), rank, world)
+            with engine.eval_mode():
+                out = engine.forward_backward_batch(data, None, forward_only=True)
+            return out, data
+
+        def outputs(engine, **kw):
+            out, _ = infer(engine, **kw)
+            lp, ent = out["model_output"]["log_probs"], out["model_output"]["entropy"]
+            # each row's last position predicts nothing; stock verl fills it from the next row
+            return [t[:-1] for t in gather_rows(lp)], gather_rows(ent), out
+
+        # 1. log-probs and entropy, one temperature, then one per row
+        for name, temperature in (("scalar", 0.7),
+                                  ("per_row", 0.5 + torch.arange(len(rows)) % 3 / 4)):
+            want_lp, want_ent, _ = outputs(stock, temperature=temperature)
+            got_lp, got_ent, out = outputs(tree, temperature=temperature)
+            result[f"log_probs_{name}"] = relative_error(got_lp, want_lp)
+            result[f"entropy_{name}"] = relative_error(got_ent, want_ent)
+        result["token_ratio"] = out["metrics"]["treepack/token_ratio"]
+        every = [None] * world
+        dist.all_gather_object(every, (len(out["loss"]), len(out["metrics"]["treepack/token_ratio"])))
+        result["micro_batches"] = every  # (run, packed) per rank
+
+        # 2. fixed micro-batch size instead of a token budget
+        fixed = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=3)  # 3 divides 18 and 9
+        want_lp, want_ent, _ = outputs(stock, **fixed)
+        got_lp, got_ent, _ = outputs(tree, **fixed)
+        result["log_probs_fixed_size"] = relative_error(got_lp, want_lp)
+
+        # 3. the update: verl's ppo_loss (clip, KL, entropy) under two aggregations
+        base, _ = infer(stock, temperature=1.0)
+        g = torch.Generator().manual_seed(1)
+        old = [t + 0.3 * torch.randn(t.shape, generator=g)
+               for t in gather_rows(response_from_nested(
+                   base["model_output"]["log_probs"],
+                   shard(make_batch(rows, stock, True), rank, world)["response_mask"]))]
+        ref = [t + 0.1 * torch.randn(t.shape, generator=g) for t in old]
+        adv = [torch.tensor(r["mask"], dtype=torch.float32) * (i % 5 - 2) / 2
+               for i, r in enumerate(rows)]
+        for mode in ("seq-mean-token-mean", "token-mean"):  # the last one steps
+            losses, grads, norms = {}, {}, {}
+            for label, engine in (("stock", stock), ("tree", tree)):
+                data = shard(make_batch(rows, engine, False, temperature=1.0, old_log_probs=old,
+                                        ref_log_prob=ref, advantages=adv), rank, world)
+                with engine.train_mode():
+                    engine.optimizer_zero_grad()
+                    out = engine.forward_backward_batch(data, actor_loss(mode, len(rows)))
+                    losses[label] = global_loss(out, data)
+                    grads[label] = full_grads(engine.module)
+                    if mode == "token-mean":
+                        norms[label] = float(engine.optimizer_step())
+            result[f"loss_{mode}"] = (losses["tree"], losses["stock"])
+            result[f"grads_{mode}"] = max(
+                float((grads["tree"][k] - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                for k, w in grads["stock"].items())
+            result[f"grad_names_{mode}"] = sorted(grads["tree"]) == sorted(grads["stock"])
+            if norms:
+                result["grad_norm"] = (norms["tree"], norms["stock"])
+            result["model_output_dropped"] = "log_probs" not in out["model_output"]
+
+        # 4. after one optimizer step on each, the two models still agree
+        want_lp, _, _ = outputs(stock)
+        got_lp, _, _ = outputs(tree)
+        result["log_probs_after_step"] = relative_error(got_lp, want_lp)
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def fallback(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+    """A model treepack refuses: the TreepackEngine runs verl's stock path, says why once,
+    and gives the stock engine's numbers."""
+    init(rank, world, port)
+    try:
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logging.getLogger("treepack.verl").addHandler(handler)
+
+        def refuse(model, **kw):
+            raise NotImplementedError("a layer treepack cannot pack (test)")
+
+        real = treepack_verl.hf.prepare
+        treepack_verl.hf.prepare = refuse
+        try:
+            tree = make_engine(treepack_verl.TreepackEngine, model_dir, "fsdp2")
+        finally:
+            treepack_verl.hf.prepare = real
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, "fsdp2")
+        rows = make_rows(seed=3)
+        got = []
+        for engine in (stock, tree, tree):
+            data = shard(make_batch(rows, engine, forward_only=True), rank, world)
+            with engine.eval_mode():
+                out = engine.forward_backward_batch(data, None, forward_only=True)
+            got.append(out)
+        same = all(torch.equal(a, b) for out in got[1:] for a, b in
+                   zip(got[0]["model_output"]["log_probs"].unbind(),
+                       out["model_output"]["log_probs"].unbind()))
+        if rank == 0:
+            torch.save({"same": same, "messages": [r.getMessage() for r in records],
+                        "metrics": sorted(got[1]["metrics"])}, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
