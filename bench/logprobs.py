@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
 import torch
 
 import treepack
-from treepack.benchmark import measure
-from treepack.synthetic import grpo_batch
+from treepack.benchmark import head_bench_pack, measure, print_paths
 
 
 def main():
@@ -33,11 +31,7 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    prompt = 1024
-    seqs = grpo_batch(groups=1, rollouts=8, prompt_len=prompt,
-                      response_len=(args.rows - prompt) // 8, vocab=args.vocab)
-    pack = treepack.TreePack.from_sequences(seqs, device=device)
-    assert pack.num_rows == args.rows, pack.num_rows
+    pack = head_bench_pack(args.rows, args.vocab, device)
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(args.rows, args.hidden, device=device, generator=g, requires_grad=True)
     weight = (torch.randn(args.vocab, args.hidden, device=device, generator=g) * 0.05
@@ -65,13 +59,8 @@ def main():
     err = max((a - b).abs().max().item() / b.abs().max().item()
               for a, b in zip(grads["lean"], grads["full"]))
     f, l = results["full"], results["lean"]
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
-    print(f"device: {where}; torch {torch.__version__}; T'={args.rows} H={args.hidden} "
-          f"V={args.vocab}, float32, forward + backward")
-    print(f"{'path':<6}{'seconds':>10}{'peak MB':>10}")
-    for name, m in results.items():
-        print(f"{name:<6}{m.seconds:>10.3f}{m.peak_bytes / 2**20:>10.0f}")
+    print_paths(results, device, f"T'={args.rows} H={args.hidden} V={args.vocab}, float32, "
+                "forward + backward")
     mem, time = l.peak_bytes / f.peak_bytes, l.seconds / f.seconds
     print(f"lean / full: time {time:.2f}x, peak memory {mem:.3f}x; max relative gradient "
           f"difference {err:.1e}; loss difference {abs(l.loss - f.loss):.1e}")

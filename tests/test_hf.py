@@ -38,7 +38,7 @@ def test_every_family_equals_each_sequence_alone_float64(family):
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     flat = TreePack.from_sequences(SEQS, share_prefixes=False)  # the padding-free baseline
     # eager's float32 softmax: float32 rounding relative to the log-probs' magnitude
-    tol = (16 * torch.finfo(torch.float32).eps * float(expect.abs().max())
+    tol = (16 * torch.finfo(torch.float32).eps * expect.detach().abs().max().item()
            if family in EAGER_REFERENCE else 1e-12)
     softcapped = bool(getattr(model.config, "attn_logit_softcapping", None))
     for p, backend in ((pack, "segment"), (pack, "dense"), (pack, "varlen"), (flat, "auto")):

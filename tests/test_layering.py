@@ -14,7 +14,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "treepack"
 
 LAYERS = {
-    "core": {"tree", "forest", "mask", "checks", "denominators", "version"},
+    "core": {"tree", "forest", "mask", "softmax", "checks", "denominators", "version"},
     "attention": {"attention"},
     "lean": {"logprobs", "losses"},
     "plan": {"planner", "collation"},

@@ -197,6 +197,34 @@ CLAW_R1 = (  # (n_steps, prefix_len, branch_len) -> published token ratio (Claw-
 )
 
 
+def head_bench_pack(rows: int, vocab: int, device: torch.device) -> TreePack:
+    """The pack of the log-prob benchmarks (``bench/logprobs.py``, ``bench/logits.py``): one
+    1024-token prompt and 8 responses filling ``rows`` rows."""
+    from treepack.synthetic import grpo_batch
+
+    prompt = 1024
+    seqs = grpo_batch(groups=1, rollouts=8, prompt_len=prompt, response_len=(rows - prompt) // 8,
+                      vocab=vocab)
+    pack = TreePack.from_sequences(seqs, device=device)
+    if pack.num_rows != rows:
+        raise ValueError(f"rows={rows}: use 1024 + a multiple of 8")
+    return pack
+
+
+def print_paths(results: dict, device: torch.device, what: str) -> None:
+    """Print the device line and one ``seconds / peak MB`` row per path of a side-by-side
+    benchmark (``results``: name -> :func:`measure`'s result)."""
+    import platform
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    print(f"device: {where}; torch {torch.__version__}; {what}")
+    width = max(len(name) for name in results) + 2
+    print(f"{'path':<{width}}{'seconds':>10}{'peak MB':>10}")
+    for name, m in results.items():
+        print(f"{name:<{width}}{m.seconds:>10.3f}{m.peak_bytes / 2**20:>10.0f}")
+
+
 def claw_r1_scenarios() -> list[dict]:
     """Claw-R1's token-ratio table, measured: ``n_steps`` branches of ``branch_len`` tokens off
     one ``prefix_len``-token prompt (the shape of their own trie example)."""

@@ -1,8 +1,10 @@
 """Per-occurrence log-probs and entropies from packed outputs, in the original layout.
 
-Each packed row is normalised once; the M prediction occurrences then read their source
-row by plain advanced indexing, so in backward every occurrence's gradient is added into
-the shared row (autograd accumulates repeated indices).
+Each packed row is normalised once, however many prediction occurrences read it, and in
+backward every occurrence's gradient is added into the shared row. From logits
+(:meth:`TreePack.token_logprobs`) the rows are normalised in chunks by
+:mod:`treepack.softmax`; from hidden states (:func:`logprobs_from_hidden`) each chunk's
+logits are also computed, and recomputed in backward, so no ``[T', V]`` tensor exists.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from treepack.checks import floating, positive_finite, positive_int
+from treepack.softmax import default_chunk_size, finite as _finite  # shared with the logits path
 from treepack.tree import TreePack, derived_from_pack
 
 __all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden",
@@ -188,26 +191,6 @@ def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
         except (RuntimeError, TypeError, NotImplementedError):
             _FUSED_ACCUMULATE[out.device] = False  # this torch lacks it: the plain way
     out.add_(a @ b)
-
-
-def _finite(z: Tensor) -> Tensor:
-    """``z`` with -inf logits (tokens masked out) as 0: they have p = 0 and must add 0."""
-    return z.masked_fill(z.isneginf(), 0)
-
-
-# Bytes of float32 logits per chunk, by device type. On a GPU the chunk must be large for the
-# three matmuls per chunk to run near peak and for the per-chunk work to amortise (measured on
-# an H200 at V = 151,936: 110-row chunks took 3.3x the time of full logits, 4096-row chunks
-# 1.1x); 1 GiB is ~1,770 rows there. The peak is a few chunks, never growing with T'.
-CHUNK_BYTES = {"cuda": 1 << 30}
-DEFAULT_CHUNK_BYTES = 1 << 26  # 64 MiB elsewhere: on CPU larger chunks gain little
-
-
-def default_chunk_size(vocab: int, device: torch.device | str | None = None) -> int:
-    """Rows per chunk: ``CHUNK_BYTES`` of float32 logits on ``device``'s type (1 GiB on CUDA,
-    64 MiB elsewhere), at least one row."""
-    kind = torch.device(device).type if device is not None else "cpu"
-    return max(1, CHUNK_BYTES.get(kind, DEFAULT_CHUNK_BYTES) // (4 * vocab))
 
 
 def logprobs_from_hidden(

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from treepack.checks import floating, positive_finite, positive_int
 from treepack import mask as _mask
+from treepack.softmax import log_softmax_rows
 from treepack.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
@@ -427,7 +428,8 @@ class TreePack:
         ``1 <= p < len_s`` and 0 elsewhere (see :attr:`prediction_mask`). Each packed row is
         normalised once, however many occurrences read it; the first token after a fork is
         predicted from the shared parent row; backward adds every occurrence's gradient into
-        the shared rows. Computed in float32 at least (float64 stays float64).
+        the shared rows. Computed in float32 at least (float64 stays float64), in chunks of
+        rows (:mod:`treepack.softmax`): no float32 copy of the logits is made or kept.
 
         Args:
             logits: [T', V] floating-point logits of the packed rows (``out.logits[0]``).
@@ -440,10 +442,8 @@ class TreePack:
             ValueError: logits of the wrong shape, device, dtype or vocabulary (a token id
                 of the pack beyond V), or a bad temperature.
         """
-        z = self._scaled_logits(logits, temperature, "token_logprobs")
-        lse = torch.logsumexp(z, dim=-1)  # [T'] once per packed row
-        src, tgt = self.predictions.source, self.predictions.target  # [M]
-        return self.place(z[src, tgt] - lse[src])
+        logp, _ = self._log_softmax(logits, temperature, "token_logprobs", entropy=False)
+        return self.place(logp)
 
     def token_entropy(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
         """Entropy of each prediction's next-token distribution, in the layout of
@@ -459,11 +459,27 @@ class TreePack:
         Raises:
             ValueError: as :meth:`token_logprobs`.
         """
-        z = self._scaled_logits(logits, temperature, "token_entropy")
-        logp = torch.log_softmax(z, dim=-1)  # [T', V]
-        # A -inf logit (a masked-out token) has p = 0 and contributes 0, in value and gradient.
-        ent = -(logp.exp() * logp.masked_fill(logp.isneginf(), 0)).sum(-1)  # [T']
-        return self.place(ent[self.predictions.source])
+        _, entropy = self._log_softmax(logits, temperature, "token_entropy", entropy=True)
+        return self.place(entropy[_source_rows(self).pick])
+
+    def token_logprobs_and_entropy(self, logits: Tensor, *, temperature: float = 1.0
+                                   ) -> tuple[Tensor, Tensor]:
+        """:meth:`token_logprobs` and :meth:`token_entropy` in one pass over the logits (half
+        the work of calling both, and each row's gradient rounded once).
+
+        Args:
+            logits: [T', V] floating-point logits of the packed rows.
+            temperature: a finite number > 0 the logits are divided by.
+
+        Returns:
+            ``(logprobs, entropy)``, each [N, L] (flat: [total]).
+
+        Raises:
+            ValueError: as :meth:`token_logprobs`.
+        """
+        logp, entropy = self._log_softmax(logits, temperature, "token_logprobs_and_entropy",
+                                          entropy=True)
+        return self.place(logp), self.place(entropy[_source_rows(self).pick])
 
     def place(self, values: Tensor) -> Tensor:
         """Per-prediction values placed in the pack's layout.
@@ -497,7 +513,9 @@ class TreePack:
                 f"with pack.to({str(tensor.device)!r})"
             )
 
-    def _scaled_logits(self, logits: Tensor, temperature: float, what: str) -> Tensor:
+    def _log_softmax(self, logits: Tensor, temperature: float, what: str, *, entropy: bool):
+        """Every prediction's log-prob [M] (and each source row's entropy [R]) from logits
+        [T', V], each source row normalised once, in chunks (:mod:`treepack.softmax`)."""
         if logits.dim() != 2 or logits.shape[0] != self.num_rows:
             hint = ("; for a model output of shape [1, T', V] pass out.logits[0]"
                     if logits.dim() == 3 and logits.shape[0] == 1 else "")
@@ -507,8 +525,9 @@ class TreePack:
         floating(logits, "logits")
         temperature = positive_finite(temperature, "temperature")
         self.check_vocabulary(logits.shape[1])
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [T', V]
-        return z if temperature == 1.0 else z / temperature
+        src = _source_rows(self)
+        return log_softmax_rows(logits, src.rows, temperature, src.pick_host,
+                                self.predictions.target, with_entropy=entropy)
 
     def completion_mask(self, prompt_lengths) -> Tensor:
         """BoolTensor [N, L]: the predictions of completion tokens, for a loss on them only.
@@ -594,6 +613,22 @@ def derived_from_pack(build: Callable[..., R]) -> Callable[..., R]:
                             lambda: build(pack, *values))
 
     return cached
+
+
+class SourceRows(NamedTuple):
+    """The packed rows that predict something, each once, and each prediction's among them."""
+
+    rows: np.ndarray  # [R] ascending packed rows with at least one prediction
+    pick_host: np.ndarray  # [M] index into ``rows`` of each prediction's source row
+    pick: Tensor  # [M] the same on the pack's device
+
+
+@derived_from_pack
+def _source_rows(pack: TreePack) -> SourceRows:
+    """Which rows :meth:`TreePack.token_logprobs` normalises (cached per pack)."""
+    rows, pick = np.unique(pack.host.prediction_source, return_inverse=True)
+    pick = pick.reshape(-1).astype(np.int64)
+    return SourceRows(rows.astype(np.int64), pick, torch.from_numpy(pick).to(pack.device))
 
 
 # ---------------------------------------------------------------------- input checking

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from treepack import hf
 from treepack.planner import plan
+from treepack.softmax import log_softmax_rows
 from treepack.tree import TreePack
 
 try:
@@ -217,7 +218,9 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
     sequence's last position; with ``entropy_too`` also the entropy of the distribution at
     every position (the last included), as verl's ``prepare_model_outputs`` computes them.
     The model runs once whatever the temperatures: a packed row shared by sequences of
-    different temperatures is normalised once per temperature, the others once.
+    different temperatures is normalised once per temperature, the others once; rows are
+    normalised in chunks (:func:`treepack.softmax.log_softmax_rows`), so no float32 copy of
+    the ``[T', V]`` logits is made or kept for backward.
 
     Args:
         pack: a pack built with ``layout="flat"``.
@@ -238,50 +241,42 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
         raise ValueError(f"logits must be floating point [{pack.num_packed_rows}, V] (one row "
                          f"per packed row), got {logits.dtype} {tuple(logits.shape)}")
     pack.check_vocabulary(logits.shape[-1])
-    temps = _per_sequence(temperature, pack.num_sequences, pack.device)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    src, tgt, target_at = pack.predictions  # occurrence m predicts flat position target_at[m]
-    at = target_at - 1  # ... and its log-prob goes to the position before, whose row is src[m]
-    log_probs = logits.new_zeros(pack.num_original_tokens, dtype=dtype)
-    entropy = log_probs.clone() if entropy_too else None
-    distinct = temps.unique()
-    if len(distinct) == 1:  # every row once, in row order
-        logp = torch.log_softmax(logits.to(dtype) / distinct.item(), dim=-1)  # [T', V]
-        log_probs = log_probs.index_put((at,), logp[src, tgt])
-        if entropy_too:
-            entropy = _entropy(logp)[pack.rows]
-        return log_probs, entropy
-    per_token = temps.repeat_interleave(pack.offsets.diff())  # [total]
-    local = torch.empty(pack.num_packed_rows, dtype=torch.long, device=pack.device)
-    for t in distinct.tolist():  # only the rows this temperature's sequences read, once each
-        positions = (per_token == t).nonzero()[:, 0]
-        needed, row_of = pack.rows[positions].unique(return_inverse=True)
-        local[needed] = torch.arange(len(needed), device=pack.device)
-        logp = torch.log_softmax(logits[needed].to(dtype) / t, dim=-1)  # [rows of t, V]
-        mine = per_token[at] == t
-        log_probs = log_probs.index_put((at[mine],), logp[local[src[mine]], tgt[mine]])
-        if entropy_too:
-            entropy = entropy.index_put((positions,), _entropy(logp)[row_of])
+    temps = _per_sequence(temperature, pack.num_sequences)  # [N] float64, host
+    h = pack.host
+    # One normalised row per distinct (packed row, temperature) that an output reads, so the
+    # model runs once and a row shared by sequences of different temperatures is normalised
+    # once per temperature: keys row * n + temperature index, sorted by row.
+    distinct, seq_temp = np.unique(temps, return_inverse=True)
+    n = len(distinct)
+    seq_of_position = np.repeat(np.arange(pack.num_sequences), np.diff(h.offsets))  # [total]
+    pred_seq = seq_of_position[h.prediction_index]
+    pred_key = h.prediction_source * n + seq_temp[pred_seq]  # [M]
+    position_key = h.rows * n + seq_temp[seq_of_position] if entropy_too else pred_key[:0]
+    keys = np.unique(np.concatenate([pred_key, position_key]))
+    logp, entropy = log_softmax_rows(logits, keys // n, distinct[keys % n],
+                                     np.searchsorted(keys, pred_key), pack.predictions.target,
+                                     with_entropy=entropy_too)
+    # prediction m's target is at flat position index[m]; verl keeps its log-prob one before
+    log_probs = logp.new_zeros(pack.num_original_tokens).index_put(
+        (pack.predictions.index - 1,), logp)
+    if entropy_too:
+        at = torch.from_numpy(np.searchsorted(keys, position_key)).to(pack.device)
+        entropy = entropy[at]
     return log_probs, entropy
 
 
-def _entropy(logp: Tensor) -> Tensor:
-    """[R] entropy of each row of log-probs [R, V]; a -inf (masked) entry contributes 0."""
-    return -(logp.exp() * logp.masked_fill(logp.isneginf(), 0)).sum(-1)
-
-
-def _per_sequence(temperature, n: int, device) -> Tensor:
-    """verl's temperature (a number, or a tensor with one per sequence) as [N] float64 (exact
-    for any float32 or Python value)."""
-    t = torch.as_tensor(temperature).to(torch.float64).reshape(-1)
-    if t.numel() == 1:
-        t = t.expand(n)
-    if t.numel() != n:
-        raise ValueError(f"temperature has {t.numel()} values for {n} sequences: give one "
+def _per_sequence(temperature, n: int) -> np.ndarray:
+    """verl's temperature (a number, or a tensor with one per sequence) as [N] float64 on the
+    host (exact for any float32 or Python value)."""
+    t = torch.as_tensor(temperature).detach().to("cpu", torch.float64).reshape(-1).numpy()
+    if t.size == 1:
+        t = np.repeat(t, n)
+    if t.size != n:
+        raise ValueError(f"temperature has {t.size} values for {n} sequences: give one "
                          "number or one per sequence")
-    if not bool(torch.isfinite(t).all() & (t > 0).all()):
+    if not (np.isfinite(t) & (t > 0)).all():
         raise ValueError(f"temperature must be finite and > 0, got {t.tolist()}")
-    return t.to(device)
+    return t
 
 
 def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
