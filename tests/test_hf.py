@@ -297,6 +297,26 @@ def test_pack_on_another_device_is_refused():
         hf.forward(tiny("llama"), TreePack.from_sequences(SEQS, device="meta"))
 
 
+def test_the_pack_goes_where_a_wrapper_computes_not_where_it_offloads_parameters():
+    """FSDP1 with CPU offload keeps parameters on the CPU and computes on its compute_device:
+    the pack must be there (verl's reference model runs this way)."""
+
+    class Offloading(torch.nn.Module):  # the two attributes FSDP1 has that matter here
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            self.compute_device = torch.device("meta")
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    model = Offloading(tiny("llama"))
+    assert hf.compute_device(model) == torch.device("meta")
+    assert hf.compute_device(model.module) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"computes on meta .* pack.to\('meta'\)"):
+        hf.forward(model, TreePack.from_sequences(SEQS))
+
+
 def test_flex_forward_on_cpu_equals_segment_through_the_model():
     model = tiny("gemma2")  # sliding + full layers, soft-capping
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=128)

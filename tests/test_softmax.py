@@ -115,3 +115,12 @@ def test_pack_logprobs_and_entropy_in_one_pass_equal_the_separate_calls():
         values.append((logp, entropy))
     torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
+
+
+def test_second_order_gradients_are_refused_not_wrong():
+    logits, rows, temperature, pick, token = case(7)
+    x = logits.clone().requires_grad_()
+    logp, _ = log_softmax_rows(x, rows, temperature, pick, token)
+    (grad,) = torch.autograd.grad(logp.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()

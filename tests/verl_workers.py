@@ -15,6 +15,7 @@ verl's code:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import os
@@ -102,6 +103,8 @@ if not isinstance(platform_manager._current_platform, CPUPlatform):
 from verl.trainer.config import CheckpointConfig  # noqa: E402  (after the platform)
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.dataset.dataset_utils import DatasetPadMode  # noqa: E402
+from verl.utils.metric.utils import Metric  # noqa: E402
+from verl.utils.torch_functional import allgather_dict_into_dict  # noqa: E402
 from verl.workers.config import (  # noqa: E402
     ActorConfig,
     FSDPEngineConfig,
@@ -326,7 +329,9 @@ def init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a collective one rank skips fails in a minute instead of hanging the test
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
 
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: str,
@@ -389,6 +394,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
                     engine.optimizer_zero_grad()
                     out = engine.forward_backward_batch(data, actor_loss(mode, len(rows)))
                     losses[label] = global_loss(out, data)
+                    result[f"metrics_{label}"] = verl_dp_metrics(out["metrics"])
                     grads[label] = full_grads(engine.module)
                     if mode == "token-mean":
                         norms[label] = float(engine.optimizer_step())
@@ -412,15 +418,63 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
         dist.destroy_process_group()
 
 
+def verl_dp_metrics(metrics: dict) -> dict:
+    """What verl's worker does with a step's metrics (engine_workers: allgather_dict_into_dict,
+    then Metric.aggregate_dp, which needs as many values on every rank)."""
+    gathered = allgather_dict_into_dict(data=metrics, group=None)
+    return {key: float(Metric.aggregate_dp(values)) for key, values in gathered.items()
+            if isinstance(values[0], Metric)}
+
+
+def captured_log() -> list[logging.LogRecord]:
+    """Every record treepack.verl logs from now on in this process."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("treepack.verl").addHandler(handler)
+    return records
+
+
+def divergent_fallback(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+    """Only rank 0's rows cannot be packed (temperature 0): every rank must take the stock
+    path together (a rank that packed would wait for collectives the others never make)."""
+    init(rank, world, port)
+    try:
+        records = captured_log()
+        treepack_verl.register(devices=("cpu",))
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, "fsdp2")
+        tree = make_engine(treepack_verl.TreepackEngine, model_dir, "fsdp2")
+        rows = make_rows()
+        temperature = torch.full((len(rows),), 0.7)
+        temperature[: len(rows) // world] = 0.0  # rank 0's shard
+        got = []
+        for engine in (stock, tree):
+            data = shard(make_batch(rows, engine, True, temperature=temperature,
+                                    use_dynamic_bsz=False, micro_batch_size_per_gpu=3),
+                         rank, world)
+            with engine.eval_mode():
+                got.append(engine.forward_backward_batch(data, None, forward_only=True))
+        same = all(torch.equal(a, b) for a, b in zip(got[0]["model_output"]["log_probs"].unbind(),
+                                                    got[1]["model_output"]["log_probs"].unbind()))
+        pos = data["position_ids"]  # positions that do not start at 0: not packable
+        data["position_ids"] = torch.nested.nested_tensor_from_jagged(pos.values() + 1,
+                                                                      pos.offsets())
+        shifted = tree._stock_reason(data)
+        every = [None] * world
+        dist.all_gather_object(every, (same, [r.getMessage() for r in records], shifted))
+        if rank == 0:
+            torch.save(every, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def fallback(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
     """A model treepack refuses: the TreepackEngine runs verl's stock path, says why once,
     and gives the stock engine's numbers."""
     init(rank, world, port)
     try:
-        records = []
-        handler = logging.Handler()
-        handler.emit = records.append
-        logging.getLogger("treepack.verl").addHandler(handler)
+        records = captured_log()
 
         def refuse(model, **kw):
             raise NotImplementedError("a layer treepack cannot pack (test)")

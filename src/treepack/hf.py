@@ -35,7 +35,8 @@ from treepack.tree import TreePack
 
 __all__ = ["forward", "forward_hidden", "HiddenOutput", "prepare", "restore", "prepared",
            "unprepare", "is_prepared", "original_attention", "unwrap", "lm_head",
-           "row_multiplicity", "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel"]
+           "row_multiplicity", "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel",
+           "compute_device"]
 
 TREE_FORWARD_KWARG = "treepack_tree_forward"  # the model keyword that carries a _TreeForward
 _PREFIX = "treepack_"
@@ -486,7 +487,10 @@ def _run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
             "batches still run the original attention, and hf.restore(model) undoes it), or "
             "run the forward inside `with treepack.hf.prepared(model):`"
         )
-    pack.check_device(next(core.parameters()), f"the model ({type(core).__name__})")
+    device = compute_device(model)
+    if pack.device != device:
+        raise ValueError(f"the model ({type(core).__name__}) computes on {device} but the pack "
+                         f"is on {pack.device}; move the pack with pack.to({str(device)!r})")
     vocab = core.get_input_embeddings().num_embeddings
     if pack.max_token_id >= vocab:
         raise ValueError(
@@ -503,6 +507,29 @@ def _run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
     if getattr(out, "aux_loss", None) is not None:
         aux = router_aux_loss(core, pack, out.router_logits)
     return out, aux
+
+
+def compute_device(model) -> torch.device:
+    """The device ``model`` computes on: its parameters' device, or, for an FSDP wrapper that
+    offloads parameters to the CPU, the device it moves them to for the forward.
+
+    Args:
+        model: a causal LM, or a DDP / FSDP1 / FSDP2 / compile wrapper of one.
+
+    Returns:
+        A :class:`torch.device` (with its index for an accelerator).
+
+    Raises:
+        TypeError: as :func:`unwrap` for something that is not a model.
+    """
+    device = getattr(model, "compute_device", None)  # FSDP1 (CPUOffload keeps params on CPU)
+    if isinstance(device, torch.device):
+        return device
+    param = next(unwrap(model).parameters())
+    mesh = getattr(param, "device_mesh", None)  # FSDP2 shards are DTensors on a device mesh
+    if mesh is not None and mesh.device_type != param.device.type:  # CPUOffloadPolicy
+        return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    return param.device
 
 
 _LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -17,8 +17,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-__all__ = ["log_softmax_rows", "default_chunk_size", "CHUNK_BYTES", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["log_softmax_rows", "default_chunk_size", "to_device", "CHUNK_BYTES",
+           "DEFAULT_CHUNK_BYTES"]
 
 # Bytes of float32 logits per chunk, by device type. On a GPU the chunk must be large for the
 # per-chunk work (and, in the lean head, its three matmuls) to run near peak and to amortise
@@ -79,14 +81,15 @@ class _ChunkPlan:
     Chunks never split a logits row's repeats, so each logits row's gradient is summed in
     float32 and rounded once. The picks are sorted by normalised row so that each chunk's
     picks are one contiguous range. A chunk of consecutive logits rows reads them as a view,
-    and a chunk at one temperature divides by a number (or not at all at 1).
+    and a chunk at temperature 1 divides by nothing. Every index reaches the device in one
+    copy, from pinned memory on a GPU, so building the plan does not wait for the GPU.
     """
 
     def __init__(self, rows, pick, temperature, work: torch.dtype, chunk: int, device):
         rows = np.asarray(rows, dtype=np.int64)
         pick = np.asarray(pick, dtype=np.int64)
         n = len(rows)
-        temps = np.broadcast_to(np.asarray(temperature, dtype=np.float64), (n,)).copy()
+        temps = np.broadcast_to(np.asarray(temperature, dtype=np.float64), (n,))
         bounds, a = [], 0
         while a < n:
             b = min(a + chunk, n)
@@ -96,25 +99,25 @@ class _ChunkPlan:
         order = np.argsort(pick, kind="stable")
         pick_sorted = pick[order]
         starts = np.searchsorted(pick_sorted, [a for a, _ in bounds] + [n])
-        self.rows = _move(rows, device)
-        self.temperature = _move(temps, device).to(work)
+        host = [rows, pick, order, pick_sorted]
+        distinct = []  # per chunk: its distinct logits rows and each row's among them, or None
+        for a, b in bounds:
+            uniq, inverse = np.unique(rows[a:b], return_inverse=True)
+            distinct.append(None if len(uniq) == b - a else (len(host), len(host) + 1))
+            if len(uniq) < b - a:
+                host += [uniq, inverse.reshape(-1)]
+        ints = to_device(host, torch.int64, device)
+        self.rows, self.pick, self.order, self.pick_sorted = ints[:4]
+        self.temperature = to_device([temps], torch.float64, device)[0].to(work)
+        self.work = work
         self.chunks = []
         for i, (a, b) in enumerate(bounds):
-            uniq, inverse = np.unique(rows[a:b], return_inverse=True)
-            distinct = None  # a logits row normalised at several temperatures: sum, then copy
-            if len(uniq) < b - a:
-                distinct = (_move(uniq, device), _move(inverse.reshape(-1), device))
-            consecutive = distinct is None and rows[b - 1] - rows[a] == b - a - 1
-            t = temps[a:b]
+            consecutive = distinct[i] is None and rows[b - 1] - rows[a] == b - a - 1
             self.chunks.append(_Chunk(
                 a, b, int(starts[i]), int(starts[i + 1]),
                 slice(int(rows[a]), int(rows[b - 1]) + 1) if consecutive else self.rows[a:b],
-                float(t[0]) if (t == t[0]).all() else self.temperature[a:b, None],
-                distinct))
-        self.order = _move(order, device)
-        self.pick_sorted = _move(pick_sorted, device)
-        self.pick = _move(pick, device)
-        self.work = work
+                None if (temps[a:b] == 1).all() else self.temperature[a:b, None],
+                None if distinct[i] is None else tuple(ints[j] for j in distinct[i])))
 
     def logits(self, logits: Tensor, chunk: _Chunk) -> tuple[Tensor, bool]:
         """The chunk's scaled logits [C, V] in the work dtype, and whether the tensor is
@@ -123,7 +126,7 @@ class _ChunkPlan:
         fresh = isinstance(chunk.rows, Tensor)
         if z.dtype != self.work:
             z, fresh = z.to(self.work), True
-        if isinstance(chunk.temperature, Tensor) or chunk.temperature != 1.0:
+        if chunk.temperature is not None:  # a tensor, as for the picked logits: same rounding
             z, fresh = z / chunk.temperature, True
         return z, fresh
 
@@ -134,12 +137,21 @@ class _Chunk(NamedTuple):
     lo: int  # its picks, in sorted order [lo, hi)
     hi: int
     rows: slice | Tensor  # its logits rows
-    temperature: float | Tensor  # one number, or [C, 1]
+    temperature: Tensor | None  # [C, 1], or None at temperature 1
     distinct: tuple[Tensor, Tensor] | None  # distinct logits rows and each row's among them
 
 
-def _move(a: np.ndarray, device) -> Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+def to_device(arrays: list[np.ndarray], dtype: torch.dtype, device) -> list[Tensor]:
+    """The arrays on ``device`` through one copy (pinned and asynchronous on a GPU)."""
+    sizes = [len(a) for a in arrays]
+    flat = torch.from_numpy(np.concatenate(arrays).astype(np.float64 if dtype == torch.float64
+                                                          else np.int64, copy=False))
+    device = torch.device(device)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split(sizes))
 
 
 class _RowLogSoftmax(torch.autograd.Function):
@@ -163,12 +175,13 @@ class _RowLogSoftmax(torch.autograd.Function):
         return (logp, entropy) if with_entropy else logp
 
     @staticmethod
+    @once_differentiable  # the backward recomputes in chunks: no graph for a second order
     def backward(ctx, grad_logp, grad_entropy=None):
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None
         logits, token, lse, entropy = ctx.saved_tensors
         plan = ctx.plan
         grad = torch.zeros_like(logits)
-        if grad_logp is None and grad_entropy is None:
-            return grad, None, None, None
         # d logp[m] / d z[pick m] = onehot(token m) - softmax: each row needs its picks' sum
         g_row = lse.new_zeros(lse.shape[0])
         g_pick = None
@@ -189,7 +202,7 @@ class _RowLogSoftmax(torch.autograd.Function):
             if g_pick is not None and c.hi > c.lo:
                 gz.index_put_((plan.pick_sorted[c.lo:c.hi] - c.a, token_sorted[c.lo:c.hi]),
                               g_pick[c.lo:c.hi], accumulate=True)
-            if isinstance(c.temperature, Tensor) or c.temperature != 1.0:
+            if c.temperature is not None:
                 gz /= c.temperature
             if c.distinct is not None:  # a row at several temperatures: sum, round once
                 uniq, inverse = c.distinct

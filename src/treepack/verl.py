@@ -16,8 +16,9 @@ What changes, and what does not:
   :func:`treepack.plan` under verl's token budget (``ppo_max_token_len_per_gpu`` /
   ``log_prob_max_token_len_per_gpu``, or ``micro_batch_size_per_gpu`` x the longest row),
   so the rollouts of one prompt and the steps of one agent trajectory (whose histories are
-  prefixes of each other) land in the same pack. Every rank runs the same number of
-  micro-batches (the count is all-reduced; a rank with fewer runs empty packs).
+  prefixes of each other) land in the same pack. Every rank runs the same number of real
+  micro-batches (the count is all-reduced; a rank that planned fewer packs splits its
+  largest), as verl's per-micro-batch metric aggregation across ranks needs.
 - **One packed forward per micro-batch**, through :func:`treepack.hf.forward` with the
   default backend, inside the FSDP module (so FSDP1 and FSDP2 both work).
 - **Outputs in verl's layout.** ``log_probs`` and ``entropy`` are nested tensors in verl's
@@ -27,10 +28,12 @@ What changes, and what does not:
   KL, entropy) runs unchanged on them, normalised by verl's global token counts. The last
   position of each row (which verl's losses never read, and whose value in stock verl
   depends on the micro-batch's next row) is 0.
-- **Transparent fallback.** Micro-batches or models that cannot be packed — multi-modal
-  inputs, mrope position ids, Ulysses sequence parallelism, fused kernels, distillation
-  outputs, a temperature that is not finite and > 0, a model :func:`treepack.hf.prepare`
-  refuses — run verl's stock path, with one log line saying why (logger ``treepack.verl``).
+- **Transparent fallback.** Batches or models that cannot be packed — multi-modal
+  inputs, mrope position ids, position ids other than ``0 .. length - 1``, Ulysses sequence
+  parallelism, fused kernels, distillation outputs, a temperature that is not finite and
+  > 0, a model :func:`treepack.hf.prepare` refuses — run verl's stock path, with one log
+  line saying why (logger ``treepack.verl``). The decision is all-reduced: if one rank
+  falls back, every rank does, so collectives stay in step.
 - Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens) in its metrics.
 """
 
@@ -45,7 +48,7 @@ from torch import Tensor
 
 from treepack import hf
 from treepack.planner import plan
-from treepack.softmax import log_softmax_rows
+from treepack.softmax import log_softmax_rows, to_device
 from treepack.tree import TreePack
 
 try:
@@ -87,33 +90,45 @@ class TreepackEngine(FSDPEngineWithLMHead):
     # ---------------------------------------------------------------- the seam
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        group = self.get_data_parallel_group()
         reason = self._stock_reason(data)
-        if reason is not None:
-            _say_once(reason)
+        # every rank takes the same path, or their collectives would not line up
+        anyone = torch.tensor([reason is not None], dtype=torch.int32, device=_device())
+        torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX, group=group)
+        if anyone.item():
+            _say_once(reason or "another data-parallel rank's batch cannot be tree-packed")
             return super().forward_backward_batch(data, loss_function, forward_only)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
-        group = self.get_data_parallel_group()
         # verl's loss normalisation: the global count of loss tokens, and the DP size
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
         torch.distributed.all_reduce(batch_num_tokens, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
                              dp_size=self.get_data_parallel_size())
+        lengths = data["input_ids"].offsets().diff().cpu().numpy()
         micro = self._micro_batches(data)
-        count = torch.tensor([len(micro)], device=get_device_id())
+        count = torch.tensor([len(micro)], device=_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        count = int(count.item())
+        # as many real micro-batches as every other rank: verl aggregates metrics per index
+        micro = _split_to(micro, count, lengths)
         keep_outputs = forward_only or tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False)  # verl drops them in training
         grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
         scaler = getattr(self, "scaler", None)
         outputs = []
-        for i in range(int(count.item())):
+        for i in range(count):
             sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(
-                is_last_micro_batch=i == int(count.item()) - 1)
+                is_last_micro_batch=i == count - 1)
             with grad, sync, torch.profiler.record_function(f"micro_batch{i}"):
                 if i < len(micro):
                     rows = tu.index_select_tensor_dict(data, torch.from_numpy(micro[i]))
                     loss, out = self._tree_step(rows, loss_function, forward_only)
-                else:  # keeps this rank's collectives in step with the others'
+                elif len(micro):  # fewer rows than micro-batches: one row again, weight 0
+                    rows = tu.index_select_tensor_dict(data, torch.from_numpy(micro[0][:1]))
+                    loss, out = self._tree_step(rows, loss_function, forward_only)
+                    loss, out["loss"] = loss * 0.0, 0.0
+                    out.pop("model_output")
+                else:  # no rows at all: an empty pack keeps the collectives in step
                     loss, out = self._idle_step()
                 if not forward_only:
                     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -141,6 +156,10 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return "input_ids are not nested (padded pad_mode)"
         if positions.dim() == 3:
             return "multi-dimensional (mrope) position ids"
+        pos, offsets = positions.values(), positions.offsets()
+        start = torch.repeat_interleave(offsets[:-1], offsets.diff())
+        if not torch.equal(pos, torch.arange(len(pos), device=pos.device) - start):
+            return "position ids that are not 0 .. length - 1 in every row"
         t = torch.as_tensor(data["temperature"], dtype=torch.float32)
         if not bool((torch.isfinite(t) & (t > 0)).all()):
             return f"temperature {t.tolist()} (verl clamps it to 1e-8; treepack needs > 0)"
@@ -161,17 +180,19 @@ class TreepackEngine(FSDPEngineWithLMHead):
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
 
     def _tree_step(self, micro_batch, loss_function, forward_only):
+        ids = micro_batch["input_ids"]  # the pack is built on the host: one copy, if any
+        host_offsets = ids.offsets().cpu().numpy()
+        sequences = np.split(ids.values().cpu().numpy(), host_offsets[1:-1])
+        temperature = micro_batch["temperature"]  # read on the host, before the move
         micro_batch = micro_batch.to(get_device_id())
         ids = micro_batch["input_ids"]
         offsets, values = ids.offsets(), ids.values()
-        sequences = list(torch.split(values, offsets.diff().tolist()))
         entropy_too = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
                                              default=False)
         with self._autocast():
             pack = TreePack.from_sequences(sequences, layout="flat", device=values.device)
             logits = hf.forward(self.module, pack, self.treepack_backend).logits[0]
-            log_probs, entropy = verl_log_probs(pack, logits, micro_batch["temperature"],
-                                                entropy_too)
+            log_probs, entropy = verl_log_probs(pack, logits, temperature, entropy_too)
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs,
                                                                                 offsets)}
             if entropy_too:
@@ -189,7 +210,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _idle_step(self):
         """An empty pack through the model: collectives in step, nothing learned."""
-        device = next(self.module.parameters()).device
+        device = _device()
         with self._autocast():
             logits = hf.forward(self.module, TreePack.empty(1, device=device)).logits
         return logits.sum() * 0.0, {"loss": 0.0, "metrics": {}}
@@ -200,6 +221,25 @@ class TreepackEngine(FSDPEngineWithLMHead):
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
+
+
+def _device() -> torch.device:
+    """The device verl computes on (its parameters may be offloaded to the CPU)."""
+    return torch.zeros(0).to(get_device_id()).device
+
+
+def _split_to(micro: list[np.ndarray], count: int, lengths: np.ndarray) -> list[np.ndarray]:
+    """``micro`` with its largest micro-batches (in tokens) split in two until there are
+    ``count``, or until each holds one row. Halves of a pack stay within its budget."""
+    micro = list(micro)
+    while len(micro) < count:
+        sizes = [lengths[m].sum() if len(m) > 1 else -1 for m in micro]
+        i = int(np.argmax(sizes))
+        if sizes[i] < 0:
+            break
+        half = len(micro[i]) // 2
+        micro[i:i + 1] = [micro[i][:half], micro[i][half:]]
+    return micro
 
 
 def _model_name(module) -> str:
@@ -260,8 +300,8 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
     log_probs = logp.new_zeros(pack.num_original_tokens).index_put(
         (pack.predictions.index - 1,), logp)
     if entropy_too:
-        at = torch.from_numpy(np.searchsorted(keys, position_key)).to(pack.device)
-        entropy = entropy[at]
+        entropy = entropy[to_device([np.searchsorted(keys, position_key)], torch.int64,
+                                    pack.device)[0]]
     return log_probs, entropy
 
 
