@@ -169,3 +169,21 @@ def test_verl_log_probs_refuse_what_they_cannot_place():
         verl_log_probs(pack, logits, torch.ones(len(seqs) + 1))
     with pytest.raises(ValueError, match="finite and > 0"):
         verl_log_probs(pack, logits, torch.zeros(len(seqs)))
+
+
+def test_a_rank_that_needs_more_micro_batches_cuts_where_the_least_prefix_is_shared():
+    """Two GRPO groups planned into one pack, rows interleaved as verl may order them; a rank
+    that must run two micro-batches cuts between the groups, so no prompt runs twice, and
+    every row stays in exactly one micro-batch."""
+    import numpy as np
+    from treepack.verl import _split_to
+
+    prompt_a, prompt_b = [1] * 40, [2] * 40
+    sequences = [np.array((prompt_a if r % 2 else prompt_b) + [3 + r] * (5 + r))
+                 for r in range(8)]
+    rows = np.arange(8)
+    parts = _split_to([rows], 2, sequences)
+    assert sorted(map(tuple, parts)) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    parts = _split_to([rows], 5, sequences)
+    assert len(parts) == 5 and sorted(np.concatenate(parts).tolist()) == rows.tolist()
+    assert _split_to([np.array([0])], 3, sequences) == [np.array([0])]  # nothing to split

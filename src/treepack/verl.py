@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from treepack import hf
+from treepack.forest import sort_and_lcp
 from treepack.planner import plan
 from treepack.softmax import log_softmax_rows, to_device
 from treepack.tree import TreePack
@@ -104,13 +105,13 @@ class TreepackEngine(FSDPEngineWithLMHead):
         torch.distributed.all_reduce(batch_num_tokens, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
                              dp_size=self.get_data_parallel_size())
-        lengths = data["input_ids"].offsets().diff().cpu().numpy()
-        micro = self._micro_batches(data)
+        sequences = _host_sequences(data)
+        micro = self._micro_batches(data, sequences)
         count = torch.tensor([len(micro)], device=_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
         count = int(count.item())
         # as many real micro-batches as every other rank: verl aggregates metrics per index
-        micro = _split_to(micro, count, lengths)
+        micro = _split_to(micro, count, sequences)
         keep_outputs = forward_only or tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False)  # verl drops them in training
         grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
@@ -172,17 +173,13 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return int(data["max_token_len_per_gpu"]) * int(self.ulysses_sequence_parallel_size)
         return int(data["micro_batch_size_per_gpu"]) * int(lengths.max())
 
-    def _micro_batches(self, data) -> list[np.ndarray]:
+    def _micro_batches(self, data, sequences: list[np.ndarray]) -> list[np.ndarray]:
         """The rows of each micro-batch: one pack each, trees kept together."""
-        ids = data["input_ids"]
-        sequences = np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
         specs = plan(sequences, max_tokens=self._budget(data)).specs[0]
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
 
     def _tree_step(self, micro_batch, loss_function, forward_only):
-        ids = micro_batch["input_ids"]  # the pack is built on the host: one copy, if any
-        host_offsets = ids.offsets().cpu().numpy()
-        sequences = np.split(ids.values().cpu().numpy(), host_offsets[1:-1])
+        sequences = _host_sequences(micro_batch)  # the pack is built on the host
         temperature = micro_batch["temperature"]  # read on the host, before the move
         micro_batch = micro_batch.to(get_device_id())
         ids = micro_batch["input_ids"]
@@ -228,18 +225,35 @@ def _device() -> torch.device:
     return torch.zeros(0).to(get_device_id()).device
 
 
-def _split_to(micro: list[np.ndarray], count: int, lengths: np.ndarray) -> list[np.ndarray]:
+def _host_sequences(data) -> list[np.ndarray]:
+    """The rows' token ids on the host (one copy of the nested values, if on a device)."""
+    ids = data["input_ids"]
+    return np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
+
+
+def _split_to(micro: list[np.ndarray], count: int, sequences: list[np.ndarray]
+              ) -> list[np.ndarray]:
     """``micro`` with its largest micro-batches (in tokens) split in two until there are
-    ``count``, or until each holds one row. Halves of a pack stay within its budget."""
+    ``count``, or until each holds one row. Parts of a pack stay within its budget."""
     micro = list(micro)
     while len(micro) < count:
-        sizes = [lengths[m].sum() if len(m) > 1 else -1 for m in micro]
+        sizes = [sum(len(sequences[r]) for r in m) if len(m) > 1 else -1 for m in micro]
         i = int(np.argmax(sizes))
         if sizes[i] < 0:
             break
-        half = len(micro[i]) // 2
-        micro[i:i + 1] = [micro[i][:half], micro[i][half:]]
+        micro[i:i + 1] = _halves(micro[i], sequences)
     return micro
+
+
+def _halves(rows: np.ndarray, sequences: list[np.ndarray]) -> list[np.ndarray]:
+    """``rows`` in two parts, cut between the two sequences (in content order) that share the
+    shortest prefix, the cut nearest the middle in tokens among those: a prefix shared across
+    the cut is computed twice, so the cut crosses as little of one as possible."""
+    order, lcp = sort_and_lcp([sequences[r] for r in rows])
+    tokens = np.cumsum([len(sequences[rows[k]]) for k in order])
+    cut = np.arange(1, len(rows))  # before sorted position k
+    k = cut[np.lexsort((np.abs(tokens[cut - 1] - tokens[-1] / 2), lcp[cut]))[0]]
+    return [np.sort(rows[order[:k]]), np.sort(rows[order[k:]])]
 
 
 def _model_name(module) -> str:
