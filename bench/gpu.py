@@ -1,9 +1,13 @@
 """The GPU check: equivalence on CUDA for every backend, then speed, in one call.
 
-    python bench/gpu.py             # on a GPU machine, from the checkout; about 6 minutes
-    python bench/gpu.py --dry-run   # anywhere: the same code at toy sizes (a CPU check)
+    timeout 560 python bench/gpu.py   # on a GPU machine, from the checkout; about 6 minutes
+    python bench/gpu.py --dry-run     # anywhere: the same code at toy sizes (a CPU check)
 
-Parts, each printed as a table (and all written to $OUT/gpu.json, else ./gpu.json):
+Every result row is written to $OUT/gpu.json as it is measured, so a run killed at a time
+limit keeps what it measured; the parts stop starting new work once --budget seconds (360 by
+default) are spent, but a compile or step already running finishes first.
+
+Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
 
 1. verify    ``treepack.verify`` on tiny random models: each backend, float32 and bfloat16,
              windows (Qwen2) and soft-capping (Gemma 2). A refusal (varlen in float32, varlen
@@ -44,14 +48,23 @@ from treepack.attention import TreeAttention  # noqa: E402
 from treepack.synthetic import agent_batch, grpo_batch  # noqa: E402
 
 RESULTS: dict[str, list] = {}
+META: dict = {}  # device, torch, dry run: written with the results
 START = time.perf_counter()
-BUDGET = [450.0]  # seconds for all parts (--budget)
+BUDGET = [360.0]  # seconds for all parts (--budget)
 
 
 def record(part: str, **row) -> dict:
     RESULTS.setdefault(part, []).append(row)
     print("RESULT " + json.dumps({"part": part, **row}, default=str), flush=True)
+    save()  # every row at once: a run killed at its time limit keeps what it measured
     return row
+
+
+def save(**extra) -> None:
+    out = os.environ.get("OUT") or "."
+    with open(os.path.join(out, "gpu.json"), "w") as f:
+        json.dump(dict(META, results=RESULTS, seconds=elapsed(), **extra), f, indent=1,
+                  default=str)
 
 
 def elapsed() -> float:
@@ -76,8 +89,11 @@ def timed(fn, device, repeats=5):
     return sorted(times)[len(times) // 2]
 
 
-def peak_during(fn, device) -> float:
-    """Peak extra MiB allocated by ``fn()`` (CUDA only; NaN elsewhere)."""
+def peak_during(fn, device, before=None) -> float:
+    """Peak extra MiB allocated by ``fn()`` (CUDA only; NaN elsewhere), measured from after
+    ``before()`` (which frees what the previous call left, e.g. gradients)."""
+    if before is not None:
+        before()
     if device.type != "cuda":
         fn()
         return float("nan")
@@ -95,12 +111,13 @@ def peak_during(fn, device) -> float:
 def part_verify(device, dry):
     from treepack.verification import verification_batch
 
+    # every backend once before the budget can run out; flex compiles, so it goes early too
     plan = [("qwen2", b, d) for b in ("auto", "varlen", "segment", "dense")
             for d in (torch.float32, torch.bfloat16)]
+    plan[2:2] = [("qwen2", "flex", torch.bfloat16), ("gemma2", "flex", torch.float32)]
     plan += [("gemma2", "auto", torch.bfloat16), ("gemma2", "varlen", torch.bfloat16),
              ("llama", "varlen", torch.bfloat16), ("mixtral", "auto", torch.bfloat16),
-             ("phi3", "auto", torch.float32), ("gpt2", "auto", torch.bfloat16),
-             ("qwen2", "flex", torch.bfloat16), ("gemma2", "flex", torch.float32)]  # compiles
+             ("phi3", "auto", torch.float32), ("gpt2", "auto", torch.bfloat16)]
     for family, backend, dtype in plan:
         if elapsed() > BUDGET[0] / 3:
             record("verify", family=family, backend=backend, dtype=str(dtype), result="skipped",
@@ -151,6 +168,9 @@ def part_attention(device, dry, scale):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = ["varlen", "flex", "segment"] if device.type == "cuda" else ["varlen", "segment"]
     for name, seqs in attention_workloads(scale).items():
+        if elapsed() > BUDGET[0]:
+            record("attention", workload=name, error="skipped: time budget spent")
+            continue
         seqs = [torch.as_tensor(s) for s in seqs]
         tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
         flat = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
@@ -226,6 +246,9 @@ def part_lean(device, dry):
         z @ weight.detach()
         z.T @ hidden.detach()
 
+    def clear():
+        hidden.grad = weight.grad = None
+
     variants = [("full_plain", full_plain, None), ("full", full, None),
                 ("lean", lean(), default_chunk_size(V, device)),
                 ("lean_4096", lean(4096), 4096), ("matmuls_only", matmuls, None)]
@@ -233,7 +256,7 @@ def part_lean(device, dry):
     for name, fn, chunk in variants:
         try:
             seconds = timed(fn, device, repeats=3)
-            peak = peak_during(fn, device)
+            peak = peak_during(fn, device, before=clear)
             if name != "matmuls_only":
                 grads[name] = (hidden.grad.float().clone(), weight.grad.float().clone())
             record("lean", variant=name, rows=pack.num_rows, vocab=V, hidden=H,
@@ -258,6 +281,9 @@ def part_flex(device, dry):
     rng = torch.Generator().manual_seed(0)
     Hq, Hk, D = 14, 2, 64
     for i in range(8):  # 8 packs of different lengths between ~6k and ~9k rows
+        if elapsed() > BUDGET[0]:
+            record("flex", pack=i, error="skipped: time budget spent")
+            continue
         n = 6000 + int(torch.randint(0, 3000, (1,), generator=rng))
         seqs = grpo_batch(groups=2, rollouts=8, prompt_len=n // 4, response_len=n // 32,
                           jitter=0.3, seed=i)
@@ -308,7 +334,8 @@ def part_step(device, dry, scale, repeats):
                tree_vs_padding_free=r.get("tree_vs_padding_free"),
                over_limit=r["over_limit"],
                peak_mb={k: round(v["peak_mb"]) for k, v in s.items()},
-               loss_rel_error=max(v["loss_rel_error"] for v in s.values()))
+               loss_rel_error=max(v["loss_rel_error"] for v in s.values()),
+               grad_rel_error=max(v.get("grad_max_rel_error", 0.0) for v in s.values()))
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -320,21 +347,30 @@ def fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
 
+ROW_KEYS = {"verify": "family", "attention": "workload", "lean": "variant", "flex": "pack",
+            "step": "workload"}  # a row without its key is a part that failed as a whole
+
+
 def summary() -> list[str]:
     lines = []
-    for row in RESULTS.get("verify", []):
-        extra = row.get("message", "") if row["result"] != "PASS" and row["result"] != "FAIL" \
+    for part, rows in RESULTS.items():
+        for row in rows:
+            if ROW_KEYS.get(part) not in row:
+                lines.append(f"{part:<10}" + ", ".join(
+                    f"{k}={v}" for k, v in row.items() if k != "traceback"))
+    for row in rows_of("verify"):
+        extra = row.get("message", "") if row["result"] not in ("PASS", "FAIL") \
             else f"grads {fmt(row.get('grads'), '.1e')}" + (
                 f", ratio {fmt(row.get('grads_ratio'), '.2f')}" if "grads_ratio" in row else "")
         lines.append(f"verify    {row['family']:<8}{row['backend']:<8}{row['dtype']:<9}"
                      f"{row['result']:<8}{row['seconds']:>6}s  {extra[:110]}")
-    for row in RESULTS.get("attention", []):
+    for row in rows_of("attention"):
         cells = "  ".join(f"{k[:-3]} {v:.1f}ms" for k, v in row.items() if k.endswith("_ms"))
         errs = "  ".join(f"{k[:-4]} {v:.1e}" for k, v in row.items() if k.endswith("_err"))
-        fails = "  ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("_error"))
-        lines.append(f"attention {row['workload']:<12}rows {row['rows']:>7}  {cells}  err: {errs}"
-                     f"{'  ' + fails if fails else ''}")
-    for row in RESULTS.get("lean", []):
+        fails = "  ".join(f"{k}: {v}" for k, v in row.items() if k.endswith("error"))
+        lines.append(f"attention {row['workload']:<12}rows {row.get('rows', '-'):>7}  {cells}  "
+                     f"err: {errs}{'  ' + fails if fails else ''}")
+    for row in rows_of("lean"):
         if "value" in row:
             lines.append(f"lean      lean vs full gradient rel. L2 {row['value']:.1e}")
         elif "error" in row:
@@ -342,9 +378,9 @@ def summary() -> list[str]:
         else:
             lines.append(f"lean      {row['variant']:<13}{row['ms']:>9.1f} ms {row['peak_mb']:>10.0f}"
                          f" MiB  (T'={row['rows']}, V={row['vocab']}, chunk={row['chunk']})")
-    for row in RESULTS.get("flex", []):
+    for row in rows_of("flex"):
         lines.append("flex      " + ", ".join(f"{k}={fmt(v)}" for k, v in row.items()))
-    for row in RESULTS.get("step", []):
+    for row in rows_of("step"):
         if "error" in row:
             lines.append(f"step      {row['workload']:<12}{row['backend']:<6}{row['error']}")
             continue
@@ -353,36 +389,77 @@ def summary() -> list[str]:
             f"padded {row['padded_s']:.3f}s  padding-free {fmt(row['padding_free_s'])}s  "
             f"tree {row['tree_s']:.3f}s  tree/padded {row['tree_vs_padded']:.3f} "
             f"(limit {row['limit']:.3f}, {row['over_limit']:.2f}x)  "
-            f"tree/padding-free {fmt(row['tree_vs_padding_free'])}  loss {row['loss_rel_error']:.1e}")
+            f"tree/padding-free {fmt(row['tree_vs_padding_free'])}  loss {row['loss_rel_error']:.1e}"
+            f"  grads {row['grad_rel_error']:.1e}")
     return lines
+
+
+def rows_of(part: str) -> list[dict]:
+    """The part's rows that measured something (or failed one item of it)."""
+    return [r for r in RESULTS.get(part, []) if ROW_KEYS[part] in r]
+
+
+def verdict(ok: bool, inputs: list[dict]) -> str:
+    """PASS / FAIL, or INCOMPLETE when a row the bar needs errored or was skipped."""
+    broken = [r for r in inputs if "error" in r or r.get("result") == "skipped"]
+    if broken:
+        return f"INCOMPLETE ({len(broken)} of {len(inputs)} errored or skipped)"
+    return "PASS" if ok else "FAIL"
 
 
 def bars() -> list[str]:
     out = []
-    steps = [r for r in RESULTS.get("step", []) if "error" not in r and r["backend"] == "auto"]
-    if steps:
-        worst = max(r["over_limit"] for r in steps)
-        out.append(f"bar: tree step <= 1.15 x limit x padded: {'PASS' if worst <= 1.15 else 'FAIL'}"
-                   f" (worst {worst:.2f}x)")
+    for part in RESULTS:  # a part that failed as a whole fails every bar it feeds
+        for row in RESULTS[part]:
+            if ROW_KEYS.get(part) not in row and "error" in row:
+                out.append(f"bar: part {part} ran: FAIL ({row['error'][:120]})")
+    all_steps = [r for r in rows_of("step") if r["backend"] == "auto"]
+    steps = [r for r in all_steps if "error" not in r]
+    if all_steps:
+        worst = max((r["over_limit"] for r in steps), default=float("nan"))
+        out.append(f"bar: tree step <= 1.15 x limit x padded: "
+                   f"{verdict(worst <= 1.15, all_steps)} (worst {worst:.2f}x)")
         pf = [r["tree_vs_padding_free"] for r in steps if r["tree_vs_padding_free"] is not None]
-        if pf:
-            out.append(f"bar: tree never slower than padding-free: "
-                       f"{'PASS' if max(pf) <= 1.0 else 'FAIL'} (worst {max(pf):.3f})")
-    lean = {r["variant"]: r for r in RESULTS.get("lean", []) if "ms" in r}
+        worst_pf = max(pf, default=float("nan"))
+        out.append(f"bar: tree never slower than padding-free: "
+                   f"{verdict(worst_pf <= 1.0, all_steps)} (worst {worst_pf:.3f})")
+        grad = max((r["grad_rel_error"] for r in steps), default=float("nan"))
+        loss = max((r["loss_rel_error"] for r in steps), default=float("nan"))
+        # bfloat16 steps: packed vs padded differ by rounding; a broken gradient is O(1) off
+        out.append(f"bar: step loss and gradients equal padded (loss <= 1e-2, grads <= 0.1): "
+                   f"{verdict(loss <= 1e-2 and grad <= 0.1, all_steps)} "
+                   f"(loss {loss:.1e}, grads {grad:.1e})")
+    lean_rows = rows_of("lean")
+    lean = {r["variant"]: r for r in lean_rows if "ms" in r}
     for full in ("full_plain", "full"):
+        needed = [r for r in lean_rows if r["variant"] in (full, "lean")]
+        if not needed:
+            continue
         if full not in lean or "lean" not in lean:
+            out.append(f"bar: lean <= 1.1x {full} time at <= 1/10 memory: INCOMPLETE "
+                       f"({full} or lean not measured)")
             continue
         t = lean["lean"]["ms"] / lean[full]["ms"]
         m = lean["lean"]["peak_mb"] / lean[full]["peak_mb"]
-        verdict = "n/a (no CUDA memory stats)" if m != m else \
-            "PASS" if t <= 1.1 and m <= 0.1 else "FAIL"
-        out.append(f"bar: lean <= 1.1x {full} time at <= 1/10 memory: {verdict} "
+        v = "n/a (no CUDA memory stats)" if m != m else verdict(t <= 1.1 and m <= 0.1, needed)
+        out.append(f"bar: lean <= 1.1x {full} time at <= 1/10 memory: {v} "
                    f"(time {t:.2f}x, memory {m:.3f}x)")
-    verify = RESULTS.get("verify", [])
+    grad = [r for r in lean_rows if r["variant"] == "lean_vs_full_grad_rel_l2"]
+    if grad:
+        out.append(f"bar: lean gradients equal full (rel. L2 <= 5e-2): "
+                   f"{verdict(grad[0]['value'] <= 5e-2, grad)} ({grad[0]['value']:.1e})")
+    attention = rows_of("attention")
+    if attention:
+        failed = [k for r in attention for k in r if k.endswith("_error")]
+        out.append(f"bar: every attention backend ran: "
+                   f"{verdict(not failed, [r for r in attention if 'error' in r])}"
+                   f"{' (' + ', '.join(failed) + ')' if failed else ''}")
+    verify = rows_of("verify")
     if verify:
         bad = [r for r in verify if r["result"] in ("FAIL", "ERROR")]
-        out.append(f"bar: every backend verifies or refuses with its reason: "
-                   f"{'PASS' if not bad else 'FAIL'} ({len(verify) - len(bad)}/{len(verify)})")
+        v = verdict(not bad, verify)
+        out.append(f"bar: every backend verifies or refuses with its reason: {v} "
+                   f"({len(verify) - len(bad)}/{len(verify)} not failed)")
     return out
 
 
@@ -391,7 +468,7 @@ def main():
     parser.add_argument("--dry-run", action="store_true", help="toy sizes (for a CPU)")
     parser.add_argument("--parts", nargs="+", default=["verify", "lean", "step", "attention",
                                                        "flex"])
-    parser.add_argument("--budget", type=float, default=450, help="seconds for all parts")
+    parser.add_argument("--budget", type=float, default=360, help="seconds for all parts")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     BUDGET[0] = args.budget
@@ -399,6 +476,7 @@ def main():
     dry = args.dry_run or device.type != "cuda"
     scale = 32 if dry else 1
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    META.update(device=where, torch=torch.__version__, dry_run=dry)
     print(f"treepack bench/gpu.py: {where}, torch {torch.__version__}, "
           f"{'dry run' if dry else 'full sizes'}", flush=True)
     parts = {
@@ -421,10 +499,7 @@ def main():
         print(f"-- {name}: {time.perf_counter() - t:.0f} s", flush=True)
     lines = summary() + [""] + bars()
     print("\n" + "\n".join(lines))
-    out = os.environ.get("OUT") or "."
-    with open(os.path.join(out, "gpu.json"), "w") as f:
-        json.dump(dict(device=where, torch=torch.__version__, dry_run=dry, results=RESULTS,
-                       seconds=elapsed()), f, indent=1, default=str)
+    save(summary=lines)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from treepack import mask as _mask
 from treepack.attention.chains import geometric_bucket
 from treepack.tree import derived_from_pack
 
-RECOMPILE_LIMIT = 32  # distinct bucket lengths one process may compile flex for
+RECOMPILE_LIMIT = 32  # flex compiles one process may make (per bucket length, dtype, head
+# layout, window, soft-cap and grad mode)
 
 
 def bucket_length(rows: int, block_size: int) -> int:
@@ -83,10 +84,11 @@ def _run(pack, q, k, v, *, block_size, scale, softcap, window) -> Tensor:
             )
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RuntimeError(
-                f"backend='flex' has compiled for {RECOMPILE_LIMIT} distinct bucket lengths in "
-                "this process; running more would fall back to the unfused path (T' x T' "
-                "scores). Keep pack lengths in a narrower range (a planner budget) or use "
-                "backend='varlen' / 'segment'"
+                f"backend='flex' has compiled {RECOMPILE_LIMIT} times in this process (one "
+                "compile per bucket length, dtype, head layout, window, soft-cap and grad "
+                "mode); running more would fall back to the unfused path (T' x T' scores). "
+                "Keep pack lengths in a narrower range (a planner budget), use fewer model "
+                "variants per process, or use backend='varlen' / 'segment'"
             ) from e
     return out[:, :, :rows]
 
