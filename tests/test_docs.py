@@ -69,7 +69,8 @@ def test_every_public_function_documents_args_returns_and_raises():
     entry_points += [getattr(TreePack, n) for n in ("from_sequences", "empty", "to", "dense_mask",
                                                      "mask_mod", "block_mask", "token_logprobs",
                                                      "token_entropy", "place", "unpack",
-                                                     "completion_mask")]
+                                                     "completion_mask",
+                                                     "token_logprobs_and_entropy")]
     entry_points.append(Plan.packs)
     lacking = []
     for fn in entry_points:

@@ -482,3 +482,47 @@ def test_a_flat_pack_gives_the_dense_packs_values_sequence_after_sequence():
     lean = treepack.logprobs_from_hidden(flat, hidden, **hf.lm_head(model))
     torch.testing.assert_close(lean, dense.token_logprobs(out_d.logits[0])[valid],
                                rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mixtral"])  # untied, tied, MoE
+def test_forward_lean_equals_full_logits_rows_and_gradients(family):
+    """The lean head inside the forward: per-row log-probs and entropies (leaves included)
+    and every parameter's gradient equal those from the model's own [T', V] logits."""
+    model = tiny(family, dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS, layout="flat", pad_to_multiple_of=16)
+    g = torch.Generator().manual_seed(0)
+    w_lp = torch.randn(pack.num_rows, generator=g, dtype=torch.float64)
+    w_ent = torch.randn(pack.num_rows, generator=g, dtype=torch.float64)
+    real = torch.arange(pack.num_rows) < pack.num_packed_rows
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return out
+
+    rows = hf.forward_lean(model, pack, temperature=0.8, with_entropy=True)
+    ((rows.logprobs * w_lp).sum() + (rows.entropy * w_ent).sum()).backward()
+    lean = grads()
+    logp = torch.log_softmax(hf.forward(model, pack).logits[0] / 0.8, dim=-1)
+    parent = pack.parent_row.clamp(min=0)
+    want_lp = torch.where(pack.parent_row >= 0, logp[parent, pack.input_ids], 0.0)
+    want_ent = torch.where(real, -(logp.exp() * logp).sum(-1), 0.0)
+    ((want_lp * w_lp).sum() + (want_ent * w_ent).sum()).backward()
+    full = grads()
+    torch.testing.assert_close(rows.logprobs, want_lp, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(rows.entropy, want_ent, rtol=1e-10, atol=1e-12)
+    assert lean.keys() == full.keys()
+    for name, want in full.items():
+        torch.testing.assert_close(lean[name], want, rtol=1e-9, atol=1e-12, msg=name)
+    assert "forward" not in vars(model.get_output_embeddings())  # the head is restored
+
+
+def test_forward_lean_refuses_logits_transformed_after_the_head():
+    model = tiny("gemma2")
+    with pytest.raises(NotImplementedError, match="softcap.*logprobs_from_hidden"):
+        hf.forward_lean(model, TreePack.from_sequences(SEQS))
+    pack = TreePack.from_sequences([[zoo.VOCAB + 5]])  # fails inside the forward
+    qwen = tiny("qwen2")
+    with pytest.raises(ValueError):
+        hf.forward_lean(qwen, pack)
+    assert "forward" not in vars(qwen.get_output_embeddings())

@@ -18,7 +18,7 @@ LAYERS = {
     "attention": {"attention"},
     "lean": {"logprobs", "losses"},
     "plan": {"planner", "collation"},
-    "adapters": {"hf", "hf_compat", "trl", "verl", "zoo"},
+    "adapters": {"hf", "hf_compat", "trl", "verl", "verl_lean", "zoo"},
     "face": {"cli", "verification", "benchmark"},
     "data": {"synthetic"},  # built-in workloads: import nothing of treepack, usable anywhere
 }

@@ -60,6 +60,23 @@ def test_verl_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
     assert r["metrics_tree"].keys() == r["metrics_stock"].keys() and r["metrics_tree"]
 
 
+@pytest.mark.parametrize("world,strategy", [(1, "fsdp2"), (2, "fsdp")])
+def test_verl_lean_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
+    """external_lib=treepack.verl_lean: the LM head runs inside FSDP's forward on hidden
+    states; log-probs, entropies, loss and every gradient equal the stock engine's."""
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.compare_lean, world, model_dir, strategy, str(out))
+    r = torch.load(out)
+    assert r["registered"] == "TreepackLeanEngine"
+    for key in ("log_probs_scalar", "entropy_scalar", "log_probs_per_row", "entropy_per_row",
+                "grads"):
+        assert r[key] <= TOLERANCE, (key, r[key])
+    got, want = r["loss"]
+    assert abs(got - want) <= TOLERANCE * abs(want) and r["grad_names"]
+    assert any("per-row temperatures" in m for m in r["messages"])  # those used full logits
+    assert not any("does not apply" in m for m in r["messages"]), r["messages"]
+
+
 def test_verl_ranks_fall_back_together(model_dir, tmp_path):
     out = tmp_path / "result.pt"
     spawn(verl_workers.divergent_fallback, 2, model_dir, str(out))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import logging
 import os
 import types
@@ -411,6 +412,56 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
         want_lp, _, _ = outputs(stock)
         got_lp, _, _ = outputs(tree)
         result["log_probs_after_step"] = relative_error(got_lp, want_lp)
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def compare_lean(rank: int, world: int, port: int, model_dir: str, strategy: str,
+                 out_path: str) -> None:
+    """The stock engine vs TreepackLeanEngine (external_lib=treepack.verl_lean): log-probs,
+    entropies, the ppo loss and every gradient, the LM head used inside FSDP's forward."""
+    init(rank, world, port)
+    try:
+        importlib.import_module("treepack.verl_lean")  # what external_lib does
+
+        treepack_verl.register(devices=("cpu",), engine=treepack_verl.TreepackLeanEngine)
+        records = captured_log()
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy)
+        lean = make_engine(treepack_verl.TreepackLeanEngine, model_dir, strategy)
+        rows = make_rows()
+        result = {"registered": type(lean).__name__}
+        for name, temperature in (("scalar", 0.7),
+                                  ("per_row", 0.5 + torch.arange(len(rows)) % 3 / 4)):
+            got = []
+            for engine in (stock, lean):
+                data = shard(make_batch(rows, engine, True, temperature=temperature), rank, world)
+                with engine.eval_mode():
+                    got.append(engine.forward_backward_batch(data, None, forward_only=True))
+            lp = [[t[:-1] for t in gather_rows(o["model_output"]["log_probs"])] for o in got]
+            ent = [gather_rows(o["model_output"]["entropy"]) for o in got]
+            result[f"log_probs_{name}"] = relative_error(lp[1], lp[0])
+            result[f"entropy_{name}"] = relative_error(ent[1], ent[0])
+        adv = [torch.tensor(r["mask"], dtype=torch.float32) * (i % 5 - 2) / 2
+               for i, r in enumerate(rows)]
+        old = [torch.zeros(len(r["response"])) for r in rows]
+        losses, grads = {}, {}
+        for label, engine in (("stock", stock), ("lean", lean)):
+            data = shard(make_batch(rows, engine, False, temperature=1.0, old_log_probs=old,
+                                    ref_log_prob=old, advantages=adv), rank, world)
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                out = engine.forward_backward_batch(data, actor_loss("token-mean", len(rows)))
+                losses[label] = global_loss(out, data)
+                grads[label] = full_grads(engine.module)
+        result["loss"] = (losses["lean"], losses["stock"])
+        result["grads"] = max(float((grads["lean"][k] - w).abs().max()
+                                    / w.abs().max().clamp_min(1e-30))
+                              for k, w in grads["stock"].items())
+        result["grad_names"] = sorted(grads["lean"]) == sorted(grads["stock"])
+        result["messages"] = [r.getMessage() for r in records]
         if rank == 0:
             torch.save(result, out_path)
     finally:

@@ -36,7 +36,7 @@ from treepack.tree import TreePack
 __all__ = ["forward", "forward_hidden", "HiddenOutput", "prepare", "restore", "prepared",
            "unprepare", "is_prepared", "original_attention", "unwrap", "lm_head",
            "row_multiplicity", "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel",
-           "compute_device"]
+           "compute_device", "forward_lean"]
 
 TREE_FORWARD_KWARG = "treepack_tree_forward"  # the model keyword that carries a _TreeForward
 _PREFIX = "treepack_"
@@ -468,6 +468,70 @@ def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: 
     return HiddenOutput(out.hidden_states[-1], aux, getattr(out, "router_logits", None))
 
 
+def forward_lean(model, pack: TreePack, backend: str = "auto", *, temperature: float = 1.0,
+                 with_entropy: bool = False, chunk_size: int | None = None,
+                 block_size: int = 128, **kwargs):
+    """The model over the pack with the lean head computed inside its forward.
+
+    For this one forward the model's output layer is replaced by
+    :func:`treepack.row_logprobs_from_hidden` on its own weight, so the ``[T', V]`` logits
+    never exist, and the head's weight is used while the model's wrapper has it in place:
+    FSDP1 and FSDP2 (sharded, or offloaded to the CPU) gather and reduce its gradient as for
+    the ordinary head, where :func:`lm_head` would have to gather it outside the forward.
+    Models that change logits after the head (soft-capping, logit scaling) are refused. An
+    MoE model's router loss is not returned (use :func:`forward_hidden` for it).
+
+    Args:
+        model, pack, backend, block_size, **kwargs: as :func:`forward`.
+        temperature, with_entropy, chunk_size: as :func:`treepack.row_logprobs_from_hidden`.
+
+    Returns:
+        :class:`treepack.logprobs.RowLogprobs` per packed row: ``logprobs`` [T'] (of each
+        row's token given its parent row) and ``entropy`` [T'] or None.
+
+    Raises:
+        NotImplementedError: an output layer that is not ``Linear``, or logits the model
+            transforms after its head.
+        ValueError: as :func:`forward`.
+    """
+    from treepack.logprobs import RowLogprobs, row_logprobs_from_hidden
+
+    core = unwrap(model)
+    head = core.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise NotImplementedError(
+            f"{type(core).__name__}'s output layer is a {type(head).__name__}, not a Linear "
+            "layer; use hf.forward and pack.token_logprobs")
+    transforms = {k: v for k, v in _lm_head_kwargs(core, gather=False).items()
+                  if k in ("softcap", "scale")}
+    if transforms:
+        raise NotImplementedError(
+            f"{type(core).__name__} transforms its logits after the head ({transforms}); "
+            "forward_lean would hand them its log-probs. Use hf.forward_hidden with "
+            "treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model)) instead")
+    rows = {}
+
+    def lean(hidden: Tensor) -> Tensor:  # [1, T', H] -> [1, T', 2], inside the forward
+        out = row_logprobs_from_hidden(pack, hidden[0], head.weight, bias=head.bias,
+                                       temperature=temperature, chunk_size=chunk_size,
+                                       with_entropy=with_entropy)
+        entropy = out.entropy if with_entropy else torch.zeros_like(out.logprobs)
+        rows["out"] = torch.stack([out.logprobs, entropy], dim=-1)[None]
+        return rows["out"]
+
+    head.forward = lean  # this instance, this forward only
+    try:
+        out, _ = _run(model, pack, backend, block_size, kwargs)
+    finally:
+        del head.forward
+    if out.logits is not rows.get("out"):  # it must be the model's output, unchanged, so
+        raise NotImplementedError(  # that a wrapper's backward hooks see it
+            f"{type(core).__name__} changes the output of its head before returning it; "
+            "use hf.forward_hidden with treepack.logprobs_from_hidden instead")
+    result = out.logits[0]
+    return RowLogprobs(result[:, 0], result[:, 1] if with_entropy else None)
+
+
 def _run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
     """The model over the pack: its output and the router loss of the original tokens."""
     for key in kwargs:
@@ -596,7 +660,7 @@ def _check_lm_head(model, kwargs: dict) -> None:
         )
 
 
-def _lm_head_kwargs(model) -> dict:
+def _lm_head_kwargs(model, gather: bool = True) -> dict:
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise NotImplementedError(
@@ -604,8 +668,8 @@ def _lm_head_kwargs(model) -> dict:
             "layer; compute log-probs from out.logits with pack.token_logprobs instead"
         )
     config = _text_config(model)
-    kwargs = {"weight": _full(head.weight),
-              "bias": None if head.bias is None else _full(head.bias)}
+    full = _full if gather else (lambda t: t)
+    kwargs = {"weight": full(head.weight), "bias": None if head.bias is None else full(head.bias)}
     if getattr(config, "final_logit_softcapping", None):
         kwargs["softcap"] = float(config.final_logit_softcapping)
     scale = 1.0

@@ -20,7 +20,8 @@ from treepack.softmax import default_chunk_size, finite as _finite  # shared wit
 from treepack.tree import TreePack, derived_from_pack
 
 __all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden",
-           "logprobs_and_entropy_from_hidden", "TokenLogprobs", "head_logits", "edges"]
+           "logprobs_and_entropy_from_hidden", "row_logprobs_from_hidden", "TokenLogprobs",
+           "RowLogprobs", "head_logits", "edges"]
 
 
 def token_logprobs(pack: TreePack, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
@@ -43,6 +44,14 @@ class TokenLogprobs(NamedTuple):
 
     logprobs: Tensor  # [N, L]
     entropy: Tensor  # [N, L]
+
+
+class RowLogprobs(NamedTuple):
+    """Per packed row: the log-prob of the row's token given its parent row (0 at roots and
+    padding), and the entropy of the next-token distribution at the row."""
+
+    logprobs: Tensor  # [T']
+    entropy: Tensor | None  # [T']
 
 
 class _Edges(NamedTuple):
@@ -278,8 +287,37 @@ def logprobs_and_entropy_from_hidden(
                         with_entropy=True)
 
 
-def _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, scale, *,
-                 with_entropy: bool) -> TokenLogprobs:
+def row_logprobs_from_hidden(pack: TreePack, hidden: Tensor, weight: Tensor, *,
+                             with_entropy: bool = False, **head) -> RowLogprobs:
+    """The lean head's outputs per packed row, before they are placed in the pack's layout.
+
+    For layouts other than the pack's own (verl's prediction-aligned one): row ``r``'s
+    ``logprobs[r]`` is what every occurrence of its token reads, and ``entropy[r]`` is the
+    entropy at the row itself, leaves included (the layouts place it at the row's children).
+
+    Args:
+        pack, hidden, weight: as :func:`logprobs_from_hidden`.
+        with_entropy: also compute the entropies.
+        **head: ``bias``, ``temperature``, ``chunk_size``, ``softcap``, ``scale``, as
+            :func:`logprobs_from_hidden`.
+
+    Returns:
+        :class:`RowLogprobs` ``(logprobs [T'], entropy [T'] or None)``.
+
+    Raises:
+        TypeError: a keyword that is not one of those.
+        ValueError: as :func:`logprobs_from_hidden`.
+    """
+    unknown = set(head) - {"bias", "temperature", "chunk_size", "softcap", "scale"}
+    if unknown:
+        raise TypeError(f"row_logprobs_from_hidden got unknown keywords {sorted(unknown)}")
+    return _rows_from_hidden(pack, hidden, weight, head.get("bias"), head.get("temperature", 1.0),
+                             head.get("chunk_size"), head.get("softcap"), head.get("scale", 1.0),
+                             with_entropy=with_entropy)
+
+
+def _rows_from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, scale, *,
+                      with_entropy: bool) -> RowLogprobs:
     if hidden.dim() != 2 or hidden.shape[0] != pack.num_rows:
         hint = "; for a model output [1, T', H] pass out.last_hidden_state[0]" if (
             hidden.dim() == 3 and hidden.shape[0] == 1) else ""
@@ -311,7 +349,11 @@ def _from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softcap, s
               for i, a in enumerate(range(0, pack.num_packed_rows, chunk))]
     out = _LeanLogprobs.apply(hidden, weight, bias, pair, chunks, scale, softcap,
                               temperature, with_entropy)
-    child_logp, entropy = out if with_entropy else (out, None)
-    logps = pack.place(child_logp[pair.child_of_prediction])
-    return TokenLogprobs(logps, None if entropy is None else
-                         pack.place(entropy[pack.predictions.source]))
+    return RowLogprobs(*(out if with_entropy else (out, None)))
+
+
+def _from_hidden(pack, *args, with_entropy: bool) -> TokenLogprobs:
+    rows = _rows_from_hidden(pack, *args, with_entropy=with_entropy)
+    logps = pack.place(rows.logprobs[edges(pack).child_of_prediction])
+    return TokenLogprobs(logps, None if rows.entropy is None else
+                         pack.place(rows.entropy[pack.predictions.source]))

@@ -33,7 +33,18 @@ DEFAULT_CHUNK_BYTES = 1 << 26  # 64 MiB elsewhere: on CPU larger chunks gain lit
 
 def default_chunk_size(vocab: int, device: torch.device | str | None = None) -> int:
     """Rows per chunk: ``CHUNK_BYTES`` of float32 logits on ``device``'s type (1 GiB on CUDA,
-    64 MiB elsewhere), at least one row."""
+    64 MiB elsewhere), at least one row.
+
+    Args:
+        vocab: V, the logits per row.
+        device: where the chunks are computed (default: the CPU).
+
+    Returns:
+        The number of rows.
+
+    Raises:
+        Nothing of its own (torch raises for a device name it does not know).
+    """
     kind = torch.device(device).type if device is not None else "cpu"
     return max(1, CHUNK_BYTES.get(kind, DEFAULT_CHUNK_BYTES) // (4 * vocab))
 

@@ -62,7 +62,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without verl
     raise ImportError("treepack.verl needs verl 0.9.1: pip install 'treepack[verl]'") from e
 
-__all__ = ["TreepackEngine", "register", "VERL_VERSION", "verl_log_probs"]
+__all__ = ["TreepackEngine", "TreepackLeanEngine", "register", "VERL_VERSION", "verl_log_probs"]
 
 VERL_VERSION = "0.9.1"
 log = logging.getLogger("treepack.verl")
@@ -79,6 +79,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
     """verl's FSDP language-model engine with tree-packed micro-batches (module doc)."""
 
     treepack_backend = "auto"  # the attention backend of the packed forwards
+    lean_head = False  # log-probs from hidden states inside the forward (TreepackLeanEngine)
 
     def initialize(self):
         super().initialize()
@@ -188,8 +189,12 @@ class TreepackEngine(FSDPEngineWithLMHead):
                                              default=False)
         with self._autocast():
             pack = TreePack.from_sequences(sequences, layout="flat", device=values.device)
-            logits = hf.forward(self.module, pack, self.treepack_backend).logits[0]
-            log_probs, entropy = verl_log_probs(pack, logits, temperature, entropy_too)
+            lean = self._lean_outputs(pack, temperature, entropy_too)
+            if lean is not None:
+                log_probs, entropy = lean
+            else:
+                logits = hf.forward(self.module, pack, self.treepack_backend).logits[0]
+                log_probs, entropy = verl_log_probs(pack, logits, temperature, entropy_too)
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs,
                                                                                 offsets)}
             if entropy_too:
@@ -204,6 +209,28 @@ class TreepackEngine(FSDPEngineWithLMHead):
         metrics["treepack/token_ratio"] = pack.num_packed_rows / max(pack.num_original_tokens, 1)
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(),
                       "metrics": metrics}
+
+    def _lean_outputs(self, pack, temperature, entropy_too):
+        """verl's outputs from the lean head inside the forward (:func:`treepack.hf.
+        forward_lean`), or None where it does not apply: not switched on, temperatures that
+        differ between rows, or a model whose logits are transformed after its head."""
+        if not self.lean_head or getattr(self, "_lean_refused", None):
+            return None
+        temps = np.unique(_per_sequence(temperature, pack.num_sequences))
+        if len(temps) > 1:
+            _say_once("per-row temperatures: the lean head takes one; using full logits")
+            return None
+        try:
+            rows = hf.forward_lean(self.module, pack, self.treepack_backend,
+                                   temperature=float(temps[0]), with_entropy=entropy_too)
+        except NotImplementedError as e:
+            self._lean_refused = str(e)
+            _say_once(f"the lean head does not apply ({e}); using full logits")
+            return None
+        index = pack.predictions.index  # flat position of each predicted token
+        log_probs = rows.logprobs.new_zeros(pack.num_original_tokens).index_put(
+            (index - 1,), rows.logprobs[pack.rows[index]])  # verl: one position before
+        return log_probs, rows.entropy[pack.rows] if entropy_too else None
 
     def _idle_step(self):
         """An empty pack through the model: collectives in step, nothing learned."""
@@ -351,17 +378,28 @@ def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
             "metrics": metrics}
 
 
-def register(devices=("cuda", "npu")) -> None:
-    """Make :class:`TreepackEngine` verl's FSDP / FSDP2 language-model engine.
+class TreepackLeanEngine(TreepackEngine):
+    """:class:`TreepackEngine` with the lean head: log-probs and entropies come from hidden
+    states inside the model's forward (:func:`treepack.hf.forward_lean`), so the ``[T', V]``
+    logits never exist. Switched on by ``external_lib=treepack.verl_lean``. Micro-batches
+    whose rows have different temperatures, and models that transform logits after their
+    head, use full logits (logged once)."""
+
+    lean_head = True
+
+
+def register(devices=("cuda", "npu"), engine: type = TreepackEngine) -> None:
+    """Make ``engine`` (:class:`TreepackEngine`) verl's FSDP / FSDP2 language-model engine.
 
     Importing this module does it. Every registry entry that names verl's stock
-    ``FSDPEngineWithLMHead`` (any device, any vendor) now names :class:`TreepackEngine`, and
-    so do the plain ``devices`` keys (call it with ``devices=("cpu",)`` to run verl's engine
-    on CPU, as the tests do). Writes verl's registry table directly: its ``register``
-    decorator refuses keys that are taken, and the stock engine has taken these.
+    ``FSDPEngineWithLMHead`` or a treepack engine (any device, any vendor) now names
+    ``engine``, and so do the plain ``devices`` keys (call it with ``devices=("cpu",)`` to run
+    verl's engine on CPU, as the tests do). Writes verl's registry table directly: its
+    ``register`` decorator refuses keys that are taken, and the stock engine has taken these.
 
     Args:
         devices: device names to register for, besides those the stock engine holds.
+        engine: :class:`TreepackEngine` or :class:`TreepackLeanEngine`.
 
     Returns:
         None.
@@ -372,11 +410,12 @@ def register(devices=("cuda", "npu")) -> None:
     table = EngineRegistry._engines.setdefault("language_model", {})
     for backend in ("fsdp", "fsdp2"):
         entries = table.setdefault(backend, {})
-        for key, engine in list(entries.items()):
-            if engine is FSDPEngineWithLMHead:
-                entries[key] = TreepackEngine
+        for key, registered in list(entries.items()):
+            if registered is FSDPEngineWithLMHead or (isinstance(registered, type) and
+                                                      issubclass(registered, TreepackEngine)):
+                entries[key] = engine
         for device in devices:
-            entries[device] = TreepackEngine
+            entries[device] = engine
 
 
 register()
