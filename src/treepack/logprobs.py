@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from treepack.checks import floating, positive_finite, positive_int
-from treepack.softmax import default_chunk_size, finite as _finite  # shared with the logits path
+from treepack.softmax import default_chunk_size  # shared with the logits path
 from treepack.tree import TreePack, derived_from_pack
 
 __all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden",
@@ -200,6 +200,11 @@ def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
         except (RuntimeError, TypeError, NotImplementedError):
             _FUSED_ACCUMULATE[out.device] = False  # this torch lacks it: the plain way
     out.add_(a @ b)
+
+
+def _finite(z: Tensor) -> Tensor:
+    """``z`` with -inf logits (tokens masked out) as 0: they have p = 0 and must add 0."""
+    return z.masked_fill(z.isneginf(), 0)
 
 
 def logprobs_from_hidden(

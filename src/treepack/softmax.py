@@ -49,11 +49,6 @@ def default_chunk_size(vocab: int, device: torch.device | str | None = None) -> 
     return max(1, CHUNK_BYTES.get(kind, DEFAULT_CHUNK_BYTES) // (4 * vocab))
 
 
-def finite(z: Tensor) -> Tensor:
-    """``z`` with -inf logits (tokens masked out) as 0: they have p = 0 and must add 0."""
-    return z.masked_fill(z.isneginf(), 0)
-
-
 def log_softmax_rows(logits: Tensor, rows: np.ndarray, temperature: np.ndarray | float,
                      pick: np.ndarray, token: Tensor, *, with_entropy: bool = False,
                      chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:

@@ -122,16 +122,17 @@ class TreepackEngine(FSDPEngineWithLMHead):
             sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(
                 is_last_micro_batch=i == count - 1)
             with grad, sync, torch.profiler.record_function(f"micro_batch{i}"):
-                if i < len(micro):
-                    rows = tu.index_select_tensor_dict(data, torch.from_numpy(micro[i]))
-                    loss, out = self._tree_step(rows, loss_function, forward_only)
-                elif len(micro):  # fewer rows than micro-batches: one row again, weight 0
-                    rows = tu.index_select_tensor_dict(data, torch.from_numpy(micro[0][:1]))
-                    loss, out = self._tree_step(rows, loss_function, forward_only)
-                    loss, out["loss"] = loss * 0.0, 0.0
-                    out.pop("model_output")
-                else:  # no rows at all: an empty pack keeps the collectives in step
+                if not micro:  # no rows at all: an empty pack keeps the collectives in step
                     loss, out = self._idle_step()
+                else:  # past its rows (fewer than micro-batches), a rank reruns one, weight 0
+                    real = i < len(micro)
+                    picked = micro[i] if real else micro[0][:1]
+                    rows = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
+                    loss, out = self._tree_step(rows, [sequences[r] for r in picked],
+                                                loss_function, forward_only)
+                    if not real:
+                        loss, out["loss"] = loss * 0.0, 0.0
+                        out.pop("model_output")
                 if not forward_only:
                     (scaler.scale(loss) if scaler is not None else loss).backward()
             if not keep_outputs:
@@ -169,18 +170,19 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _budget(self, data) -> int:
         """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""
-        lengths = data["input_ids"].offsets().diff()
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
             return int(data["max_token_len_per_gpu"]) * int(self.ulysses_sequence_parallel_size)
-        return int(data["micro_batch_size_per_gpu"]) * int(lengths.max())
+        longest = int(data["input_ids"].offsets().diff().max())
+        return int(data["micro_batch_size_per_gpu"]) * longest
 
     def _micro_batches(self, data, sequences: list[np.ndarray]) -> list[np.ndarray]:
         """The rows of each micro-batch: one pack each, trees kept together."""
         specs = plan(sequences, max_tokens=self._budget(data)).specs[0]
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
 
-    def _tree_step(self, micro_batch, loss_function, forward_only):
-        sequences = _host_sequences(micro_batch)  # the pack is built on the host
+    def _tree_step(self, micro_batch, sequences, loss_function, forward_only):
+        """One packed forward over ``micro_batch``, whose token ids ``sequences`` are on the
+        host already (the pack is built there)."""
         temperature = micro_batch["temperature"]  # read on the host, before the move
         micro_batch = micro_batch.to(get_device_id())
         ids = micro_batch["input_ids"]
