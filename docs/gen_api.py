@@ -32,6 +32,7 @@ SECTIONS = [
                          "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty",
                          "entropy_bonus"]),
     ("treepack.collation", ["Batch", "Collated", "rollouts_from_padded"]),
+    ("treepack.groups", ["keep_groups_together", "GroupOrder"]),
     ("treepack.trl", ["TreepackGRPOTrainer", "patch", "per_token_logps_and_entropies"]),
     ("treepack.zoo", ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config",
                       "qwen25_05b_config", "MODELS"]),

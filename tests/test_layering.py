@@ -17,8 +17,8 @@ LAYERS = {
     "core": {"tree", "forest", "mask", "softmax", "checks", "denominators", "version"},
     "attention": {"attention"},
     "lean": {"logprobs", "losses"},
-    "plan": {"planner", "collation"},
-    "adapters": {"hf", "hf_compat", "trl", "verl", "verl_lean", "zoo"},
+    "plan": {"planner", "collation", "groups"},
+    "adapters": {"hf", "hf_compat", "trl", "verl", "verl_lean", "verl_trainer", "zoo"},
     "face": {"cli", "verification", "benchmark"},
     "data": {"synthetic"},  # built-in workloads: import nothing of treepack, usable anywhere
 }
