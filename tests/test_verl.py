@@ -9,6 +9,7 @@ import sys
 
 import warnings
 
+import numpy as np
 import pytest
 
 pytest.importorskip("verl", reason="verl tests run in the verl environment (.ci/run)")
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 # verl announces each optional engine it cannot import (torchtitan, megatron, ...)
 warnings.filterwarnings("ignore", message=".* engine is not available")
 
+import verl_trainer_path  # noqa: E402
 import verl_workers  # noqa: E402  (installs the CPU platform)
 from verl_workers import TOLERANCE  # noqa: E402
 
@@ -35,6 +37,65 @@ def spawn(fn, world, *args):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("verl")))
+
+
+@pytest.fixture(scope="module")
+def trainer_batches(model_dir, tmp_path_factory):
+    """Each world size's worker batches, made by verl's trainer code with Ray and
+    TransferQueue running (in a subprocess: Ray stays out of the ranks' parent)."""
+    root = tmp_path_factory.mktemp("trainer")
+    code = ("import sys, verl_workers, verl_trainer_path as t\n"
+            "for world in (1, 2):\n"
+            f"    t.trainer_batches({model_dir!r}, world, f'{root}/batches{{world}}.pt')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return {world: str(root / f"batches{world}.pt") for world in (1, 2)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trainer_batches,
+                                                         tmp_path):
+    """verl's ActorRolloutRefWorker (actor and ref), built from the docs' GRPO command, fed
+    what the v1 trainer (agent-loop rows through TransferQueue, multi_modal_inputs={} on every
+    row) and the v0 trainer (left_right_2_no_padding) hand it: compute_log_prob,
+    compute_ref_log_prob, update_actor, compute_log_prob again, equal to stock verl."""
+    batches = torch.load(trainer_batches[world], weights_only=False)
+    for path in ("v1", "v0"):  # every GRPO group and agent prompt stayed on one rank
+        metrics = batches[path]["metrics"]
+        assert metrics["treepack/groups_split_ranks"] == 0, (path, metrics)
+        # and in one mini-batch, but for v1's agent prompt at 2 ranks: its 8 rows (4 sessions
+        # x 2 outputs) exceed a rank's mini-batch of 4
+        forced = int(path == "v1" and world == 2)
+        assert metrics["treepack/groups_split_minibatches"] == forced, (path, metrics)
+    out = tmp_path / "result.pt"
+    spawn(verl_trainer_path.compare_workers, world, model_dir, trainer_batches[world], str(out))
+    r = torch.load(out, weights_only=False)
+    assert r["engines_tree"] == ("TreepackEngine", "TreepackEngine"), r["engines_tree"]
+    assert r["engines_stock"] == ("FSDPEngineWithLMHead", "FSDPEngineWithLMHead")
+    assert not any("stock engine path" in m for m in r["messages"]), r["messages"]
+    for path in ("v1", "v0"):
+        tree, stock = r["tree", path], r["stock", path]
+        for key in ("log_probs", "entropy", "ref_log_probs", "log_probs_after"):
+            error = verl_workers.relative_error(tree[key], stock[key])
+            assert error <= TOLERANCE, (path, key, error)
+        # verl normalises these by global token counts: independent of micro-batching
+        # (pg_clipfrac and ppo_kl are means over micro-batches, which packing changes)
+        for key in ("loss", "grad_norm", "actor/pg_loss", "kl_loss", "actor/entropy_loss"):
+            got, want = (torch.tensor(np.asarray(m["update_metrics"][key], dtype=float))
+                         for m in (tree, stock))
+            assert torch.allclose(got, want, rtol=TOLERANCE, atol=0), (path, key, got, want)
+        ratios = tree["update_metrics"]["treepack/token_ratio"]
+        assert ratios and all(0 < x < 1 for x in ratios), (path, ratios)
+        log_prob_ratio = tree["update_metrics"]["treepack/log_prob_token_ratio"]
+        assert log_prob_ratio and all(0 < x < 1 for x in log_prob_ratio), log_prob_ratio
+        assert "treepack/log_prob_token_ratio" not in stock["update_metrics"]
+        # verl's own PrefixGrouper switch changes nothing in verl 0.9.1's engine: every output
+        # is stock's, bit for bit (no prefix is shared; docs/integrations.md compares)
+        grouper = r["prefix_grouper", path]
+        for key in ("log_probs", "entropy", "ref_log_probs", "log_probs_after"):
+            assert all(torch.equal(a, b) for a, b in zip(grouper[key], stock[key])), (path, key)
 
 
 @pytest.mark.parametrize("world,strategy", [(1, "fsdp2"), (2, "fsdp2"), (2, "fsdp")])
@@ -116,27 +177,30 @@ def test_verl_external_lib_switches_the_engine(model_dir):
     assert done.stdout.split()[-2:] == ["TreepackEngine", "TreepackEngine"], done.stdout
 
 
-def test_verl_config_snippet_in_the_docs_is_a_valid_verl_config():
-    """Every key of docs/integrations.md's verl command exists in verl's Hydra config."""
-    import re
-    import shlex
-    from pathlib import Path
+def test_the_docs_command_runs_verls_entry_point_with_treepack_on():
+    """docs/integrations.md's GRPO command through verl's own command line (Hydra composes it,
+    unknown keys fail; ``--cfg job`` prints the config instead of training), and everything
+    main_ppo's v1 trainer and agent loop import is installed by treepack[verl]."""
+    import importlib
 
-    from hydra import compose, initialize_config_dir
-
-    import verl.trainer.main_ppo as main_ppo
-
-    doc = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
-    command = re.search(r"## verl\n.*?```bash\n(.*?)```", doc, re.S).group(1)
-    words = shlex.split(command.replace("\\\n", " "))
+    words = verl_trainer_path.docs_command()
     assert words[:3] == ["python3", "-m", "verl.trainer.main_ppo"], words[:3]
     overrides = words[3:]
     assert "actor_rollout_ref.model.external_lib=treepack.verl" in overrides
-    config_dir = Path(main_ppo.__file__).parent / "config"
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        config = compose("ppo_trainer", overrides=overrides)  # unknown keys raise
-    assert config.actor_rollout_ref.model.external_lib == "treepack.verl"
-    assert config.trainer.balance_batch is False
+    assert not any(w.startswith("trainer.balance_batch") for w in overrides)  # default: true
+    done = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--cfg", "job",
+                           *overrides], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "external_lib: treepack.verl" in done.stdout
+    for module in ("verl.trainer.main_ppo", "verl.trainer.main_ppo_v0", "transfer_queue",
+                   "verl.trainer.ppo.v1.agent_loop_tq",
+                   "verl.experimental.agent_loop.single_turn_agent_loop",
+                   "verl.experimental.agent_loop.tool_agent_loop"):
+        importlib.import_module(module)
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    config = verl_trainer_path.compose_config("unused", treepack=True, world=8)
+    assert get_trainer_cls(config.trainer.v1.trainer_mode)
 
 
 def sequences_and_logits(seed=0, n=7, vocab=11):

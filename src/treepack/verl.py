@@ -34,7 +34,14 @@ What changes, and what does not:
   > 0, a model :func:`treepack.hf.prepare` refuses — run verl's stock path, with one log
   line saying why (logger ``treepack.verl``). The decision is all-reduced: if one rank
   falls back, every rank does, so collectives stay in step.
-- Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens) in its metrics.
+- **Metrics.** Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens);
+  verl's trainer logs an update's as ``actor/treepack/token_ratio``. It drops the metrics of
+  log-prob passes, so an update also reports the engine's last log-prob pass (this rank's
+  packed rows / tokens over the pass) as ``treepack/log_prob_token_ratio``.
+- ``use_remove_padding=false`` changes nothing (a pack never holds padding); said once.
+- **Groups stay on one rank.** Importing this module also makes verl's trainers keep each
+  group (``uid``) on one data-parallel rank when they balance a batch
+  (:mod:`treepack.verl_trainer`): the trainer process imports ``external_lib`` too.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from treepack.tree import TreePack
 try:
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id, get_device_name
+    from verl.utils.model import extract_multi_modal_inputs
     from verl.utils.py_functional import append_to_dict
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -69,10 +77,10 @@ log = logging.getLogger("treepack.verl")
 _SAID: set[str] = set()
 
 
-def _say_once(reason: str) -> None:
-    if reason not in _SAID:
-        _SAID.add(reason)
-        log.warning("treepack: running verl's stock engine path: %s", reason)
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning("treepack: %s", message)
 
 
 class TreepackEngine(FSDPEngineWithLMHead):
@@ -98,8 +106,11 @@ class TreepackEngine(FSDPEngineWithLMHead):
         anyone = torch.tensor([reason is not None], dtype=torch.int32, device=_device())
         torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX, group=group)
         if anyone.item():
-            _say_once(reason or "another data-parallel rank's batch cannot be tree-packed")
+            _say_once("running verl's stock engine path: "
+                      + (reason or "another data-parallel rank's batch cannot be tree-packed"))
             return super().forward_backward_batch(data, loss_function, forward_only)
+        if not tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True):
+            _say_once("use_remove_padding=false has no effect: tree packs never hold padding")
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         # verl's loss normalisation: the global count of loss tokens, and the DP size
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
@@ -133,12 +144,20 @@ class TreepackEngine(FSDPEngineWithLMHead):
                     if not real:
                         loss, out["loss"] = loss * 0.0, 0.0
                         out.pop("model_output")
+                        out.pop("sizes")
                 if not forward_only:
                     (scaler.scale(loss) if scaler is not None else loss).backward()
             if not keep_outputs:
                 out.pop("model_output", None)
             outputs.append(out)
-        return _collect(outputs, micro)
+        collected = _collect(outputs, micro)
+        packed, tokens = np.sum([out["sizes"] for out in outputs if "sizes" in out] or [[0, 0]],
+                                axis=0)
+        if forward_only:  # verl's trainer drops a log-prob pass's metrics: report it with the
+            self._log_prob_token_ratio = packed / max(tokens, 1)  # next update's
+        elif getattr(self, "_log_prob_token_ratio", None) is not None:
+            collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
+        return collected
 
     def _stock_reason(self, data) -> str | None:
         """Why this batch runs verl's stock path, or None to pack it."""
@@ -151,12 +170,10 @@ class TreepackEngine(FSDPEngineWithLMHead):
                            "calculate_sum_pi_squared")}
         if any(flags.values()):
             return f"{[k for k, v in flags.items() if v]} (outputs treepack does not produce)"
-        if len(data.get("multi_modal_inputs", [])) and any(
-                x for x in data.get("multi_modal_inputs", [])):
+        # read as verl's own forward reads it: every row carries one, ``{}`` for text
+        if extract_multi_modal_inputs(data.get("multi_modal_inputs", [])):
             return "multi-modal inputs"
-        ids, positions = data["input_ids"], data["position_ids"]
-        if not ids.is_nested:
-            return "input_ids are not nested (padded pad_mode)"
+        positions = data["position_ids"]
         if positions.dim() == 3:
             return "multi-dimensional (mrope) position ids"
         pos, offsets = positions.values(), positions.offsets()
@@ -210,7 +227,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
         metrics = dict(metrics)
         metrics["treepack/token_ratio"] = pack.num_packed_rows / max(pack.num_original_tokens, 1)
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(),
-                      "metrics": metrics}
+                      "metrics": metrics,
+                      "sizes": (pack.num_packed_rows, pack.num_original_tokens)}
 
     def _lean_outputs(self, pack, temperature, entropy_too):
         """verl's outputs from the lean head inside the forward (:func:`treepack.hf.
@@ -421,3 +439,4 @@ def register(devices=("cuda", "npu"), engine: type = TreepackEngine) -> None:
 
 
 register()
+from treepack import verl_trainer; verl_trainer.install()

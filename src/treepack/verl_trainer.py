@@ -1,0 +1,202 @@
+"""verl's trainer: keep each prompt's rollouts on one data-parallel rank and in one mini-batch.
+
+Every step, verl 0.9.1's trainers reorder the batch across data-parallel ranks by sequence
+length alone (``_balance_batch``: Karmarkar-Karp with equal row counts, ``uid`` ignored), the
+dispatch hands each rank a contiguous equal chunk, and each rank cuts its chunk into contiguous
+mini-batches. The rollout.n rows of one prompt, which share the prompt as a prefix, are
+scattered over ranks, and treepack, which merges shared prefixes inside one rank's forward,
+loses most of its saving (256 prompts x 8 rollouts of 512-token prompts on 8 ranks: packed
+rows / tokens 0.72 instead of 0.34; ``bench/verl_balance.py``).
+
+:func:`install` replaces ``_balance_batch`` on verl's v1 ``PPOTrainer``
+(``verl.trainer.ppo.v1.trainer_base``) and v0 ``RayPPOTrainer``
+(``verl.trainer.ppo.ray_trainer``). When the trainer's config names treepack in
+``actor_rollout_ref.model.external_lib`` (``treepack.verl`` or ``treepack.verl_lean``, alone or
+in a list), the batch is ordered by :func:`treepack.groups.keep_groups_together`; otherwise
+verl's own method runs unchanged. ``import treepack.verl`` installs it, and that import
+happens in the trainer process before the first step: v1's ``PPOTrainer._setup`` calls
+``_init_tokenizer``, which builds ``HFModelConfig`` from ``actor_rollout_ref.model``, whose
+``__post_init__`` calls ``import_external_libs(external_lib)``; v0's ``TaskRunner.run`` builds
+the same ``HFModelConfig`` before it creates the trainer. Nothing else is to set.
+
+Kept from verl: v1's upsampling to a multiple of lcm(dp, mini-batch rows)
+(``upsample_batch_to_divisible_size``), the workload of a row (``calculate_workload(seq_len)``),
+``batch.reorder`` and the ``global_seqlen/*`` metrics of ``log_seqlen_unbalance``, so the
+numbers users watch stay comparable. Added: ``treepack/groups_split_ranks`` and
+``treepack/groups_split_minibatches``, the groups cut across ranks and across mini-batches.
+
+- **Groups.** v1: the ``uid`` of the key ``{uid}_{session_id}_{index}``, so an agent
+  session's several outputs stay with their prompt's group; padding rows (tag ``is_padding``)
+  share one ``pad<hex>`` uid but are independent no-op rows, so each is a group of its own.
+  v0: ``non_tensor_batch["uid"]``; a batch without it groups rows with identical ``prompts``.
+- **Mini-batches.** A rank's rows are ordered for the actor's mini-batches of
+  ``ppo_mini_batch_size x rollout.n / dp`` rows, contiguous as verl's ``train_mini_batch``
+  cuts them while ``actor.shuffle`` is false (its default); where they do not divide a rank's
+  rows, only ranks count (a critic with another mini-batch size cuts at its own boundaries).
+  ``actor.shuffle=true`` shuffles a rank's rows first: groups stay whole per rank (the
+  log-prob passes) but no order keeps them whole per mini-batch; a warning says so once.
+- **Groups that do not fit.** A group larger than a rank's share fills whole ranks and its
+  remainder is placed like a group; with unequal group sizes or a group count that does not
+  divide the ranks, a group that finds no rank with room is cut over the ranks with the most
+  room (the fewest pieces). The metrics count them.
+- v0 skips verl's within-rank sort by workload for pipeline bubbles (as verl's own
+  PrefixGrouper path does: it would scatter the groups again); verl's decoupled mode
+  (``keep_minibatch=True``, which no verl 0.9.1 trainer passes) runs verl's method.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from treepack.groups import GroupOrder, keep_groups_together
+
+try:
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
+except ImportError as e:  # pragma: no cover - exercised only without verl
+    raise ImportError("treepack.verl_trainer needs verl 0.9.1: pip install 'treepack[verl]'") from e
+
+__all__ = ["install", "uninstall", "TREEPACK_LIBS"]
+
+TREEPACK_LIBS = ("treepack.verl", "treepack.verl_lean")
+log = logging.getLogger("treepack.verl")
+_ORIGINALS: dict[type, object] = {}  # trainer class -> verl's own _balance_batch
+_SAID: set[str] = set()
+
+
+def install() -> None:
+    """Put the group-keeping ``_balance_batch`` on verl's v1 and v0 trainers.
+
+    Importing :mod:`treepack.verl` does it; installing twice wraps once. A trainer whose
+    ``actor_rollout_ref.model.external_lib`` names no treepack module still runs verl's own
+    method, unchanged.
+
+    Args:
+        none.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing of its own.
+
+    Example:
+        >>> from treepack import verl_trainer
+        >>> verl_trainer.install()  # what `external_lib=treepack.verl` does in the trainer
+    """
+    for cls, balance in ((trainer_base.PPOTrainer, _balance_v1),
+                         (ray_trainer.RayPPOTrainer, _balance_v0)):
+        if cls not in _ORIGINALS:
+            _ORIGINALS[cls] = cls.__dict__["_balance_batch"]
+            cls._balance_batch = balance
+
+
+def uninstall() -> None:
+    """Give verl's trainers back their own ``_balance_batch``.
+
+    Args:
+        none.
+
+    Returns:
+        None.
+
+    Raises:
+        Nothing of its own; without a prior :func:`install` it does nothing.
+    """
+    for cls, original in list(_ORIGINALS.items()):
+        cls._balance_batch = original
+        del _ORIGINALS[cls]
+
+
+def _balance_v1(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+    """verl v1 ``PPOTrainer._balance_batch`` keeping GRPO groups whole (module docstring)."""
+    if not _treepack_on(self.config):
+        return _ORIGINALS[trainer_base.PPOTrainer](self, batch, metrics, logging_prefix,
+                                                   keep_minibatch)
+    dp = _dp_size(self.actor_rollout_wg)
+    batch = trainer_base.upsample_batch_to_divisible_size(
+        batch, self._get_required_batch_multiple(dp), self.tokenizer.eos_token_id)
+    seqlen = torch.tensor([tag["seq_len"] for tag in batch.tags], dtype=torch.int64)
+    groups = [key if tag.get("is_padding", False) else _uid_of_key(key)
+              for key, tag in zip(batch.keys, batch.tags)]
+    placed = _keep_groups(self.config, np.asarray(groups), seqlen, dp, metrics, logging_prefix)
+    batch.reorder(placed.order.tolist())
+    return batch
+
+
+def _balance_v0(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+    """verl v0 ``RayPPOTrainer._balance_batch`` keeping GRPO groups whole (module docstring)."""
+    if keep_minibatch or not _treepack_on(self.config):
+        return _ORIGINALS[ray_trainer.RayPPOTrainer](self, batch, metrics, logging_prefix,
+                                                      keep_minibatch)
+    mask = batch.batch["attention_mask"]
+    seqlen = mask.view(mask.shape[0], -1).sum(-1)
+    if "uid" in batch.non_tensor_batch:
+        groups = np.asarray(batch.non_tensor_batch["uid"])
+    else:  # the rollouts of one prompt carry the same (left-padded) prompt row
+        groups = np.unique(batch.batch["prompts"].cpu().numpy(), axis=0,
+                           return_inverse=True)[1].reshape(-1)
+    placed = _keep_groups(self.config, groups, seqlen, _dp_size(self.actor_rollout_wg),
+                          metrics, logging_prefix)
+    batch.reorder(torch.from_numpy(placed.order))
+
+
+def _keep_groups(config, groups: np.ndarray, seqlen: torch.Tensor, dp: int, metrics: dict,
+                 logging_prefix: str) -> GroupOrder:
+    """The group-keeping order, verl's balance metrics and treepack's own."""
+    actor = config.actor_rollout_ref.actor
+    minibatch = _minibatch_rows(actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n,
+                                dp, len(groups) // dp)
+    placed = keep_groups_together(groups, calculate_workload(seqlen).numpy(), dp,
+                                  rows_per_minibatch=minibatch)
+    _once(logging.INFO, f"treepack: _balance_batch keeps each prompt's rows (uid) on one of "
+                        f"{dp} data-parallel ranks and in one mini-batch of "
+                        f"{minibatch or len(groups) // dp} rows where sizes allow, ranks "
+                        "balanced by verl's calculate_workload (metrics treepack/groups_split_*)")
+    if actor.get("shuffle", False):
+        _once(logging.WARNING, "treepack: actor.shuffle=true shuffles each rank's rows before "
+                               "verl cuts mini-batches, so GRPO groups stay whole per rank but "
+                               "not per mini-batch; set actor.shuffle=false to pack them whole")
+    metrics.update(log_seqlen_unbalance(seqlen_list=seqlen.tolist(),
+                                        partitions=placed.order.reshape(dp, -1).tolist(),
+                                        prefix=logging_prefix))
+    metrics["treepack/groups_split_ranks"] = placed.groups_split_across_parts
+    metrics["treepack/groups_split_minibatches"] = placed.groups_split_across_minibatches
+    return placed
+
+
+def _treepack_on(config) -> bool:
+    """Whether ``external_lib`` (one name or a list) names a treepack module."""
+    libs = config.actor_rollout_ref.model.get("external_lib")
+    libs = [libs] if libs is None or isinstance(libs, str) else list(libs)
+    return any(lib in TREEPACK_LIBS for lib in libs)
+
+
+def _dp_size(worker_group) -> int:
+    """The actor's data-parallel size, read as verl's ``_balance_batch`` reads it."""
+    if "actor" not in worker_group._dispatch_info:
+        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
+    return max(worker_group._dispatch_info["actor"]) + 1
+
+
+def _minibatch_rows(global_rows: int, dp: int, rows_per_rank: int) -> int | None:
+    """Rows of one actor mini-batch on a rank, as ``train_mini_batch`` cuts them; None where
+    they do not cut a rank's rows evenly (e.g. no actor update yet: critic warm-up)."""
+    rows, rest = divmod(global_rows, dp)
+    return rows if rows and not rest and rows_per_rank % rows == 0 else None
+
+
+def _uid_of_key(key: str) -> str:
+    """``{uid}_{session_id}_{index}`` -> uid (verl's own reading: ``key.rsplit("_", 2)``)."""
+    parts = key.rsplit("_", 2)
+    return parts[0] if len(parts) == 3 else key
+
+
+def _once(level: int, message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.log(level, message)
