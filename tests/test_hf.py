@@ -50,6 +50,32 @@ def test_every_family_equals_each_sequence_alone_float64(family):
         torch.testing.assert_close(got, expect, rtol=0, atol=tol)
 
 
+def test_a_peft_lora_model_packs_like_its_base_with_the_adapter_on_and_off():
+    """A real peft LoRA model: the adapter runs inside the packed forward (float64, equal to
+    each sequence alone), disable_adapter() gives the base model's numbers, and verify
+    passes with gradients on the LoRA weights only."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        tiny("qwen2", dtype=torch.float64),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                        task_type="CAUSAL_LM", init_lora_weights=False))  # B != 0: it counts
+    with_adapter = alone_logprobs(model, SEQS)
+    with model.disable_adapter():
+        without = alone_logprobs(model, SEQS)
+    assert (with_adapter - without).abs().max() > 1e-3
+    hf.prepare(model)
+    assert hf.unwrap(model) is model.get_base_model()
+    pack = TreePack.from_sequences(SEQS)
+    got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack).logits[0]))
+    torch.testing.assert_close(got, with_adapter, rtol=0, atol=1e-12)
+    with model.disable_adapter():
+        got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack).logits[0]))
+    torch.testing.assert_close(got, without, rtol=0, atol=1e-12)
+    report = verify(model.float(), SEQS)
+    assert report.passed, str(report)
+
+
 @pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
 def test_verify_passes_float32(family):
     report = verify(zoo.tiny_model(family).eval(), SEQS, backend="segment")

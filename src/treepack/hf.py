@@ -382,10 +382,15 @@ class HiddenOutput:
 
 
 def unwrap(model):
-    """The transformers model inside DDP / FSDP / ``torch.compile`` wrappers.
+    """The transformers model inside DDP / FSDP / ``torch.compile`` / PEFT wrappers.
+
+    A PEFT model (LoRA and the other adapters peft injects into the base model's layers)
+    unwraps to its base model (``get_base_model()``): the injected layers run inside it, so
+    the adapters take part in every forward, and ``disable_adapter()`` works as usual.
 
     Args:
-        model: a ``PreTrainedModel`` or a wrapper of one (``.module``, ``._orig_mod``).
+        model: a ``PreTrainedModel`` or a wrapper of one (``.module``, ``._orig_mod``,
+            ``get_base_model()``).
 
     Returns:
         The innermost ``PreTrainedModel``.
@@ -398,10 +403,13 @@ def unwrap(model):
     seen = model
     while not isinstance(seen, PreTrainedModel):
         inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if inner is None and callable(getattr(seen, "get_base_model", None)):
+            inner = seen.get_base_model()  # peft
         if not isinstance(inner, torch.nn.Module):
             raise TypeError(
                 f"{type(model).__name__} is not a transformers PreTrainedModel (nor a DDP / FSDP "
-                "/ torch.compile wrapper of one); treepack.hf runs transformers causal LMs — "
+                "/ torch.compile / PEFT wrapper of one); treepack.hf runs transformers causal "
+                "LMs — "
                 "use treepack.attention.TreeAttention in your own model"
             )
         seen = inner
