@@ -138,6 +138,20 @@ def test_verl_lean_engine_equals_stock_engine(world, strategy, model_dir, tmp_pa
     assert not any("does not apply" in m for m in r["messages"]), r["messages"]
 
 
+def test_verl_lora_path_equals_stock(model_dir, tmp_path):
+    """model.lora_rank > 0: verl wraps a peft model in FSDP; treepack packs it (with the adapter,
+    and without it as verl's in-actor reference pass runs), equal to stock."""
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.compare_lora, 2, model_dir, str(out))
+    r = torch.load(out, weights_only=False)
+    assert r["refused"] is None, r["refused"]
+    for key in ("adapter", "no_adapter"):
+        error = verl_workers.relative_error(r["tree"][key], r["stock"][key])
+        assert error <= TOLERANCE, (key, error)
+    assert verl_workers.relative_error(r["stock"]["adapter"], r["stock"]["no_adapter"]) > 1e-4
+    assert r["grad_names"] and r["grads"] <= TOLERANCE, r["grads"]
+
+
 def test_verl_ranks_fall_back_together(model_dir, tmp_path):
     out = tmp_path / "result.pt"
     spawn(verl_workers.divergent_fallback, 2, model_dir, str(out))

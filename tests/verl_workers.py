@@ -15,6 +15,7 @@ verl's code:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import importlib
@@ -148,7 +149,7 @@ def make_model_dir(root: str) -> str:
     return path
 
 
-def make_engine(engine_cls, path: str, strategy: str, **engine_config):
+def make_engine(engine_cls, path: str, strategy: str, model_config=None, **engine_config):
     """verl's engine as its workers build it, computing in float32 on CPU."""
     if strategy == "fsdp":
         from torch.distributed.fsdp import _init_utils
@@ -164,7 +165,8 @@ def make_engine(engine_cls, path: str, strategy: str, **engine_config):
     engine = engine_cls(
         model_config=HFModelConfig(path=path, use_remove_padding=True,
                                    enable_gradient_checkpointing=True,
-                                   override_config={"attn_implementation": "sdpa"}),
+                                   override_config={"attn_implementation": "sdpa"},
+                                   **(model_config or {})),
         engine_config=FSDPEngineConfig(**config),
         optimizer_config=FSDPOptimizerConfig(lr=1e-2, total_training_steps=10,
                                              lr_warmup_steps=0, weight_decay=0.0,
@@ -554,3 +556,52 @@ def fallback(rank: int, world: int, port: int, model_dir: str, out_path: str) ->
         dist.barrier()
         dist.destroy_process_group()
 
+
+
+def compare_lora(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+    """verl's LoRA path (``model.lora_rank > 0``: FSDP around a peft model): log-probs with the
+    adapter and without it (``disable_adapter``, verl's reference pass when the reference
+    lives in the actor) and one update's LoRA gradients, stock engine vs treepack's."""
+    init(rank, world, port)
+    try:
+        treepack_verl.register(devices=("cpu",))
+        lora = dict(lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, "fsdp2", model_config=lora)
+        tree = make_engine(treepack_verl.TreepackEngine, model_dir, "fsdp2", model_config=lora)
+        rows = make_rows()
+        result = {"refused": tree._treepack_refused}
+
+        def log_probs(engine, adapter: bool):
+            data = shard(make_batch(rows, engine, forward_only=True), rank, world)
+            with engine.eval_mode():
+                with engine.disable_adapter() if not adapter else contextlib.nullcontext():
+                    out = engine.forward_backward_batch(data, None, forward_only=True)
+            return [t[:-1] for t in gather_rows(out["model_output"]["log_probs"])]
+
+        adv = [torch.tensor(r["mask"], dtype=torch.float32) * (i % 5 - 2) / 2
+               for i, r in enumerate(rows)]
+        old = [torch.full((len(r["response"]),), -4.0) for r in rows]
+        grads = {}
+        for label, engine in (("stock", stock), ("tree", tree)):
+            with torch.no_grad():  # the same adapter in both engines (peft draws A at random
+                for name, p in engine.module.named_parameters():  # and starts B at 0)
+                    if "lora_" in name:
+                        p.fill_(0.05 if "lora_B" in name else 0.02)
+            result[label] = {"adapter": log_probs(engine, True),
+                             "no_adapter": log_probs(engine, False)}
+            data = shard(make_batch(rows, engine, False, temperature=1.0, old_log_probs=old,
+                                    ref_log_prob=old, advantages=adv), rank, world)
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                engine.forward_backward_batch(data, actor_loss("token-mean", len(rows)))
+                grads[label] = {k: g for k, g in full_grads(engine.module).items()
+                                if "lora_" in k}
+        result["grad_names"] = sorted(grads["tree"]) == sorted(grads["stock"]) and grads["tree"]
+        result["grads"] = max(float((grads["tree"][k] - w).abs().max()
+                                    / w.abs().max().clamp_min(1e-30))
+                              for k, w in grads["stock"].items())
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
