@@ -194,3 +194,24 @@ def test_a_scalar_loss_mask_covers_the_whole_completion():
         for row, rollout in enumerate(b.pack.seq_ids.tolist()):
             trained = rollout % 3 and len(rollouts[rollout]["completion"]) > 0
             assert bool(b.mask[row].any()) == bool(trained)
+
+
+@pytest.mark.parametrize("field,rule", [
+    (torch.zeros(2, 7), r"'old_logps' has shape \(2, 7\).*\[B, P \+ C\]"),  # [B, P + C]
+    (torch.zeros(2, 4, 3), r"'old_logps' has shape \(2, 4, 3\)"),  # 3-D
+    (torch.zeros(3), r"'old_logps' has shape \(3,\)"),
+])
+def test_rollouts_from_padded_refuses_fields_it_would_cut_or_pass_uncut(field, rule):
+    prompts = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    completions = torch.tensor([[10, 11, 0, 0], [12, 13, 14, 15]])
+    with pytest.raises(ValueError, match=rule):
+        rollouts_from_padded(prompts, (prompts != 0).long(), completions,
+                             (completions != 0).long(), old_logps=field)
+
+
+def test_rollouts_from_padded_refuses_a_prompt_mask_with_holes():
+    prompts = torch.tensor([[5, 0, 6]])  # a hole inside the prompt would drop token 0's slot
+    completions = torch.tensor([[10, 11]])
+    with pytest.raises(ValueError, match=r"prompt_mask row 0 has holes \(\[1, 0, 1\]\)"):
+        rollouts_from_padded(prompts, (prompts != 0).long(), completions,
+                             torch.ones_like(completions))

@@ -76,6 +76,14 @@ def test_a_peft_lora_model_packs_like_its_base_with_the_adapter_on_and_off():
     assert report.passed, str(report)
 
 
+def test_verify_in_float16_steps_on_float32_master_weights():
+    """Pure float16 AdamW divides 0 by 0 (eps rounds to 0): both runs went NaN and verify
+    always failed. With float32 master weights the step is finite and packing passes."""
+    report = verify(zoo.tiny_model("qwen2").eval(), SEQS, dtype=torch.float16)
+    assert report.passed, str(report)
+    assert all(torch.isfinite(torch.tensor(e.max_rel)) for e in report.errors.values())
+
+
 @pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
 def test_verify_passes_float32(family):
     report = verify(zoo.tiny_model(family).eval(), SEQS, backend="segment")
@@ -541,6 +549,60 @@ def test_forward_lean_equals_full_logits_rows_and_gradients(family):
     for name, want in full.items():
         torch.testing.assert_close(lean[name], want, rtol=1e-9, atol=1e-12, msg=name)
     assert "forward" not in vars(model.get_output_embeddings())  # the head is restored
+
+
+@pytest.mark.parametrize("layout", ["dense", "flat"])
+def test_forward_lean_rows_in_the_packs_layout_equal_token_logprobs_and_entropy(layout):
+    """RowLogprobs.in_layout: the documented way from per-row results to [N, L] (or flat),
+    equal to the full-logits path position for position, padding and position 0 included."""
+    model = tiny("qwen2", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS, layout=layout, pad_to_multiple_of=16)
+    got = hf.forward_lean(model, pack, temperature=0.7, with_entropy=True).in_layout(pack)
+    logits = hf.forward(model, pack).logits[0]
+    want_lp, want_ent = pack.token_logprobs_and_entropy(logits, temperature=0.7)
+    torch.testing.assert_close(got.logprobs, want_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.entropy, want_ent, rtol=0, atol=1e-12)
+    assert hf.forward_lean(model, pack).in_layout(pack).entropy is None
+
+
+def test_forward_lean_keeps_a_forward_the_head_instance_already_had():
+    """accelerate's hooks (device_map, offload) put a forward on the head instance: it must
+    run around the lean head during the call and still be there after it."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    model = tiny("qwen2", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS)
+    want = hf.forward_lean(model, pack).logprobs
+    head = model.get_output_embeddings()
+    add_hook_to_module(head, Counting())
+    hooked = vars(head)["forward"]
+    got = hf.forward_lean(model, pack).logprobs
+    assert Counting.calls == 1 and vars(head)["forward"] is hooked
+    assert head._old_forward.__func__ is torch.nn.Linear.forward  # the inner one back too
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    own = lambda x: torch.nn.functional.linear(x, head.weight)  # noqa: E731  plain instance
+    vars(head).pop("_old_forward"), vars(head).pop("_hf_hook")
+    head.forward = own
+    hf.forward_lean(model, pack)
+    assert vars(head)["forward"] is own
+
+
+def test_prepare_and_lm_head_keep_every_submodules_train_flag():
+    """Probing the model must not set every submodule's flag to the root's (a frozen,
+    eval-mode part of a training model stays in eval mode)."""
+    model = tiny("qwen2").train()
+    model.model.layers[0].eval()
+    before = {name: m.training for name, m in model.named_modules()}
+    hf.prepare(model)
+    hf.lm_head(model)
+    assert {name: m.training for name, m in model.named_modules()} == before
 
 
 def test_forward_lean_refuses_logits_transformed_after_the_head():

@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch import Tensor
 
-__all__ = ["positive_int", "positive_finite", "floating"]
+__all__ = ["positive_int", "positive_finite", "temperature", "floating", "MIN_TEMPERATURE"]
 
 
 def positive_int(value, name: str, *, hint: str = "", maximum: int | None = None) -> int:
@@ -24,12 +24,29 @@ def positive_int(value, name: str, *, hint: str = "", maximum: int | None = None
     return int(value)
 
 
-def positive_finite(value, name: str, *, hint: str = "") -> float:
-    """``value`` as a finite float > 0."""
+def positive_finite(value, name: str, *, hint: str = "", minimum: float = 0.0) -> float:
+    """``value`` (a real number, or a one-element real tensor) as a finite float > 0 and at
+    least ``minimum``."""
+    if isinstance(value, Tensor) and value.numel() == 1 and (
+            value.dtype.is_floating_point or value.dtype in _INTEGER_DTYPES):
+        value = value.item()  # a host read: call it outside hot loops
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
             value > 0 and math.isfinite(value)):
         raise ValueError(f"{name}={value!r} must be a finite number > 0{hint}")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} is below {minimum:g}{hint}")
     return float(value)
+
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+MIN_TEMPERATURE = 1e-6  # logits / t overflows float32 (and gives NaN) for t near 1e-38
+
+
+def temperature(value) -> float:
+    """A sampling temperature as a float: finite, > 0 and at least :data:`MIN_TEMPERATURE`."""
+    return positive_finite(value, "temperature", minimum=MIN_TEMPERATURE,
+                           hint=": dividing logits by it must stay finite in float32 (for "
+                                "greedy decoding take the argmax instead of log-probs)")
 
 
 def floating(x: Tensor, name: str) -> None:

@@ -248,22 +248,46 @@ def rollouts_from_padded(prompts: Tensor, prompt_mask: Tensor, completions: Tens
         One rollout dict per row, for :func:`collate`.
 
     Raises:
-        ValueError: a ``completion_mask`` row with holes.
+        ValueError: shapes that do not match (``prompts`` / ``prompt_mask`` [B, P],
+            ``completions`` / ``completion_mask`` / ``loss_mask`` [B, C], each field [B, C] or
+            [B]), or a mask row with holes (a ``completion_mask`` that is not a prefix of its
+            row, a ``prompt_mask`` that is not a suffix).
     """
+    B, P = prompts.shape
+    C = completions.shape[1]
+    if prompt_mask.shape != (B, P) or completion_mask.shape != (B, C) or len(completions) != B:
+        raise ValueError(
+            f"prompts {tuple(prompts.shape)} and prompt_mask {tuple(prompt_mask.shape)} must be "
+            f"[B, P], completions {tuple(completions.shape)} and completion_mask "
+            f"{tuple(completion_mask.shape)} [B, C], with one B")
     if loss_mask is not None:
         fields = {**fields, "loss_mask": loss_mask}
+    for k, v in fields.items():
+        if tuple(v.shape) not in ((B, C), (B,)):
+            raise ValueError(
+                f"field {k!r} has shape {tuple(v.shape)}: give [B, C] = [{B}, {C}] (one value "
+                f"per completion token) or [B] = [{B}] (one per rollout); slice a [B, P + C] "
+                "field to its completion columns first")
+    _check_contiguous(prompt_mask.flip(1), "prompt_mask", "left-padded: real tokens last")
+    _check_contiguous(completion_mask, "completion_mask", "right-padded: real tokens first")
     out = []
-    for b in range(prompts.shape[0]):
+    for b in range(B):
         pm, cm = prompt_mask[b].bool(), completion_mask[b].bool()
         n = int(cm.sum())
-        if not cm[:n].all():
-            raise ValueError(
-                f"completion_mask row {b} has holes: it must mark padding only (a prefix of "
-                "real tokens), since masked tokens would vanish from the context of the "
-                "tokens after them; pass tokens to skip in the loss as loss_mask"
-            )
         r = {"prompt": prompts[b][pm], "completion": completions[b][:n]}
         for k, v in fields.items():
             r[k] = v[b][:n] if v.dim() == 2 else v[b]
         out.append(r)
     return out
+
+
+def _check_contiguous(mask: Tensor, name: str, rule: str) -> None:
+    """Raise unless every row of ``mask`` is real tokens then padding (a prefix)."""
+    m = mask.bool()
+    holes = (m[:, 1:] & ~m[:, :-1]).any(-1)
+    if holes.any():
+        b = int(holes.nonzero()[0])
+        raise ValueError(
+            f"{name} row {b} has holes ({mask[b].int().tolist()}): it must mark padding only "
+            f"({rule}), since masked tokens would vanish from the context of the tokens after "
+            "them; pass tokens to skip in the loss as loss_mask")

@@ -245,13 +245,16 @@ def prepared(model, *, check: bool = True):
 
 @contextlib.contextmanager
 def _eval_no_grad(model):
-    was_training = model.training
+    """``model`` in eval mode without gradients, then every submodule's own train/eval flag
+    back (``model.train(flag)`` would set them all to the root's)."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 def _check_reads_position_ids(model, core) -> None:
@@ -471,6 +474,7 @@ def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: 
     Raises:
         As :func:`forward`.
     """
+    _named_outputs(kwargs, "forward_hidden")
     kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
     out, aux = _run(model, pack, backend, block_size, kwargs)
     return HiddenOutput(out.hidden_states[-1], aux, getattr(out, "router_logits", None))
@@ -527,11 +531,9 @@ def forward_lean(model, pack: TreePack, backend: str = "auto", *, temperature: f
         rows["out"] = torch.stack([out.logprobs, entropy], dim=-1)[None]
         return rows["out"]
 
-    head.forward = lean  # this instance, this forward only
-    try:
+    _named_outputs(kwargs, "forward_lean")
+    with _forward_replaced(head, lean):  # this instance, this forward only
         out, _ = _run(model, pack, backend, block_size, kwargs)
-    finally:
-        del head.forward
     if out.logits is not rows.get("out"):  # it must be the model's output, unchanged, so
         raise NotImplementedError(  # that a wrapper's backward hooks see it
             f"{type(core).__name__} changes the output of its head before returning it; "
@@ -540,8 +542,40 @@ def forward_lean(model, pack: TreePack, backend: str = "auto", *, temperature: f
     return RowLogprobs(result[:, 0], result[:, 1] if with_entropy else None)
 
 
+def _named_outputs(kwargs: dict, caller: str) -> None:
+    """Refuse ``return_dict=False``: these calls read the model's named outputs."""
+    if kwargs.get("return_dict", True) is False:
+        raise ValueError(f"hf.{caller} reads the model's named outputs and returns its own "
+                         "named result: drop return_dict=False")
+
+
+@contextlib.contextmanager
+def _forward_replaced(module, forward):
+    """``module`` computing ``forward`` instead of its own, then exactly what was there again.
+
+    An instance may carry a forward of its own: accelerate's hooks (``device_map``, CPU or
+    disk offload) set ``module.forward`` to a wrapper that loads the weights, calls
+    ``module._old_forward`` and offloads them again. There the wrapper's inner forward is
+    replaced, so the hook still runs around ``forward``; elsewhere ``module.forward``."""
+    name = "_old_forward" if "forward" in vars(module) and hasattr(module, "_old_forward") \
+        else "forward"
+    missing = object()
+    saved = vars(module).get(name, missing)
+    setattr(module, name, forward)
+    try:
+        yield
+    finally:
+        if saved is missing:
+            delattr(module, name)
+        else:
+            setattr(module, name, saved)
+
+
 def _run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
     """The model over the pack: its output and the router loss of the original tokens."""
+    if not isinstance(pack, TreePack):
+        raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}: build one with "
+                        "treepack.TreePack.from_sequences(sequences)")
     for key in kwargs:
         if key in _REFUSED_KWARGS:
             raise ValueError(f"treepack.hf.forward does not take {key!r}: {_REFUSED_KWARGS[key]}")

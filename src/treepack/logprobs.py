@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from treepack import checks
 from treepack.checks import floating, positive_finite, positive_int
 from treepack.softmax import default_chunk_size  # shared with the logits path
 from treepack.tree import TreePack, derived_from_pack
@@ -43,7 +44,7 @@ class TokenLogprobs(NamedTuple):
     """Log-probs and entropies in the pack's layout ([N, L], or [total] when flat)."""
 
     logprobs: Tensor  # [N, L]
-    entropy: Tensor  # [N, L]
+    entropy: Tensor | None  # [N, L]
 
 
 class RowLogprobs(NamedTuple):
@@ -52,6 +53,32 @@ class RowLogprobs(NamedTuple):
 
     logprobs: Tensor  # [T']
     entropy: Tensor | None  # [T']
+
+    def in_layout(self, pack: TreePack) -> TokenLogprobs:
+        """These per-row values in ``pack``'s layout, label-aligned as
+        :meth:`TreePack.token_logprobs` and :meth:`TreePack.token_entropy` are: ``[s, p]``
+        holds the log-prob of token ``p`` (at its own row, ``rows[s, p]``) and the entropy of
+        the distribution that predicted it (at the row before, ``rows[s, p - 1]``); 0 where
+        nothing is predicted (position 0, padding). Indexing by ``pack.rows`` directly would
+        shift the entropy by one position and read row -1 in a dense layout's padding.
+
+        Args:
+            pack: the pack these rows came from.
+
+        Returns:
+            :class:`TokenLogprobs` ``[N, L]`` (flat: ``[total]``); ``entropy`` is None when
+            these rows have none. Autograd flows back to the row values.
+
+        Raises:
+            ValueError: row values whose length is not the pack's row count.
+        """
+        if self.logprobs.shape != (pack.num_rows,):
+            raise ValueError(f"{tuple(self.logprobs.shape)} row values for a pack of "
+                             f"{pack.num_rows} rows: use the pack they were computed on")
+        p = pack.predictions
+        logprobs = pack.place(self.logprobs[pack.rows.reshape(-1)[p.index]])
+        entropy = None if self.entropy is None else pack.place(self.entropy[p.source])
+        return TokenLogprobs(logprobs, entropy)
 
 
 class _Edges(NamedTuple):
@@ -339,7 +366,7 @@ def _rows_from_hidden(pack, hidden, weight, bias, temperature, chunk_size, softc
     floating(weight, "weight (the LM head)")
     if bias is not None:
         floating(bias, "bias")
-    temperature = positive_finite(temperature, "temperature")
+    temperature = checks.temperature(temperature)
     scale = positive_finite(scale, "scale") if scale != 1.0 else 1.0
     softcap = None if softcap in (None, 0) else positive_finite(
         softcap, "softcap", hint=" (or None / 0 for no soft-capping)")

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.checks import floating, positive_finite, positive_int
+from treepack import checks
+from treepack.checks import floating, positive_int
 from treepack import mask as _mask
 from treepack.softmax import log_softmax_rows
 from treepack.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
@@ -523,7 +524,7 @@ class TreePack:
                              f"{tuple(logits.shape)}{hint}")
         self.check_device(logits, "logits")
         floating(logits, "logits")
-        temperature = positive_finite(temperature, "temperature")
+        temperature = checks.temperature(temperature)
         self.check_vocabulary(logits.shape[1])
         src = _source_rows(self)
         return log_softmax_rows(logits, src.rows, temperature, src.pick_host,
@@ -546,6 +547,8 @@ class TreePack:
                 its sequence.
         """
         plen = torch.as_tensor(prompt_lengths)
+        if plen.numel() == 0:  # [] reads as float32: an empty list of lengths is fine
+            plen = plen.long()
         if plen.shape != (self.num_sequences,) or plen.dtype.is_floating_point or \
                 plen.dtype == torch.bool:
             raise ValueError(f"prompt_lengths must be {self.num_sequences} integers, one per "
@@ -697,10 +700,15 @@ def validate_sequences(sequences) -> list[np.ndarray]:
                 f"sequence {i} is empty; every sequence needs at least one token (drop it "
                 "before packing)"
             )
-        if arr.dtype.kind not in "iu":
-            if isinstance(seq, (list, tuple)) and all(isinstance(x, int) for x in seq[:1]):
-                big = max(seq, key=abs)  # Python ints numpy could not hold as int64
-                raise ValueError(f"sequence {i} has a token id {big} beyond int64")
+        if arr.dtype.kind not in "iu":  # the failure path only: loops over tokens are fine
+            if isinstance(seq, (list, tuple)):
+                bad = next(((j, x) for j, x in enumerate(seq) if not isinstance(x, int)), None)
+                if bad is None:  # Python ints numpy could not hold as int64
+                    raise ValueError(f"sequence {i} has a token id {max(seq, key=abs)} beyond "
+                                     "int64")
+                if arr.dtype == object:  # mixed Python values: name the first odd one
+                    raise TypeError(f"sequence {i} holds {bad[1]!r} at position {bad[0]}; "
+                                    "token ids must be integers")
             raise TypeError(
                 f"sequence {i} has dtype {arr.dtype} (first value {arr[0]!r}); token ids "
                 "must be integers"

@@ -202,9 +202,25 @@ def _train_step(model, lr: float, loss_fn) -> _Step:
     logprobs, loss = loss_fn(model)
     loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
-    torch.optim.AdamW(params.values(), lr=lr, eps=ADAM_EPS).step()
+    _adamw_step(list(params.values()), lr)
     after = {k: p.detach() for k, p in params.items()}
     return _Step(logprobs.detach(), loss.detach(), grads, before, after)
+
+
+def _adamw_step(params: list[Tensor], lr: float) -> None:
+    """One AdamW step. float16 parameters step on float32 master copies, as mixed-precision
+    training does: in float16 AdamW's eps (1e-8) rounds to 0 and its first step divides 0 by
+    0 wherever a gradient is 0, so both runs would end in NaN and every verdict FAIL."""
+    if all(p.dtype != torch.float16 for p in params):
+        torch.optim.AdamW(params, lr=lr, eps=ADAM_EPS).step()
+        return
+    masters = [p.detach().float().requires_grad_() for p in params]
+    for master, p in zip(masters, params):
+        master.grad = None if p.grad is None else p.grad.float()
+    torch.optim.AdamW(masters, lr=lr, eps=ADAM_EPS).step()
+    with torch.no_grad():
+        for master, p in zip(masters, params):
+            p.copy_(master)
 
 
 def _unpacked_loss(sequences: list[Tensor]):
@@ -321,19 +337,24 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
             model's attention and eager; or, for a model that needs eager, treepack's dense
             attention on one-sequence packs): transformers computes norms and softmax in
             float32 inside float64 models, so float64 is float32-accurate there.
-        lr: AdamW learning rate of the compared step.
+        lr: AdamW learning rate of the compared step (float16 parameters step on float32
+            master copies).
 
     Returns:
         A :class:`VerifyReport` (``.passed``, ``str(report)`` for the table).
 
     Raises:
-        ValueError: dropout on in training mode, or bad sequences.
+        ValueError: dropout on in training mode, bad sequences, or sequences with nothing to
+            predict (one token each).
     """
     _check_deterministic(model)
     dtype = dtype or next(model.parameters()).dtype
     device = next(model.parameters()).device
     seqs = [torch.as_tensor(a, device=device) for a in validate_sequences(sequences)]
     pack = TreePack.from_sequences(seqs, pad_to_multiple_of=pad_to_multiple_of, device=device)
+    if len(pack.predictions.index) == 0:
+        raise ValueError(f"each of the {len(seqs)} sequences has one token: nothing to predict, "
+                         "so nothing to compare; give verify sequences of 2 or more tokens")
     reference_attention = _reference_attention(model)
 
     def run(loss_fn, run_dtype, attention=None, tree=False):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import Tensor
 
 from treepack.attention import dense, flex, segment, varlen
+from treepack.checks import positive_int
 
 if TYPE_CHECKING:
     from treepack.tree import TreePack
@@ -146,8 +147,9 @@ class TreeAttention:
                 f"({k.shape[1]}, {v.shape[1]})"
             )
         self.pack.check_device(q, "the attention input q")
-        if window is not None and window < 1:
-            raise ValueError(f"window={window!r} must be a positive number of positions")
+        if window is not None:  # one rule for every backend
+            window = positive_int(window, "window", hint=" (positions a query sees, itself "
+                                  "included; None for no window)")
         if scale is None:
             scale = q.shape[-1] ** -0.5
         softcap = softcap or None
