@@ -203,6 +203,7 @@ def test_stats_reads_standard_input(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["verify", "--family", "llama", "--layers", "0"], "0 must be at least 1"),
+    (["verify", "--family", "llama", "--layers", "1000000000"], "is more than 64"),
     (["verify", "--family", "llama", "--seed", "-1"], "-1 must be in [0, 2**32)"),
     (["verify", "--family", "llama", "--pad-to-multiple-of", "x"], "'x' is not an integer"),
 ])
@@ -220,3 +221,19 @@ def test_bench_on_cuda_without_cuda_says_so(capsys):
         pytest.skip("this machine has CUDA")
     code, _, err = run(capsys, "bench", "--device", "cuda", "--no-plot")
     assert code == 2 and "--device cuda: this torch sees no CUDA device" in err
+
+
+def test_stats_reads_the_rollout_format_collate_takes(tmp_path, capsys):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text('{"prompt": [1, 2, 3], "completion": [4, 5], "advantage": 1.0}\n'
+                    '{"prompt": [1, 2, 3], "completion": [4, 6]}\n')
+    code, out, _ = run(capsys, "stats", str(path), "--json")
+    result = json.loads(out)
+    assert code == 0 and (result["original_tokens"], result["packed_rows"]) == (10, 6)
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_bench_checks_its_output_paths_before_the_run(capsys, flag):
+    """A path it cannot write is refused at once, not after minutes of benchmarking."""
+    code, _, err = run(capsys, "bench", "--quick", flag, "/nonexistent/folder/out.x")
+    assert code == 2 and f"{flag} /nonexistent/folder/out.x: cannot write there" in err

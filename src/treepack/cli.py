@@ -31,11 +31,18 @@ class InputError(Exception):
 def _ids_from_line(value, where: str):
     import numpy as np
 
+    if isinstance(value, dict) and "input_ids" not in value and {"prompt", "completion"} <= \
+            value.keys():  # the rollout format treepack.collate takes
+        prompt, completion = value["prompt"], value["completion"]
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            raise InputError(f"{where}: 'prompt' and 'completion' must be lists of token ids")
+        value = {"input_ids": prompt + completion}
     ids = value.get("input_ids") if isinstance(value, dict) else value
     if not isinstance(ids, list):
-        got = "an object without 'input_ids'" if isinstance(value, dict) else type(value).__name__
+        got = ("an object without 'input_ids' (or 'prompt' and 'completion')"
+               if isinstance(value, dict) else type(value).__name__)
         raise InputError(f"{where}: expected a list of token ids or an object with "
-                         f"'input_ids', got {got}")
+                         f"'input_ids', or 'prompt' and 'completion', got {got}")
     if not ids:
         raise InputError(f"{where}: the sequence is empty; every sequence needs a token")
     if any(type(x) is not int for x in ids):
@@ -51,8 +58,9 @@ def _ids_from_line(value, where: str):
 
 
 def read_jsonl(path: str) -> list:
-    """Sequences from a JSON-lines file (``-``: standard input): each line a list of ids or
-    ``{"input_ids": [...]}``.
+    """Sequences from a JSON-lines file (``-``: standard input): each line a list of ids,
+    ``{"input_ids": [...]}``, or a rollout ``{"prompt": [...], "completion": [...]}`` (the
+    sequence is the prompt, then the completion).
 
     Blank lines are skipped; any other bad line raises :class:`InputError` naming it.
     """
@@ -138,6 +146,12 @@ def _bench(args) -> int:
     except ImportError:
         raise InputError("treepack bench runs a transformers model: pip install "
                          "'treepack[bench]'") from None
+    for option, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
+        if path is not None:  # checked now: writing fails only after the whole run
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                raise InputError(f"{option} {path}: cannot write there ({folder} is not a "
+                                 "writable folder); give a path in one that is")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: this torch sees no CUDA device (torch "
                          f"{torch.__version__}); leave --device out to run on the CPU")
@@ -194,6 +208,18 @@ def _positive_int(text: str) -> int:
     value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+MAX_VERIFY_LAYERS = 64  # a tiny model's layers: more checks nothing new and takes hours
+
+
+def _layers(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_VERIFY_LAYERS:
+        raise argparse.ArgumentTypeError(
+            f"{value} is more than {MAX_VERIFY_LAYERS}: verify builds a tiny random model, and "
+            "every layer runs the same code; a few layers check what many would")
     return value
 
 
@@ -299,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stats",
         help="what packing a batch into a prefix forest saves",
         description="Token and attention savings of packing FILE (JSON lines: a list of "
-        "token ids or an object with 'input_ids' per line) into one prefix forest. Without "
+        "token ids, an object with 'input_ids', or a rollout with 'prompt' and 'completion' "
+        "per line) into one prefix forest. Without "
         "FILE: a built-in synthetic agentic batch.",
     )
     stats.add_argument("file", nargs="?", metavar="FILE.jsonl")
@@ -314,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         "gradients and parameters. Exit status 1 when above tolerance.",
     )
     verify.add_argument("--family", required=True, choices=sorted(FAMILIES))
-    verify.add_argument("--layers", type=_positive_int, default=2)
+    verify.add_argument("--layers", type=_layers, default=2,
+                        help=f"layers of the tiny model (1 .. {MAX_VERIFY_LAYERS})")
     verify.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     verify.add_argument("--dtype", default="float32", choices=DTYPES)
     verify.add_argument("--seed", type=_seed, default=0)
