@@ -11,6 +11,9 @@ Workloads (built-in, deterministic):
          planned at budgets 8192, 16384 and 160 rows (cut to 160 tokens for the last)
   grpo   4k / 8k / 16k sequences: 512-token prompts x 8 rollouts of 1000-3500 tokens, 4096
          rows per pack, 8 ranks
+  scale  50k-400k sequences that share only a BOS (one tree cut into runs) at 20 rows, 1 and
+         4,096 ranks; 65,536 GRPO sequences (8 per 65-token prompt) at 160 rows, 8 and 4,096
+         ranks
 """
 
 from __future__ import annotations
@@ -103,13 +106,39 @@ def main():
               f"{seconds:.3f} s ({p.packs_per_rank} packs per rank, rows / min "
               f"{p.efficiency:.4f}, imbalance {p.imbalance:.3f})")
 
+    # scale: one huge tree cut into many runs (sequences sharing only a BOS, budget 20), and
+    # many ranks; the time must grow linearly with the sequences, not with runs x sequences
+    rng = np.random.default_rng(7)
+    bos = [np.concatenate(([1], rng.integers(2, 32000, size=rng.integers(3, 12))))
+           for _ in range(400_000)]
+    groups = [np.concatenate((prompt, rng.integers(2, 32000, size=rng.integers(10, 60))))
+              for prompt in (rng.integers(2, 32000, size=65) for _ in range(65536 // 8))
+              for _ in range(8)]
+    plan(bos[:1000], max_tokens=20)  # the first call's one-time costs, outside the timings
+    for name, seqs, budget, world in (
+            *((f"bos{n // 1000}k", bos[:n], 20, 1) for n in (50_000, 100_000, 200_000, 400_000)),
+            ("bos200k", bos[:200_000], 20, 4096), ("bos64k", bos[:65536], 20, 4096),
+            ("grpo65-64k", groups, 160, 8), ("grpo65-64k", groups, 160, 4096)):
+        seconds, p = best_of(lambda: plan(seqs, max_tokens=budget, world_size=world))
+        results["speed"].append(dict(workload=name, budget=budget, world=world,
+                                     seconds=seconds, packs=p.packs_per_rank,
+                                     efficiency=p.efficiency, imbalance=p.imbalance))
+        print(f"  {name}: {len(seqs):,} sequences, budget {budget}, {world} ranks: "
+              f"{seconds:.3f} s ({p.packs_per_rank} packs per rank)")
+    by = {(r["workload"], r["world"]): r["seconds"] for r in results["speed"]}
+    growth = by["bos400k", 1] / by["bos50k", 1]
+
     ok_rows = all(r["efficiency"] <= 1.05 for r in results["rows"] if r["x_largest"] >= 2)
     ok_bal = all(r["imbalance"] <= 1.1 for r in results["balance"])
-    ok_speed = all(r["seconds"] < 1.0 for r in results["speed"] if r["workload"] == "64k")
+    ok_speed = all(r["seconds"] < 1.0 for r in results["speed"]
+                   if r["workload"] in ("64k", "bos64k", "grpo65-64k"))
+    ok_linear = growth <= 10  # 8x the sequences
     print(f"machine: {platform.machine()}, numpy {np.__version__}")
     print(f"bars: rows <= 1.05 x min at budgets >= 2 x the largest tree "
           f"{'PASS' if ok_rows else 'FAIL'}; imbalance <= 1.1 {'PASS' if ok_bal else 'FAIL'}; "
-          f"planning 64k sequences < 1 s at every budget {'PASS' if ok_speed else 'FAIL'}")
+          f"planning 64k sequences < 1 s at every budget and rank count "
+          f"{'PASS' if ok_speed else 'FAIL'}; 8x the sequences in <= 10x the time "
+          f"({growth:.1f}x) {'PASS' if ok_linear else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

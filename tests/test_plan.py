@@ -174,3 +174,35 @@ def test_planning_65536_sequences_is_fast_at_any_budget():
         p = plan(seqs, max_tokens=budget, world_size=8)
         assert time.perf_counter() - t < 5.0  # 0.43-0.79 s on 2 CPU cores (BENCHMARKS.md)
         assert p.imbalance < 1.01 and len({len(r) for r in p.specs}) == 1
+
+
+def test_split_tree_cuts_exactly_where_the_plain_rule_cuts():
+    """The one-cumulative-sum split (linear) against the rule written plainly: a run takes
+    sequences while its rows fit, then cuts before the last smallest LCP in its reach."""
+    from treepack.planner import _split_tree
+
+    def plain(a, b, s_len, new, lcp, budget):
+        runs, i = [], a
+        while i < b:
+            k, rows = i + 1, s_len[i]
+            while k < b and rows + new[k] <= budget:
+                rows += new[k]
+                k += 1
+            if k >= b:
+                runs.append((i, b))
+                break
+            window = list(lcp[i + 1:k + 1])
+            cut = i + 1 + max(j for j, x in enumerate(window) if x == min(window))
+            runs.append((i, cut))
+            i = cut
+        return runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(2, 40))
+        lcp = np.concatenate(([0], rng.integers(1, 6, n - 1)))
+        s_len = lcp + rng.integers(1, 8, n)
+        new = s_len - lcp
+        budget = int(s_len.max() + rng.integers(0, 20))
+        assert _split_tree(0, n, s_len, new, lcp, budget) == plain(0, n, s_len, new, lcp,
+                                                                   budget)

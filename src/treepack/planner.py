@@ -155,18 +155,23 @@ class Plan:
 
 
 def _split_tree(a: int, b: int, s_len, new, lcp, budget) -> list[tuple[int, int]]:
-    """Cut sorted sequences a..b-1 (one tree) into runs that each fit ``budget`` rows."""
+    """Cut sorted sequences a..b-1 (one tree) into runs that each fit ``budget`` rows.
+
+    One cumulative sum for the whole tree, then per run a bisection and a scan of the LCPs it
+    may cut at: O(b - a) overall, not O(runs x (b - a))."""
+    total = np.cumsum(new[a:b])  # total[k - a] = new[a] + ... + new[k]
     runs = []
     i = a
     while i < b:
-        # a run starting at i costs its full length, then each next sequence its new rows
-        rest = np.cumsum(new[i + 1:b])
-        reach = i + 1 + int(np.searchsorted(rest, budget - s_len[i], side="right"))
+        # a run starting at i costs its full length, then each next sequence its new rows:
+        # sequences i+1 .. k fit while total[k - a] - total[i - a] <= budget - s_len[i]
+        limit = total[i - a] + budget - s_len[i]
+        reach = i + 1 + int(np.searchsorted(total[i + 1 - a:], limit, side="right"))
         if reach >= b:
             runs.append((i, b))
             break
         window = lcp[i + 1:reach + 1]  # cutting before k repeats lcp[k] rows
-        cut = i + 1 + int(np.flatnonzero(window == window.min())[-1])
+        cut = reach - int(np.argmin(window[::-1]))  # the last smallest LCP: longest run
         runs.append((i, cut))
         i = cut
     return runs
@@ -283,7 +288,8 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     bins = _spread_and_pack(pieces, pieces.rows + pair_cost * pieces.pairs, world_size,
                             max_tokens)
     per_rank = max(len(b) for b in bins)
-    specs = [_specs(srt, pieces, rank_bins, pair_cost, per_rank) for rank_bins in bins]
+    sizes = (pieces.rows.tolist(), pieces.pairs.tolist())  # once: every rank reads them
+    specs = [_specs(srt, pieces, sizes, rank_bins, pair_cost, per_rank) for rank_bins in bins]
     return Plan(specs=specs, min_rows=int(srt.new.sum()), max_tokens=max_tokens,
                 pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device)
 
@@ -353,7 +359,8 @@ def _spread_and_pack(pieces: _Pieces, cost: np.ndarray, world_size: int,
         owner = _assign(pieces.rows, cost, world_size, room)
         if owner is None:
             continue
-        mine = [np.flatnonzero(owner == r) for r in range(world_size)]
+        by_rank = np.argsort(owner, kind="stable")  # each rank's pieces, in one pass
+        mine = np.split(by_rank, np.searchsorted(owner[by_rank], np.arange(1, world_size)))
         bins = [[mine[r][b] for b in _best_fit_decreasing(pieces.rows[mine[r]], max_tokens)]
                 for r in range(world_size)]
         if room is None or max(len(b) for b in bins) <= m0:
@@ -361,10 +368,11 @@ def _spread_and_pack(pieces: _Pieces, cost: np.ndarray, world_size: int,
     raise AssertionError("unreachable: the unconstrained pass always places every piece")
 
 
-def _specs(srt: _Sorted, pieces: _Pieces, bins: list, pair_cost: float,
-           per_rank: int) -> list[PackSpec]:
-    """One rank's pack specs, costliest first, padded with empty packs to ``per_rank``."""
-    rows_of, pairs_of = pieces.rows.tolist(), pieces.pairs.tolist()
+def _specs(srt: _Sorted, pieces: _Pieces, sizes: tuple[list, list], bins: list,
+           pair_cost: float, per_rank: int) -> list[PackSpec]:
+    """One rank's pack specs, costliest first, padded with empty packs to ``per_rank``
+    (``sizes``: every piece's rows and pairs as Python lists)."""
+    rows_of, pairs_of = sizes
     specs = []
     for members in bins:
         if len(members) == 1:  # the common case under a tight budget: no numpy per pack
