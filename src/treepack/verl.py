@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack import hf
+from treepack import hf, verl_trainer
 from treepack.forest import sort_and_lcp
 from treepack.planner import plan
 from treepack.softmax import log_softmax_rows, to_device
@@ -439,4 +439,4 @@ def register(devices=("cuda", "npu"), engine: type = TreepackEngine) -> None:
 
 
 register()
-from treepack import verl_trainer; verl_trainer.install()
+verl_trainer.install()  # the trainer process imports this module too (external_lib)
