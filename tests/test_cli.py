@@ -237,3 +237,18 @@ def test_bench_checks_its_output_paths_before_the_run(capsys, flag):
     """A path it cannot write is refused at once, not after minutes of benchmarking."""
     code, _, err = run(capsys, "bench", "--quick", flag, "/nonexistent/folder/out.x")
     assert code == 2 and f"{flag} /nonexistent/folder/out.x: cannot write there" in err
+
+
+def test_bench_on_a_batch_of_two_token_sequences_passes(capsys, tmp_path):
+    """1-token prompts and branches: a key bias's gradient is zero in exact arithmetic and
+    rounding in both runs; judged per tensor it read as a 300 % error and bench exited 1. The
+    FLOP-ratio limit counted the pack's padding rows (64x); with nothing shared it is 1."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    code, _, _ = run(capsys, "bench", "--quick", "--prompts", "1", "--rollouts", "1", "--steps",
+                     "1", "--prefix-len", "1", "--branch-len", "1", "--no-plot", "--json",
+                     str(out))
+    result = json.loads(out.read_text())
+    (work,) = result["workloads"]
+    assert code == 0 and work["flop_ratio_limit"] == pytest.approx(1.0)
+    assert max(s["grad_max_rel_error"] for s in work["steps"].values()) < 1e-4
