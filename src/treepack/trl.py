@@ -322,8 +322,6 @@ class TreepackGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, treepack_backend: str = "auto",
                  treepack_max_tokens: int | None = None,
                  treepack_pad_to_multiple_of: int | None = None, **kwargs):
-        self._treepack = _Settings(treepack_backend, treepack_max_tokens,
-                                   treepack_pad_to_multiple_of)
         super().__init__(*args, **kwargs)
         patch(self, backend=treepack_backend, max_tokens=treepack_max_tokens,
               pad_to_multiple_of=treepack_pad_to_multiple_of)
