@@ -258,7 +258,7 @@ def test_verl_log_probs_refuse_what_they_cannot_place():
     seqs, pack, logits = sequences_and_logits()
     with pytest.raises(ValueError, match="layout='flat'"):
         verl_log_probs(TreePack.from_sequences(seqs), logits, 1.0)
-    with pytest.raises(ValueError, match="one row per packed row"):
+    with pytest.raises(ValueError, match="one row per row of the pack"):
         verl_log_probs(pack, logits[1:], 1.0)
     with pytest.raises(ValueError, match="one number or one per sequence"):
         verl_log_probs(pack, logits, torch.ones(len(seqs) + 1))
@@ -282,3 +282,19 @@ def test_a_rank_that_needs_more_micro_batches_cuts_where_the_least_prefix_is_sha
     parts = _split_to([rows], 5, sequences)
     assert len(parts) == 5 and sorted(np.concatenate(parts).tolist()) == rows.tolist()
     assert _split_to([np.array([0])], 3, sequences) == [np.array([0])]  # nothing to split
+
+
+def test_verl_log_probs_of_a_padded_pack_equal_the_unpadded_packs():
+    """A flat pack padded to a multiple (the model returns a logit row per padding row too)
+    was refused: the check counted packed rows, not the pack's rows."""
+    from treepack import TreePack
+    from treepack.verl import verl_log_probs
+
+    seqs, pack, logits = sequences_and_logits()
+    padded = TreePack.from_sequences(seqs, layout="flat", pad_to_multiple_of=16)
+    assert padded.num_rows > pack.num_rows
+    extra = torch.randn(padded.num_rows - pack.num_rows, logits.shape[1], dtype=logits.dtype)
+    got = verl_log_probs(padded, torch.cat([logits, extra]), 0.7, entropy_too=True)
+    want = verl_log_probs(pack, logits, 0.7, entropy_too=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

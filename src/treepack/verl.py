@@ -325,7 +325,7 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
 
     Args:
         pack: a pack built with ``layout="flat"``.
-        logits: [T', V] its logits.
+        logits: [T', V] its logits (one row per row of the pack, its padding included).
         temperature: a finite number > 0, or one per sequence ([N] or [1]).
         entropy_too: also return the entropies.
 
@@ -338,9 +338,10 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
     """
     if pack.layout != "flat":
         raise ValueError("verl_log_probs takes a pack built with layout='flat'")
-    if not logits.is_floating_point() or logits.shape[:-1] != (pack.num_packed_rows,):
-        raise ValueError(f"logits must be floating point [{pack.num_packed_rows}, V] (one row "
-                         f"per packed row), got {logits.dtype} {tuple(logits.shape)}")
+    if not logits.is_floating_point() or logits.shape[:-1] != (pack.num_rows,):
+        raise ValueError(f"logits must be floating point [{pack.num_rows}, V] (one row per "
+                         f"row of the pack, padding included), got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
     pack.check_vocabulary(logits.shape[-1])
     temps = _per_sequence(temperature, pack.num_sequences)  # [N] float64, host
     h = pack.host
