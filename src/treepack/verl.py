@@ -47,7 +47,6 @@ What changes, and what does not:
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import numpy as np
 import torch
@@ -58,6 +57,7 @@ from treepack.forest import sort_and_lcp
 from treepack.planner import plan
 from treepack.softmax import log_softmax_rows, to_device
 from treepack.tree import TreePack
+from treepack.verl_trainer import say_once
 
 try:
     from verl.utils import tensordict_utils as tu
@@ -73,14 +73,6 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 __all__ = ["TreepackEngine", "TreepackLeanEngine", "register", "VERL_VERSION", "verl_log_probs"]
 
 VERL_VERSION = "0.9.1"
-log = logging.getLogger("treepack.verl")
-_SAID: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _SAID:
-        _SAID.add(message)
-        log.warning("treepack: %s", message)
 
 
 class TreepackEngine(FSDPEngineWithLMHead):
@@ -106,11 +98,11 @@ class TreepackEngine(FSDPEngineWithLMHead):
         anyone = torch.tensor([reason is not None], dtype=torch.int32, device=_device())
         torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX, group=group)
         if anyone.item():
-            _say_once("running verl's stock engine path: "
+            say_once("running verl's stock engine path: "
                       + (reason or "another data-parallel rank's batch cannot be tree-packed"))
             return super().forward_backward_batch(data, loss_function, forward_only)
         if not tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True):
-            _say_once("use_remove_padding=false has no effect: tree packs never hold padding")
+            say_once("use_remove_padding=false has no effect: tree packs never hold padding")
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         # verl's loss normalisation: the global count of loss tokens, and the DP size
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
@@ -238,14 +230,14 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return None
         temps = np.unique(_per_sequence(temperature, pack.num_sequences))
         if len(temps) > 1:
-            _say_once("per-row temperatures: the lean head takes one; using full logits")
+            say_once("per-row temperatures: the lean head takes one; using full logits")
             return None
         try:
             rows = hf.forward_lean(self.module, pack, self.treepack_backend,
                                    temperature=float(temps[0]), with_entropy=entropy_too)
         except NotImplementedError as e:
             self._lean_refused = str(e)
-            _say_once(f"the lean head does not apply ({e}); using full logits")
+            say_once(f"the lean head does not apply ({e}); using full logits")
             return None
         index = pack.predictions.index  # flat position of each predicted token
         log_probs = rows.logprobs.new_zeros(pack.num_original_tokens).index_put(

@@ -153,14 +153,14 @@ def _keep_groups(config, groups: np.ndarray, seqlen: torch.Tensor, dp: int, metr
                                 dp, len(groups) // dp)
     placed = keep_groups_together(groups, calculate_workload(seqlen).numpy(), dp,
                                   rows_per_minibatch=minibatch)
-    _once(logging.INFO, f"treepack: _balance_batch keeps each prompt's rows (uid) on one of "
-                        f"{dp} data-parallel ranks and in one mini-batch of "
-                        f"{minibatch or len(groups) // dp} rows where sizes allow, ranks "
-                        "balanced by verl's calculate_workload (metrics treepack/groups_split_*)")
+    say_once(f"_balance_batch keeps each prompt's rows (uid) on one of {dp} data-parallel "
+             f"ranks and in one mini-batch of {minibatch or len(groups) // dp} rows where "
+             "sizes allow, ranks balanced by verl's calculate_workload (metrics "
+             "treepack/groups_split_*)", level=logging.INFO)
     if actor.get("shuffle", False):
-        _once(logging.WARNING, "treepack: actor.shuffle=true shuffles each rank's rows before "
-                               "verl cuts mini-batches, so GRPO groups stay whole per rank but "
-                               "not per mini-batch; set actor.shuffle=false to pack them whole")
+        say_once("actor.shuffle=true shuffles each rank's rows before verl cuts mini-batches, "
+                 "so GRPO groups stay whole per rank but not per mini-batch; set "
+                 "actor.shuffle=false to pack them whole")
     metrics.update(log_seqlen_unbalance(seqlen_list=seqlen.tolist(),
                                         partitions=placed.order.reshape(dp, -1).tolist(),
                                         prefix=logging_prefix))
@@ -196,7 +196,8 @@ def _uid_of_key(key: str) -> str:
     return parts[0] if len(parts) == 3 else key
 
 
-def _once(level: int, message: str) -> None:
+def say_once(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` (logger ``treepack.verl``) the first time it comes, in this process."""
     if message not in _SAID:
         _SAID.add(message)
-        log.log(level, message)
+        log.log(level, "treepack: %s", message)
