@@ -1,8 +1,9 @@
 """The package's layering (docs/design.md), read from every module's imports.
 
-core -> core; attention -> core; lean -> core; plan -> core; adapters -> any of those; face ->
-anything. Nothing imports face, no module imports the package root for a re-export, and
-core, attention, lean and plan never import transformers, TRL or verl. Imports inside
+Each part is a folder: core -> core; attention, lean, planning -> core; adapters -> any of
+those and data; face -> anything; data -> nothing. Nothing imports face, no module imports the
+package root for a re-export or a short path (``treepack.hf`` for ``treepack.adapters.hf``),
+and core, attention, lean and planning never import transformers, TRL or verl. Imports inside
 functions count: they run too.
 """
 
@@ -13,34 +14,40 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "treepack"
 
-LAYERS = {
-    "core": {"tree", "forest", "mask", "softmax", "checks", "denominators", "version"},
-    "attention": {"attention"},
-    "lean": {"logprobs", "losses"},
-    "plan": {"planner", "collation", "groups"},
-    "adapters": {"hf", "hf_compat", "trl", "verl", "verl_lean", "verl_trainer", "zoo"},
-    "face": {"cli", "verification", "benchmark"},
-    "data": {"synthetic"},  # built-in workloads: import nothing of treepack, usable anywhere
-}
+# Each part is a folder of src/treepack; the package root and version.py stand alone.
+PARTS = ("core", "attention", "lean", "planning", "adapters", "face", "data")
 MAY_IMPORT = {
     "core": {"core"},
-    "attention": {"core", "attention"},
-    "lean": {"core", "lean"},
-    "plan": {"core", "plan"},
-    "adapters": {"core", "attention", "lean", "plan", "adapters", "data"},
-    "face": set(LAYERS),
-    "data": set(),
+    "attention": {"core"},
+    "lean": {"core"},
+    "planning": {"core"},
+    "adapters": {"core", "attention", "lean", "planning", "data"},
+    "face": set(PARTS),
+    "data": set(),  # built-in workloads: import nothing of treepack, usable anywhere
 }
 FRAMEWORKS = {"transformers", "trl", "verl"}
 
 
+def _short_paths() -> dict:
+    """treepack.PATHS, read from the root's source (importing it would run the code under
+    test)."""
+    for node in ast.parse((SRC / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PATHS":
+            return ast.literal_eval(node.value)
+    raise AssertionError("treepack/__init__.py defines no PATHS table")
+
+
+SHORT_PATHS = _short_paths()
+
+
 def layer_of(module: str) -> str:
-    """``treepack.attention.segment`` -> "attention"."""
+    """``treepack.attention.segment`` -> "attention": the folder it lives in."""
     top = module.split(".")[1]
-    for layer, names in LAYERS.items():
-        if top in names:
-            return layer
-    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+    if top in PARTS:
+        return top
+    if module == "treepack.version":
+        return "core"  # read by setuptools from its own path; imports nothing
+    raise AssertionError(f"{module} lives in no part's folder: move it into one of {PARTS}")
 
 
 def modules():
@@ -80,12 +87,16 @@ def test_every_import_points_down():
         for target, line in imports(path, module):
             top = target.split(".")[0]
             where = f"{path.relative_to(SRC.parent)}:{line} imports {target}"
-            if top in FRAMEWORKS and layer in ("core", "attention", "lean", "plan"):
+            if top in FRAMEWORKS and layer in ("core", "attention", "lean", "planning"):
                 wrong.append(f"{where}: {layer} never imports {top}")
             if top != "treepack":
                 continue
             if target == "treepack":
                 wrong.append(f"{where}: import the defining module, not the package root")
+                continue
+            if target.split(".")[1] in SHORT_PATHS:
+                wrong.append(f"{where}: a short public path; import "
+                             f"treepack.{SHORT_PATHS[target.split('.')[1]]} inside the package")
                 continue
             target_layer = layer_of(target)
             if target_layer not in MAY_IMPORT[layer] and target_layer != layer:
@@ -99,7 +110,8 @@ def test_the_package_root_imports_nothing_at_import_time():
     eager = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
              and not (isinstance(node, ast.ImportFrom) and node.module in ("__future__",
                                                                            "typing"))
-             and not (isinstance(node, ast.Import) and node.names[0].name == "importlib")]
+             and not (isinstance(node, ast.Import) and node.names[0].name.split(".")[0]
+                      in ("importlib", "sys"))]
     assert [ast.unparse(n) for n in eager] == ["from treepack.version import __version__"]
 
 
@@ -119,10 +131,38 @@ def test_importing_loads_no_framework(name):
 def test_the_layering_test_catches_an_upward_import(tmp_path, monkeypatch):
     # A mutation check: core importing the lean layer must be reported.
     fake = tmp_path / "treepack"
-    fake.mkdir()
-    for name in ("tree.py", "logprobs.py"):
+    for part in ("core", "lean"):
+        (fake / part).mkdir(parents=True)
+    (fake / "__init__.py").write_text("PATHS = {}\n")
+    for name in ("core/tree.py", "lean/logprobs.py"):
         (fake / name).write_text("")
-    (fake / "mask.py").write_text("from treepack.logprobs import edges\n")
+    (fake / "core" / "mask.py").write_text("from treepack.lean.logprobs import edges\n")
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     with pytest.raises(AssertionError, match="core -> lean points up"):
         test_every_import_points_down()
+
+
+def test_the_layering_test_catches_a_short_path_inside_the_package(tmp_path, monkeypatch):
+    fake = tmp_path / "treepack"
+    (fake / "core").mkdir(parents=True)
+    (fake / "__init__.py").write_text("PATHS = {'tree': 'core.tree'}\n")
+    (fake / "core" / "tree.py").write_text("")
+    (fake / "core" / "mask.py").write_text("from treepack.tree import TreePack\n")
+    monkeypatch.setattr(__import__(__name__), "SRC", fake)
+    monkeypatch.setattr(__import__(__name__), "SHORT_PATHS", _short_paths())
+    with pytest.raises(AssertionError, match="a short public path"):
+        test_every_import_points_down()
+
+
+def test_short_paths_are_the_same_modules():
+    import importlib
+
+    import treepack
+
+    for short, place in treepack.PATHS.items():
+        if short in ("trl", "verl", "verl_lean", "verl_trainer"):
+            continue  # their frameworks are optional; tested with them
+        assert importlib.import_module(f"treepack.{short}") is \
+            importlib.import_module(f"treepack.{place}"), short
+    from treepack.hf import compat
+    assert compat is importlib.import_module("treepack.hf_compat")

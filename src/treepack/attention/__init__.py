@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Protocol
 from torch import Tensor
 
 from treepack.attention import dense, flex, segment, varlen
-from treepack.checks import positive_int
+from treepack.core.checks import positive_int
 
 if TYPE_CHECKING:
-    from treepack.tree import TreePack
+    from treepack.core.tree import TreePack
 
 __all__ = ["TreeAttention", "Backend", "BACKENDS", "CHOICES", "choose_backend"]
 

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.forest import ragged_arange
-from treepack.tree import TreePack, derived_from_pack
+from treepack.core.forest import ragged_arange
+from treepack.core.tree import TreePack, derived_from_pack
 
 __all__ = ["Chains", "chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
 

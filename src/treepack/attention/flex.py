@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treepack import mask as _mask
+from treepack.core import mask as _mask
 from treepack.attention.chains import geometric_bucket
-from treepack.tree import derived_from_pack
+from treepack.core.tree import derived_from_pack
 
 RECOMPILE_LIMIT = 32  # flex compiles one process may make (per bucket length, dtype, head
 # layout, window, soft-cap and grad mode)

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack import checks
-from treepack.checks import floating, positive_finite, positive_int
-from treepack.softmax import default_chunk_size  # shared with the logits path
-from treepack.tree import TreePack, derived_from_pack
+from treepack.core import checks
+from treepack.core.checks import floating, positive_finite, positive_int
+from treepack.core.softmax import default_chunk_size  # shared with the logits path
+from treepack.core.tree import TreePack, derived_from_pack
 
 __all__ = ["token_logprobs", "token_entropy", "logprobs_from_hidden",
            "logprobs_and_entropy_from_hidden", "row_logprobs_from_hidden", "TokenLogprobs",

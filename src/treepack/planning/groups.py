@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from treepack.checks import positive_int
+from treepack.core.checks import positive_int
 
 __all__ = ["keep_groups_together", "GroupOrder"]
 

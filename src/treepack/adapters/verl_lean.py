@@ -8,7 +8,7 @@ computed from hidden states inside the model's forward, so the ``[T', V]`` logit
 micro-batch never exist (docs/integrations.md, "verl").
 """
 
-from treepack.verl import TreepackLeanEngine, register
+from treepack.adapters.verl import TreepackLeanEngine, register
 
 __all__ = ["TreepackLeanEngine"]
 

@@ -35,9 +35,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from treepack.forest import causal_pairs, ragged_arange, sort_and_lcp
-from treepack.checks import positive_int
-from treepack.tree import MAX_PAD_MULTIPLE, TreePack, validate_sequences
+from treepack.core.forest import causal_pairs, ragged_arange, sort_and_lcp
+from treepack.core.checks import positive_int
+from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack, validate_sequences
 
 __all__ = ["plan", "Plan", "PackSpec", "PAIR_COST"]
 

@@ -29,9 +29,9 @@ import weakref
 import torch
 from torch import Tensor
 
-from treepack import hf_compat as compat
+from treepack.adapters.hf import compat
 from treepack.attention import TreeAttention
-from treepack.tree import TreePack
+from treepack.core.tree import TreePack
 
 __all__ = ["forward", "forward_hidden", "HiddenOutput", "prepare", "restore", "prepared",
            "unprepare", "is_prepared", "original_attention", "unwrap", "lm_head",
@@ -506,7 +506,7 @@ def forward_lean(model, pack: TreePack, backend: str = "auto", *, temperature: f
             transforms after its head.
         ValueError: as :func:`forward`.
     """
-    from treepack.logprobs import RowLogprobs, row_logprobs_from_hidden
+    from treepack.lean.logprobs import RowLogprobs, row_logprobs_from_hidden
 
     core = unwrap(model)
     head = core.get_output_embeddings()
@@ -680,7 +680,7 @@ def _full(t):
 
 
 def _check_lm_head(model, kwargs: dict) -> None:
-    from treepack.logprobs import head_logits
+    from treepack.lean.logprobs import head_logits
 
     device = kwargs["weight"].device
     ids = torch.tensor([[1, 2, 3]], device=device) % _text_config(model).vocab_size

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.checks import positive_int
+from treepack.core.checks import positive_int
 
 __all__ = ["dense_mask", "tree_mask_mod", "block_mask"]
 

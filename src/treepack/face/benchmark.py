@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from treepack.forest import causal_pairs
-from treepack.tree import TreePack, forest_stats
+from treepack.core.forest import causal_pairs
+from treepack.core.tree import TreePack, forest_stats
 
 __all__ = ["Flops", "step_flops", "best_of", "Measurement", "measure", "unpacked_step", "packed_step",
            "Workload", "rl_workloads", "custom_workload", "STEPS", "compare_step", "bench_model",
@@ -171,8 +171,8 @@ def packed_step(model: nn.Module, pack: TreePack, backend: str, *, lean: bool = 
 
     With ``lean`` the log-probs come from hidden states (``logprobs_from_hidden``), never
     materialising the [T', V] logits."""
-    from treepack import hf
-    from treepack.logprobs import logprobs_from_hidden
+    from treepack.adapters import hf
+    from treepack.lean.logprobs import logprobs_from_hidden
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -200,7 +200,7 @@ CLAW_R1 = (  # (n_steps, prefix_len, branch_len) -> published token ratio (Claw-
 def head_bench_pack(rows: int, vocab: int, device: torch.device) -> TreePack:
     """The pack of the log-prob benchmarks (``bench/logprobs.py``, ``bench/logits.py``): one
     1024-token prompt and 8 responses filling ``rows`` rows."""
-    from treepack.synthetic import grpo_batch
+    from treepack.data.synthetic import grpo_batch
 
     prompt = 1024
     seqs = grpo_batch(groups=1, rollouts=8, prompt_len=prompt, response_len=(rows - prompt) // 8,
@@ -228,7 +228,7 @@ def print_paths(results: dict, device: torch.device, what: str) -> None:
 def claw_r1_scenarios() -> list[dict]:
     """Claw-R1's token-ratio table, measured: ``n_steps`` branches of ``branch_len`` tokens off
     one ``prefix_len``-token prompt (the shape of their own trie example)."""
-    from treepack.synthetic import grpo_batch
+    from treepack.data.synthetic import grpo_batch
 
     out = []
     for (steps, prefix, branch), published in CLAW_R1:
@@ -256,7 +256,7 @@ def rl_workloads(*, scale: int = 1, jitter: float | None = None, seed: int = 0,
 
     ``jitter`` replaces every default spread (0: uniform lengths).
     """
-    from treepack.synthetic import agent_batch, grpo_batch
+    from treepack.data.synthetic import agent_batch, grpo_batch
 
     def j(default):
         return default if jitter is None else jitter
@@ -291,7 +291,7 @@ def custom_workload(*, prompts: int = 1, rollouts: int = 8, steps: int = 1,
     """``prompts x rollouts`` trajectories of ``steps`` steps (``steps=1``: GRPO rollouts)
     with ``prefix_len``-token prompts, ``branch_len``-token responses and ``tool_len``-token
     tool outputs between steps, lengths spread by ``jitter``."""
-    from treepack.synthetic import agent_batch, grpo_batch
+    from treepack.data.synthetic import agent_batch, grpo_batch
 
     if steps == 1:
         seqs = grpo_batch(groups=prompts, rollouts=rollouts, prompt_len=prefix_len,
@@ -380,7 +380,7 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype = torch.fl
     for tree forwards (:func:`treepack.hf.prepare`; padded batches run as before)."""
     import transformers
 
-    from treepack import hf, zoo
+    from treepack.adapters import hf, zoo
 
     if preset not in zoo.MODELS:
         raise ValueError(f"model={preset!r}: choose one of {sorted(zoo.MODELS)}")

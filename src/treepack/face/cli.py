@@ -93,8 +93,8 @@ def read_jsonl(path: str) -> list:
 
 
 def _stats(args) -> int:
-    from treepack.synthetic import agentic_batch
-    from treepack.tree import forest_stats
+    from treepack.data.synthetic import agentic_batch
+    from treepack.core.tree import forest_stats
 
     if args.file is None:
         sequences, source = agentic_batch(), BUILTIN_DESCRIPTION
@@ -139,7 +139,7 @@ def _bench(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from treepack import benchmark
+    from treepack.face import benchmark
 
     try:
         import transformers  # noqa: F401
@@ -251,8 +251,8 @@ def _fraction(text: str) -> float:
 def _verify(args) -> int:
     import torch
 
-    from treepack import zoo
-    from treepack.verification import verification_batch, verify
+    from treepack.adapters import zoo
+    from treepack.face.verification import verification_batch, verify
 
     dtype = getattr(torch, args.dtype)
     # Low-precision runs are compared against float32 copies: build the model in float32.
@@ -270,7 +270,7 @@ def _verify(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from treepack.version import __version__
-    from treepack.zoo import FAMILIES, MODELS
+    from treepack.adapters.zoo import FAMILIES, MODELS
 
     parser = argparse.ArgumentParser(
         prog="treepack",

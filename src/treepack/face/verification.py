@@ -30,9 +30,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from treepack import hf
-from treepack import hf_compat as compat
-from treepack.tree import TreePack, validate_sequences
+from treepack.adapters import hf
+from treepack.adapters.hf import compat
+from treepack.core.tree import TreePack, validate_sequences
 
 __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR", "FLOOR_FACTOR",
            "verification_batch"]
@@ -138,7 +138,7 @@ def verification_batch(vocab: int, *, seed: int = 0, eos: int | None = 2) -> lis
     duplicate, a sequence that is a prefix of another, a one-token sequence, and an unrelated
     tree. Sequences run past 6 tokens, so the zoo's sliding windows are crossed.
     """
-    from treepack.synthetic import agent_batch, grpo_batch
+    from treepack.data.synthetic import agent_batch, grpo_batch
 
     g = torch.Generator().manual_seed(seed)
     batch = [torch.as_tensor(s) for s in

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.denominators import Denominators, global_denominators
-from treepack.planner import Plan, plan
-from treepack.tree import TreePack
+from treepack.core.denominators import Denominators, global_denominators
+from treepack.planning.planner import Plan, plan
+from treepack.core.tree import TreePack
 
 __all__ = ["collate", "Collated", "Batch", "rollouts_from_padded"]
 

@@ -33,9 +33,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from treepack.checks import positive_finite
-from treepack.denominators import Denominators, global_denominators
-from treepack.denominators import check_layout as _check
+from treepack.core.checks import positive_finite
+from treepack.core.denominators import Denominators, global_denominators
+from treepack.core.denominators import check_layout as _check
 
 # Denominators and global_denominators live in treepack.denominators (core); re-exported here.
 __all__ = ["MODES", "Denominators", "global_denominators", "aggregate",

@@ -1,6 +1,6 @@
 """TRL integration: GRPOTrainer's per-token log-probs from one packed forward.
 
-    from treepack.trl import TreepackGRPOTrainer        # a GRPOTrainer, packed
+    from treepack.adapters.trl import TreepackGRPOTrainer        # a GRPOTrainer, packed
     trainer = TreepackGRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
 
 or, for a trainer you already have (or a subclass of GRPOTrainer)::
@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack import hf
-from treepack.groups import keep_groups_together
-from treepack.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
-from treepack.planner import plan
-from treepack.tree import TreePack
+from treepack.adapters import hf
+from treepack.planning.groups import keep_groups_together
+from treepack.lean.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
+from treepack.planning.planner import plan
+from treepack.core.tree import TreePack
 
 try:
     from trl import GRPOTrainer

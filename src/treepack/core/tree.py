@@ -26,11 +26,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack import checks
-from treepack.checks import floating, positive_int
-from treepack import mask as _mask
-from treepack.softmax import log_softmax_rows
-from treepack.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
+from treepack.core import checks
+from treepack.core.checks import floating, positive_int
+from treepack.core import mask as _mask
+from treepack.core.softmax import log_softmax_rows
+from treepack.core.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
            "validate_sequences", "derived_from_pack", "MAX_PAD_MULTIPLE"]

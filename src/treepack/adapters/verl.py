@@ -52,12 +52,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack import hf, verl_trainer
-from treepack.forest import sort_and_lcp
-from treepack.planner import plan
-from treepack.softmax import log_softmax_rows, to_device
-from treepack.tree import TreePack
-from treepack.verl_trainer import say_once
+from treepack.adapters import hf, verl_trainer
+from treepack.core.forest import sort_and_lcp
+from treepack.planning.planner import plan
+from treepack.core.softmax import log_softmax_rows, to_device
+from treepack.core.tree import TreePack
+from treepack.adapters.verl_trainer import say_once
 
 try:
     from verl.utils import tensordict_utils as tu

@@ -51,7 +51,7 @@ import logging
 import numpy as np
 import torch
 
-from treepack.groups import GroupOrder, keep_groups_together
+from treepack.planning.groups import GroupOrder, keep_groups_together
 
 try:
     from verl.trainer.ppo import ray_trainer

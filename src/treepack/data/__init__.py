@@ -1,0 +1,1 @@
+"""Built-in workloads: synthetic RL batches. Imports nothing of treepack."""

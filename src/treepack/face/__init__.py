@@ -1,0 +1,1 @@
+"""The face: the command line, ``verify`` and the benchmark. Nothing imports it."""

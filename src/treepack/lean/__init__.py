@@ -1,0 +1,2 @@
+"""Lean log-probs (from hidden states, without [T', V] logits) and the losses that read them.
+Imports the core only."""
