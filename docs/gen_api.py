@@ -22,12 +22,15 @@ SECTIONS = [
                   "TokenLogprobs", "plan", "Plan", "PackSpec", "collate", "verify",
                   "VerifyReport"]),
     ("treepack.attention", ["TreeAttention", "BACKENDS", "CHOICES", "choose_backend"]),
-    ("treepack.hf", ["prepare", "restore", "prepared", "is_prepared", "original_attention",
-                     "forward", "forward_hidden", "forward_lean", "HiddenOutput", "unwrap",
-                     "lm_head", "compute_device", "row_multiplicity", "router_aux_loss",
-                     "batch_router_aux_loss", "UnsupportedModel"]),
-    ("treepack.logprobs", ["row_logprobs_from_hidden", "RowLogprobs"]),
-    ("treepack.softmax", ["log_softmax_rows", "default_chunk_size"]),
+    ("treepack.hf", ["logprobs", "HEADS", "prepare", "restore", "prepared", "is_prepared",
+                     "original_attention", "forward", "forward_hidden", "HiddenOutput",
+                     "unwrap", "lm_head", "compute_device", "row_multiplicity",
+                     "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel"]),
+    ("treepack.logprobs", ["outputs_from_hidden", "RowLogprobs"]),
+    ("treepack.core.outputs", ["from_logits", "token_outputs", "row_outputs", "take_columns",
+                               "per_sequence_temperature", "ALIGNMENTS"]),
+    ("treepack.core.softmax", ["normalise", "Logits", "Head", "head_logits",
+                               "default_chunk_size"]),
     ("treepack.losses", ["MODES", "Denominators", "global_denominators", "aggregate",
                          "sft_loss", "policy_loss", "PolicyLoss", "kl_penalty",
                          "entropy_bonus"]),
@@ -38,6 +41,27 @@ SECTIONS = [
     ("treepack.zoo", ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config",
                       "qwen25_05b_config", "MODELS"]),
     ("treepack.synthetic", ["grpo_batch", "agent_batch", "agentic_batch"]),
+]
+
+
+# Deprecated names: each warns (FutureWarning) naming its replacement and the release that
+# removes it (treepack.core.deprecation.REMOVED_IN).
+DEPRECATED = [
+    ("treepack.hf.forward_lean(...)", "treepack.hf.logprobs(model, pack, head='inside')"),
+    ("treepack.hf.forward(..., return_hidden=True)", "treepack.hf.forward_hidden"),
+    ("treepack.hf.unprepare", "treepack.hf.restore"),
+    ("treepack.hf.router_aux_loss(model, packs, router_logits) with lists",
+     "treepack.hf.batch_router_aux_loss"),
+    ("treepack.logprobs_from_hidden(..., with_entropy=True)",
+     "treepack.logprobs_and_entropy_from_hidden"),
+    ("treepack.logprobs.row_logprobs_from_hidden",
+     "treepack.hf.logprobs(model, pack, head='inside')"),
+    ("treepack.softmax.log_softmax_rows", "treepack.core.softmax.normalise(Logits(logits), ...)"),
+    ("treepack.verl.verl_log_probs",
+     "treepack.core.outputs.from_logits(pack, logits, align='prediction')"),
+    ("TreePack.num_tokens", "TreePack.num_packed_rows"),
+    ("ForestStats.packed_tokens", "ForestStats.packed_rows"),
+    ("PackSpec.rows / Plan.rows", "PackSpec.packed_rows / Plan.packed_rows"),
 ]
 
 
@@ -97,6 +121,12 @@ def render() -> str:
                 parts += [f"### `{name}{_signature(obj)}`", "", _doc(obj)]
             else:
                 parts += [f"### `{name}`", "", f"```text\n{_value(obj)}\n```\n"]
+    from treepack.core.deprecation import REMOVED_IN
+
+    parts += ["## Deprecated", "",
+              f"Each still works, warns (`FutureWarning`) and goes in treepack {REMOVED_IN}.", "",
+              "| deprecated | use instead |", "|---|---|"]
+    parts += [f"| `{old}` | `{new}` |" for old, new in DEPRECATED]
     return "\n".join(parts).rstrip() + "\n"
 
 

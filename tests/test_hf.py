@@ -116,7 +116,7 @@ def test_verify_fails_when_siblings_leak(monkeypatch):
         causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
         return dense.sdpa(q, k, v, causal, scale=scale, softcap=softcap, dropout=dropout)
 
-    monkeypatch.setitem(hf.TreeAttention.__init__.__globals__["BACKENDS"], "dense", leaky)
+    monkeypatch.setitem(__import__("treepack.attention", fromlist=["BACKENDS"]).BACKENDS, "dense", leaky)
     report = verify(zoo.tiny_model("llama").eval(), SEQS, backend="dense")
     assert not report.passed
     assert report.errors["logprobs"].max_rel > 1e-3
@@ -161,7 +161,8 @@ def test_prepared_model_runs_padded_batches_unchanged():
     pack = TreePack.from_sequences(SEQS)
     hf.forward(model, pack)  # and the same object runs packs
     assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before)
-    hf.unprepare(model)
+    with pytest.warns(FutureWarning, match="hf.restore"):
+        hf.unprepare(model)  # the deprecated name still works
     assert model.config._attn_implementation == original
 
 
@@ -240,7 +241,7 @@ def test_return_hidden_gives_the_lm_head_input():
     model = tiny("gemma2", dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS)
     logits = hf.forward(model, pack).logits[0]
-    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+    hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
     z = hidden @ model.get_output_embeddings().weight.T
     cap = model.config.final_logit_softcapping
     torch.testing.assert_close(torch.tanh(z / cap) * cap, logits, rtol=0, atol=1e-12)
@@ -255,7 +256,7 @@ def test_moe_aux_loss_counts_original_tokens():
     mask = torch.zeros_like(ids)
     for i, s in enumerate(SEQS):
         ids[i, : len(s)], mask[i, : len(s)] = s, 1
-    hf.unprepare(model)
+    hf.restore(model)
     ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
     torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-12, atol=0)
     weights = hf.row_multiplicity(pack)
@@ -289,7 +290,7 @@ def test_refuses_a_model_that_ignores_position_ids():
     rotary = model.model.rotary_emb
     original = rotary.forward
     rotary.forward = lambda x, position_ids: original(x, torch.arange(x.shape[1])[None])
-    with pytest.raises(ValueError, match="ignores position_ids"):
+    with pytest.raises(hf.UnsupportedModel, match="ignores position_ids"):
         hf.prepare(model)
     assert not hf.is_prepared(model)
 
@@ -308,21 +309,21 @@ def test_refuses_a_layer_that_bypasses_the_attention_interface():
         return layer.o_proj(out.transpose(1, 2).flatten(2)), None
 
     layer.forward = own_attention
-    with pytest.raises(RuntimeError, match="1 of them attended"):
+    with pytest.raises(hf.UnsupportedModel, match="1 of them attended"):
         hf.prepare(model)
 
 
 def test_refuses_recurrent_layers_and_attention_sinks():
     model = zoo.tiny_model("llama")
     model.config.layer_types = ["full_attention", "linear_attention"]
-    with pytest.raises(ValueError, match="linear_attention"):
+    with pytest.raises(hf.UnsupportedModel, match="linear_attention"):
         hf.prepare(model)
     config = transformers.GptOssConfig(
         vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     sinks = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(NotImplementedError, match="sinks"):
+    with pytest.raises(hf.UnsupportedModel, match="sinks"):
         hf.prepare(sinks)
 
 
@@ -367,7 +368,7 @@ def test_lean_logprobs_from_hidden_equal_the_logits_path(family):
     model = tiny(family, dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     expect = pack.token_logprobs(hf.forward(model, pack).logits[0])
-    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+    hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
     got = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model), chunk_size=5)
     torch.testing.assert_close(got, expect, rtol=0, atol=1e-12)
 
@@ -377,7 +378,7 @@ def test_lm_head_refuses_an_unknown_logit_transform():
     hf.lm_head(model)  # known: passes its self-check
     other = zoo.tiny_model("cohere", seed=3)
     other.config.logit_scale = None  # now the transform is invisible to lm_head
-    with pytest.raises(NotImplementedError, match="transforms its logits"):
+    with pytest.raises(hf.UnsupportedModel, match="transforms its logits"):
         hf.lm_head(other)
 
 
@@ -388,10 +389,10 @@ def test_a_pack_scored_under_inference_mode_still_trains():
     pack = TreePack.from_sequences(SEQS)
     with torch.inference_mode():  # old log-probs, the usual way
         old = pack.token_logprobs(hf.forward(model, pack).logits[0])
-        hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+        hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
         treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
     logps = pack.token_logprobs(hf.forward(model, pack).logits[0])
-    hidden = hf.forward(model, pack, return_hidden=True).last_hidden_state[0]
+    hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
     lean = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
     ((logps - old.clone()) * pack.prediction_mask).sum().backward()
     lean.sum().backward()
@@ -405,10 +406,12 @@ def test_moe_aux_loss_of_an_empty_pack_is_zero_and_of_several_packs_is_the_batch
     packs = [TreePack.from_sequences(SEQS[:7]), TreePack.from_sequences(SEQS[7:])]
     logits = [hf.forward(model, p, output_router_logits=True).router_logits for p in packs]
     whole = hf.forward(model, TreePack.from_sequences(SEQS), output_router_logits=True)
-    both = hf.router_aux_loss(model, packs + [TreePack.empty(2)],
-                              logits + [hf.forward(model, TreePack.empty(2),
-                                                   output_router_logits=True).router_logits])
+    empty = hf.forward(model, TreePack.empty(2), output_router_logits=True).router_logits
+    both = hf.batch_router_aux_loss(model, packs + [TreePack.empty(2)], logits + [empty])
     torch.testing.assert_close(both, whole.aux_loss, rtol=1e-12, atol=0)
+    with pytest.warns(FutureWarning, match="batch_router_aux_loss"):  # the deprecated form
+        old = hf.router_aux_loss(model, packs + [TreePack.empty(2)], logits + [empty])
+    torch.testing.assert_close(old, both, rtol=0, atol=0)
 
 
 def test_refuses_a_window_that_the_model_keeps_in_its_own_mask():
@@ -419,7 +422,7 @@ def test_refuses_a_window_that_the_model_keeps_in_its_own_mask():
         moe_intermediate_size=32, shared_expert_intermediate_size=32,
         layer_types=["sliding_attention"] * 2, sliding_window=3, use_sliding_window=True)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(NotImplementedError, match="sliding window of 3 on 2 layers, but 0"):
+    with pytest.raises(hf.UnsupportedModel, match="sliding window of 3 on 2 layers, but 0"):
         hf.prepare(model)
 
 
@@ -435,7 +438,7 @@ def test_rotary_scaling_that_reads_the_longest_position_is_refused_past_its_limi
     torch.testing.assert_close(got, alone_logprobs(model, [torch.tensor(s) for s in short]),
                                rtol=0, atol=1e-12)  # within the limit: exact
     long = TreePack.from_sequences(short + [list(range(3, 23))])
-    with pytest.raises(NotImplementedError, match="rope_type='dynamic'.*16 positions.*has 20"):
+    with pytest.raises(hf.UnsupportedModel, match="rope_type='dynamic'.*16 positions.*has 20"):
         hf.forward(model, long)
 
 
@@ -462,7 +465,7 @@ def test_forward_checks_ids_against_the_embedding_and_takes_use_cache_false():
 def test_models_whose_own_code_breaks_on_a_tree_forward_get_treepacks_refusal(name, config):
     model = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, name)(vocab_size=zoo.VOCAB, **config))
-    with pytest.raises(NotImplementedError, match="cannot run a tree forward.*run this one "
+    with pytest.raises(hf.UnsupportedModel, match="cannot run a tree forward.*run this one "
                                                   "unpacked"):
         hf.prepare(model)
     assert not hf.is_prepared(model)  # a refused model is left as it was
@@ -512,60 +515,113 @@ def test_a_flat_pack_gives_the_dense_packs_values_sequence_after_sequence():
     torch.testing.assert_close(out_f.aux_loss, out_d.aux_loss, rtol=1e-12, atol=0)
     assert torch.equal(flat.token_logprobs(out_f.logits[0]),
                        dense.token_logprobs(out_d.logits[0])[valid])
-    hidden = hf.forward(model, flat, return_hidden=True).last_hidden_state[0]
+    hidden = hf.forward_hidden(model, flat).last_hidden_state[0]
     lean = treepack.logprobs_from_hidden(flat, hidden, **hf.lm_head(model))
     torch.testing.assert_close(lean, dense.token_logprobs(out_d.logits[0])[valid],
                                rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gpt2", "mixtral"])  # untied, tied, MoE
-def test_forward_lean_equals_full_logits_rows_and_gradients(family):
-    """The lean head inside the forward: per-row log-probs and entropies (leaves included)
-    and every parameter's gradient equal those from the model's own [T', V] logits."""
+def reference_outputs(model, pack, temperature, align):
+    """Log-probs and entropies per position from the model's own logits, by hand: plain
+    log_softmax of every row, read at each position (no treepack code past the forward)."""
+    logp = torch.log_softmax(hf.forward(model, pack).logits[0] / temperature, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    lp = torch.zeros(pack.rows.shape, dtype=logp.dtype)
+    ent = torch.zeros(pack.rows.shape, dtype=logp.dtype)
+    offsets = pack.host.offsets
+    for s, length in enumerate(pack.host.lengths):
+        rows = (pack.rows[s, :length] if pack.layout == "dense" else
+                pack.rows[offsets[s]:offsets[s] + length])
+        ids = pack.input_ids[rows]
+        at = (lambda p: (s, p)) if pack.layout == "dense" else (lambda p: offsets[s] + p)
+        for p in range(length):
+            if align == "label" and p >= 1:
+                lp[at(p)] = logp[rows[p - 1], ids[p]]
+                ent[at(p)] = entropy[rows[p - 1]]
+            if align == "prediction":
+                if p + 1 < length:
+                    lp[at(p)] = logp[rows[p], ids[p + 1]]
+                ent[at(p)] = entropy[rows[p]]
+    return lp, ent
+
+
+@pytest.mark.parametrize("family,layout,align", [
+    ("qwen2", "flat", "prediction"), ("gpt2", "dense", "label"),  # untied, tied
+    ("mixtral", "flat", "label"), ("qwen2", "dense", "prediction")])  # MoE
+def test_every_head_gives_the_same_logprobs_entropies_and_gradients(family, layout, align):
+    """hf.logprobs from the head inside the forward, from hidden states and from the model's
+    logits: values at every position (padding included) and every parameter's gradient equal
+    a by-hand log_softmax of the model's logits."""
     model = tiny(family, dtype=torch.float64)
-    pack = TreePack.from_sequences(SEQS, layout="flat", pad_to_multiple_of=16)
+    pack = TreePack.from_sequences(SEQS, layout=layout, pad_to_multiple_of=16)
     g = torch.Generator().manual_seed(0)
-    w_lp = torch.randn(pack.num_rows, generator=g, dtype=torch.float64)
-    w_ent = torch.randn(pack.num_rows, generator=g, dtype=torch.float64)
-    real = torch.arange(pack.num_rows) < pack.num_packed_rows
+    w_lp = torch.randn(pack.rows.shape, generator=g, dtype=torch.float64)
+    w_ent = torch.randn(pack.rows.shape, generator=g, dtype=torch.float64)
 
     def grads():
         out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
         return out
 
-    rows = hf.forward_lean(model, pack, temperature=0.8, with_entropy=True)
-    ((rows.logprobs * w_lp).sum() + (rows.entropy * w_ent).sum()).backward()
-    lean = grads()
-    logp = torch.log_softmax(hf.forward(model, pack).logits[0] / 0.8, dim=-1)
-    parent = pack.parent_row.clamp(min=0)
-    want_lp = torch.where(pack.parent_row >= 0, logp[parent, pack.input_ids], 0.0)
-    want_ent = torch.where(real, -(logp.exp() * logp).sum(-1), 0.0)
+    want_lp, want_ent = reference_outputs(model, pack, 0.8, align)
     ((want_lp * w_lp).sum() + (want_ent * w_ent).sum()).backward()
-    full = grads()
-    torch.testing.assert_close(rows.logprobs, want_lp, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(rows.entropy, want_ent, rtol=1e-10, atol=1e-12)
-    assert lean.keys() == full.keys()
-    for name, want in full.items():
-        torch.testing.assert_close(lean[name], want, rtol=1e-9, atol=1e-12, msg=name)
+    want = grads()
+    for head in ("inside", "hidden", "logits"):
+        out = hf.logprobs(model, pack, head=head, entropy=True, temperature=0.8, align=align)
+        assert out.align == align and out.logprobs.shape == pack.rows.shape
+        torch.testing.assert_close(out.logprobs, want_lp, rtol=0, atol=1e-12, msg=head)
+        torch.testing.assert_close(out.entropy, want_ent, rtol=0, atol=1e-12, msg=head)
+        ((out.logprobs * w_lp).sum() + (out.entropy * w_ent).sum()).backward()
+        got = grads()
+        assert got.keys() == want.keys(), head
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-9, atol=1e-12, msg=f"{head} {name}")
     assert "forward" not in vars(model.get_output_embeddings())  # the head is restored
 
 
-@pytest.mark.parametrize("layout", ["dense", "flat"])
-def test_forward_lean_rows_in_the_packs_layout_equal_token_logprobs_and_entropy(layout):
-    """RowLogprobs.in_layout: the documented way from per-row results to [N, L] (or flat),
-    equal to the full-logits path position for position, padding and position 0 included."""
+def test_auto_head_and_per_sequence_temperatures():
+    """``auto`` takes the head inside the forward where it applies and the logits where the
+    model transforms them (Gemma 2's soft-cap) or the temperatures differ; a temperature per
+    sequence equals running each temperature's sequences on their own."""
     model = tiny("qwen2", dtype=torch.float64)
-    pack = TreePack.from_sequences(SEQS, layout=layout, pad_to_multiple_of=16)
-    got = hf.forward_lean(model, pack, temperature=0.7, with_entropy=True).in_layout(pack)
-    logits = hf.forward(model, pack).logits[0]
-    want_lp, want_ent = pack.token_logprobs_and_entropy(logits, temperature=0.7)
-    torch.testing.assert_close(got.logprobs, want_lp, rtol=0, atol=1e-12)
-    torch.testing.assert_close(got.entropy, want_ent, rtol=0, atol=1e-12)
-    assert hf.forward_lean(model, pack).in_layout(pack).entropy is None
+    pack = TreePack.from_sequences(SEQS)
+    temps = torch.tensor([0.5 if i % 2 else 1.3 for i in range(len(SEQS))], dtype=torch.float64)
+    got = hf.logprobs(model, pack, temperature=temps, entropy=True)  # auto: the logits
+    for t in (0.5, 1.3):
+        alone = hf.logprobs(model, pack, temperature=t, entropy=True)  # auto: inside
+        rows = temps == t
+        torch.testing.assert_close(got.logprobs[rows], alone.logprobs[rows], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got.entropy[rows], alone.entropy[rows], rtol=0, atol=1e-12)
+    with pytest.raises(hf.UnsupportedModel, match="different temperatures"):
+        hf.logprobs(model, pack, head="inside", temperature=temps)
+    gemma = tiny("gemma2", dtype=torch.float64)
+    auto = hf.logprobs(gemma, pack).logprobs
+    torch.testing.assert_close(auto, hf.logprobs(gemma, pack, head="hidden").logprobs,
+                               rtol=0, atol=1e-12)
 
 
-def test_forward_lean_keeps_a_forward_the_head_instance_already_had():
+def test_moe_router_loss_comes_with_the_logprobs():
+    model = tiny("mixtral", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS)
+    want = hf.forward(model, pack, output_router_logits=True).aux_loss
+    for head in ("inside", "hidden", "logits"):
+        out = hf.logprobs(model, pack, head=head, output_router_logits=True)
+        torch.testing.assert_close(out.aux_loss, want, rtol=1e-12, atol=0, msg=head)
+        assert len(out.router_logits) == model.config.num_hidden_layers
+
+
+def test_forward_lean_is_a_deprecated_wrapper_of_the_inside_head():
+    model = tiny("qwen2", dtype=torch.float64)
+    pack = TreePack.from_sequences(SEQS, layout="flat")
+    with pytest.warns(FutureWarning, match="head='inside'"):
+        rows = hf.forward_lean(model, pack, temperature=0.7, with_entropy=True)
+    got = rows.in_layout(pack)
+    want = hf.logprobs(model, pack, head="inside", temperature=0.7, entropy=True)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=0)
+
+
+def test_the_inside_head_keeps_a_forward_the_head_instance_already_had():
     """accelerate's hooks (device_map, offload) put a forward on the head instance: it must
     run around the lean head during the call and still be there after it."""
     from accelerate.hooks import ModelHook, add_hook_to_module
@@ -579,18 +635,18 @@ def test_forward_lean_keeps_a_forward_the_head_instance_already_had():
 
     model = tiny("qwen2", dtype=torch.float64)
     pack = TreePack.from_sequences(SEQS)
-    want = hf.forward_lean(model, pack).logprobs
+    want = hf.logprobs(model, pack, head="inside").logprobs
     head = model.get_output_embeddings()
     add_hook_to_module(head, Counting())
     hooked = vars(head)["forward"]
-    got = hf.forward_lean(model, pack).logprobs
+    got = hf.logprobs(model, pack, head="inside").logprobs
     assert Counting.calls == 1 and vars(head)["forward"] is hooked
     assert head._old_forward.__func__ is torch.nn.Linear.forward  # the inner one back too
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     own = lambda x: torch.nn.functional.linear(x, head.weight)  # noqa: E731  plain instance
     vars(head).pop("_old_forward"), vars(head).pop("_hf_hook")
     head.forward = own
-    hf.forward_lean(model, pack)
+    hf.logprobs(model, pack, head="inside")
     assert vars(head)["forward"] is own
 
 
@@ -605,12 +661,18 @@ def test_prepare_and_lm_head_keep_every_submodules_train_flag():
     assert {name: m.training for name, m in model.named_modules()} == before
 
 
-def test_forward_lean_refuses_logits_transformed_after_the_head():
+def test_the_inside_head_refuses_logits_transformed_after_the_head():
     model = tiny("gemma2")
-    with pytest.raises(NotImplementedError, match="softcap.*logprobs_from_hidden"):
-        hf.forward_lean(model, TreePack.from_sequences(SEQS))
+    with pytest.raises(hf.UnsupportedModel, match="softcap.*head='hidden'"):
+        hf.logprobs(model, TreePack.from_sequences(SEQS), head="inside")
     pack = TreePack.from_sequences([[zoo.VOCAB + 5]])  # fails inside the forward
     qwen = tiny("qwen2")
     with pytest.raises(ValueError):
-        hf.forward_lean(qwen, pack)
+        hf.logprobs(qwen, pack, head="inside")
     assert "forward" not in vars(qwen.get_output_embeddings())
+
+
+def test_unsupported_model_is_caught_by_what_earlier_releases_raised():
+    """One exception for "cannot run exactly", caught by every type callers caught before."""
+    for old in (ValueError, NotImplementedError, RuntimeError):
+        assert issubclass(hf.UnsupportedModel, old)

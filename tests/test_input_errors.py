@@ -22,12 +22,13 @@ def test_verify_with_nothing_to_predict():
         treepack.verify(zoo.tiny_model("qwen2"), [[5], [6]])
 
 
-def test_forward_of_a_list_instead_of_a_pack(model):
+@pytest.mark.parametrize("call", [hf.forward, hf.logprobs])
+def test_forward_of_a_list_instead_of_a_pack(model, call):
     with pytest.raises(TypeError, match="pack must be a TreePack, got list.*from_sequences"):
-        hf.forward(model, [[5, 6, 7]])
+        call(model, [[5, 6, 7]])
 
 
-@pytest.mark.parametrize("call", [hf.forward_hidden, hf.forward_lean])
+@pytest.mark.parametrize("call", [hf.forward_hidden, hf.logprobs])
 def test_named_output_calls_refuse_return_dict_false(model, call):
     with pytest.raises(ValueError, match="drop return_dict=False"):
         call(model, TreePack.from_sequences(SEQS), return_dict=False)

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treepack import TreePack
+from treepack import TreePack, logprobs_and_entropy_from_hidden
 
 from reference import NaiveTrie, naive_entropy, naive_token_logprobs
 from strategies import forests
@@ -167,8 +167,8 @@ def test_lean_logprobs_equal_full_logits_path(seqs, opt):
     bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True) \
         if opt["bias"] else None
     kw = dict(temperature=opt["temperature"], softcap=opt["softcap"], scale=opt["scale"])
-    got = logprobs_from_hidden(pack, h, weight, bias=bias, chunk_size=opt["chunk_size"],
-                               with_entropy=True, **kw)
+    got = logprobs_and_entropy_from_hidden(pack, h, weight, bias=bias,
+                                           chunk_size=opt["chunk_size"], **kw)
     z = full_logits(h, weight, bias, opt["scale"], opt["softcap"])
     ref = pack.token_logprobs(z, temperature=opt["temperature"])
     ref_ent = pack.token_entropy(z, temperature=opt["temperature"])
@@ -193,8 +193,8 @@ def test_lean_gradcheck_with_shared_rows():
     bias = torch.randn(V, generator=g, dtype=torch.float64, requires_grad=True)
 
     def f(h, weight, bias):
-        out = logprobs_from_hidden(pack, h, weight, bias=bias, chunk_size=2, with_entropy=True,
-                                   softcap=2.0, temperature=0.8)
+        out = logprobs_and_entropy_from_hidden(pack, h, weight, bias=bias, chunk_size=2,
+                                               softcap=2.0, temperature=0.8)
         return out.logprobs, out.entropy
 
     assert torch.autograd.gradcheck(f, (h, weight, bias))
@@ -275,7 +275,7 @@ def test_lean_logprobs_under_autocast_backpropagate_the_forward_they_computed():
         return (lp * w).sum() + (ent * w).sum()
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = logprobs_from_hidden(pack, h, weight, with_entropy=True)
+        out = logprobs_and_entropy_from_hidden(pack, h, weight)
         z = h @ weight.T  # what the lean forward computes under autocast (bfloat16)
         lean = torch.autograd.grad(loss(*out), (h, weight))
         auto = torch.autograd.grad(loss(pack.token_logprobs(z), pack.token_entropy(z)),
@@ -315,7 +315,7 @@ def test_lean_entropy_with_masked_out_tokens_is_finite():
     weight = torch.randn(V, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.zeros(V, dtype=torch.float64)
     bias[4] = float("-inf")  # token 4 masked out through the bias
-    out = logprobs_from_hidden(pack, h, weight, bias=bias, with_entropy=True)
+    out = logprobs_and_entropy_from_hidden(pack, h, weight, bias=bias)
     ref = pack.token_entropy(h @ weight.T + bias)
     torch.testing.assert_close(out.entropy, ref, rtol=0, atol=1e-12)
     out.entropy.sum().backward()
@@ -361,3 +361,15 @@ def test_non_floating_heads_and_logits_are_refused():
             pack.token_logprobs(bad)
     with pytest.raises(ValueError, match="temperature=inf"):
         pack.token_logprobs(torch.zeros(pack.num_rows, V), temperature=float("inf"))
+
+
+def test_deprecated_with_entropy_warns_and_still_answers():
+    from treepack import logprobs_from_hidden
+
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]])
+    h = torch.randn(pack.num_rows, 4, dtype=torch.float64)
+    weight = torch.randn(7, 4, dtype=torch.float64)
+    with pytest.warns(FutureWarning, match="logprobs_and_entropy_from_hidden"):
+        old = logprobs_from_hidden(pack, h, weight, with_entropy=True)
+    new = logprobs_and_entropy_from_hidden(pack, h, weight)
+    torch.testing.assert_close(old.entropy, new.entropy)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import treepack
 from treepack import TreePack
-from treepack.planner import plan
+from treepack.planner import PAIR_COST, PackSpec, plan
 from treepack.synthetic import agent_batch, grpo_batch
 
 from strategies import forests
@@ -206,3 +206,39 @@ def test_split_tree_cuts_exactly_where_the_plain_rule_cuts():
         budget = int(s_len.max() + rng.integers(0, 20))
         assert _split_tree(0, n, s_len, new, lcp, budget) == plain(0, n, s_len, new, lcp,
                                                                    budget)
+
+
+def test_min_packs_cuts_where_the_least_prefix_is_shared():
+    """Two GRPO groups fit one pack, rows interleaved as a trainer may order them; asked for
+    two packs, the planner cuts between the groups (no prompt runs twice), and every row stays
+    in exactly one pack. Asked for more packs than rows, each row gets its own."""
+    prompt_a, prompt_b = [1] * 40, [2] * 40
+    sequences = [(prompt_a if r % 2 else prompt_b) + [3 + r] * (5 + r) for r in range(8)]
+    p = plan(sequences, max_tokens=1000, min_packs=2)
+    assert sorted(tuple(s.seq_ids) for s in p.specs[0]) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    p = plan(sequences, max_tokens=1000, min_packs=5)
+    ids = [s.seq_ids for s in p.specs[0] if len(s.seq_ids)]
+    assert len(ids) == 5 and sorted(np.concatenate(ids).tolist()) == list(range(8))
+    p = plan(sequences, max_tokens=1000, min_packs=20)
+    assert sorted(len(s.seq_ids) for s in p.specs[0]) == [1] * 8
+    assert plan([[1, 2]], max_tokens=10, min_packs=3).specs == [[PackSpec(np.array([0]), 2, 3,
+                                                                         2 + PAIR_COST * 3)]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(), st.integers(1, 6), st.integers(1, 3))
+def test_min_packs_keeps_every_sequence_once_and_counts_the_real_packs(sequences, count, world):
+    budget = max(len(s) for s in sequences) + 3
+    p = plan(sequences, max_tokens=budget, world_size=world, min_packs=count)
+    seen = []
+    for rank in range(world):
+        real = [s for s in p.specs[rank] if len(s.seq_ids)]
+        mine = sum(len(s.seq_ids) for s in real)
+        assert len(real) >= min(count, mine)
+        for spec, pack in zip(p.specs[rank], p.packs(rank)):
+            assert spec.packed_rows == pack.num_packed_rows <= budget
+            seen.extend(spec.seq_ids.tolist())
+        assert len({len(r) for r in p.specs}) == 1  # every rank the same number of packs
+    assert sorted(seen) == list(range(len(sequences)))
+    with pytest.raises(ValueError, match="min_packs=0 must be a positive int"):
+        plan(sequences, max_tokens=budget, min_packs=0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from treepack.softmax import log_softmax_rows
+from treepack.core.softmax import Logits, log_softmax_rows, normalise
 
 
 def reference(logits, rows, temperature, pick, token):
@@ -34,7 +34,7 @@ def test_values_and_gradients_match_log_softmax(seed, chunk):
     g_logp = torch.as_tensor(rng.normal(size=len(pick)))
     g_ent = torch.as_tensor(rng.normal(size=len(rows)))
     x = logits.clone().requires_grad_()
-    logp, entropy = log_softmax_rows(x, rows, temperature, pick, token, with_entropy=True,
+    logp, entropy = normalise(Logits(x), rows, temperature, pick, token, entropy=True,
                                      chunk_size=chunk)
     ((logp * g_logp).sum() + (entropy * g_ent).sum()).backward()
     y = logits.clone().requires_grad_()
@@ -49,7 +49,7 @@ def test_only_one_output_used():
     logits, rows, temperature, pick, token = case(3)
     for use in ("logp", "entropy"):
         x = logits.clone().requires_grad_()
-        logp, entropy = log_softmax_rows(x, rows, temperature, pick, token, with_entropy=True,
+        logp, entropy = normalise(Logits(x), rows, temperature, pick, token, entropy=True,
                                          chunk_size=2)
         (logp if use == "logp" else entropy).sum().backward()
         y = logits.clone().requires_grad_()
@@ -63,7 +63,7 @@ def test_masked_tokens_add_nothing():
     logits[:, 0] = float("-inf")
     token = token.clamp(min=1)
     x = logits.clone().requires_grad_()
-    logp, entropy = log_softmax_rows(x, rows, temperature, pick, token, with_entropy=True)
+    logp, entropy = normalise(Logits(x), rows, temperature, pick, token, entropy=True)
     (logp.sum() + entropy.sum()).backward()
     assert torch.isfinite(entropy).all() and torch.isfinite(x.grad).all()
     y = logits.clone().requires_grad_()
@@ -84,13 +84,13 @@ def test_bfloat16_gradient_rounded_once(repeats):
     temperature = np.linspace(0.5, 1.5, len(rows))
     low = logits.to(torch.bfloat16)
     x = low.clone().requires_grad_()
-    logp, entropy = log_softmax_rows(x, rows, temperature, pick, token, with_entropy=True,
+    logp, entropy = normalise(Logits(x), rows, temperature, pick, token, entropy=True,
                                      chunk_size=2)
     (logp.sum() + entropy.sum()).backward()
     assert logp.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     y = low.float().requires_grad_()
-    ref_logp, ref_entropy = log_softmax_rows(y, rows, temperature, pick, token,
-                                             with_entropy=True, chunk_size=2)
+    ref_logp, ref_entropy = normalise(Logits(y), rows, temperature, pick, token,
+                                             entropy=True, chunk_size=2)
     (ref_logp.sum() + ref_entropy.sum()).backward()
     assert torch.equal(x.grad, y.grad.to(torch.bfloat16))
 
@@ -120,7 +120,15 @@ def test_pack_logprobs_and_entropy_in_one_pass_equal_the_separate_calls():
 def test_second_order_gradients_are_refused_not_wrong():
     logits, rows, temperature, pick, token = case(7)
     x = logits.clone().requires_grad_()
-    logp, _ = log_softmax_rows(x, rows, temperature, pick, token)
+    logp, _ = normalise(Logits(x), rows, temperature, pick, token)
     (grad,) = torch.autograd.grad(logp.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         grad.sum().backward()
+
+
+def test_the_old_name_warns_and_answers_the_same():
+    logits, rows, temperature, pick, token = case(3)
+    with pytest.warns(FutureWarning, match="normalise"):
+        old, _ = log_softmax_rows(logits, rows, temperature, pick, token)
+    new, _ = normalise(Logits(logits), rows, temperature, pick, token)
+    torch.testing.assert_close(old, new, rtol=0, atol=0)

@@ -402,12 +402,12 @@ def test_renamed_quantities_keep_their_old_names_for_one_release():
     from treepack.planner import plan
 
     pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]], pad_to_multiple_of=8)
-    with pytest.warns(DeprecationWarning, match="num_packed_rows"):
+    with pytest.warns(FutureWarning, match="num_packed_rows"):
         assert pack.num_tokens == pack.num_packed_rows == 4 and pack.num_rows == 8
-    with pytest.warns(DeprecationWarning, match="packed_rows"):
+    with pytest.warns(FutureWarning, match="packed_rows"):
         assert treepack.forest_stats([[1, 2, 3], [1, 2, 4]]).packed_tokens == 4
     p = plan([[1, 2, 3], [1, 2, 4]], max_tokens=8)
-    with pytest.warns(DeprecationWarning, match="packed_rows"):
+    with pytest.warns(FutureWarning, match="packed_rows"):
         assert p.rows == p.packed_rows == 4
-    with pytest.warns(DeprecationWarning, match="packed_rows"):
+    with pytest.warns(FutureWarning, match="packed_rows"):
         assert p.specs[0][0].rows == 4

@@ -217,84 +217,18 @@ def test_the_docs_command_runs_verls_entry_point_with_treepack_on():
     assert get_trainer_cls(config.trainer.v1.trainer_mode)
 
 
-def sequences_and_logits(seed=0, n=7, vocab=11):
+def test_verl_log_probs_is_a_deprecated_wrapper():
     from treepack import TreePack
+    from treepack.core.outputs import from_logits
+    from treepack.verl import verl_log_probs
 
-    g = torch.Generator().manual_seed(seed)
-    stem = torch.randint(0, vocab, (5,), generator=g).tolist()
-    seqs = [stem[:int(torch.randint(1, 6, (1,), generator=g))]
-            + torch.randint(0, vocab, (int(torch.randint(0, 4, (1,), generator=g)),),
-                            generator=g).tolist() for _ in range(n)]
-    seqs = [s or [1] for s in seqs]
+    seqs = [[1, 2, 3], [1, 2, 4, 5], [6]]
     pack = TreePack.from_sequences(seqs, layout="flat")
-    return seqs, pack, torch.randn(pack.num_packed_rows, vocab, generator=g, dtype=torch.float64)
-
-
-@pytest.mark.parametrize("per_row", [False, True])
-def test_verl_log_probs_are_prediction_aligned_at_each_rows_temperature(per_row):
-    """Position p of each row holds log p(token p+1) from its own packed row at its own
-    temperature, 0 at the last; entropy at every position. Reference: the packed row of every
-    position read one sequence at a time."""
-    from treepack.verl import verl_log_probs
-
-    seqs, pack, logits = sequences_and_logits()
-    temps = torch.tensor([0.5, 1.0, 2.0] * 3)[:len(seqs)] if per_row else torch.tensor(0.7)
-    lp, ent = verl_log_probs(pack, logits, temps, entropy_too=True)
-    rows = pack.rows.split(pack.offsets.diff().tolist())
-    for s, seq in enumerate(seqs):
-        t = float(temps[s] if per_row else temps)
-        logp = torch.log_softmax(logits[rows[s]] / t, dim=-1)  # [len, V]
-        want = torch.zeros(len(seq), dtype=torch.float64)
-        want[:-1] = logp[:-1].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
-        a, b = pack.offsets[s], pack.offsets[s + 1]
-        torch.testing.assert_close(lp[a:b], want, rtol=1e-12, atol=0)
-        torch.testing.assert_close(ent[a:b], -(logp.exp() * logp).sum(-1), rtol=1e-12, atol=0)
-
-
-def test_verl_log_probs_refuse_what_they_cannot_place():
-    from treepack import TreePack
-    from treepack.verl import verl_log_probs
-
-    seqs, pack, logits = sequences_and_logits()
-    with pytest.raises(ValueError, match="layout='flat'"):
+    logits = torch.randn(pack.num_rows, 8, dtype=torch.float64)
+    with pytest.warns(FutureWarning, match="align='prediction'"):
+        lp, ent = verl_log_probs(pack, logits, 0.7, entropy_too=True)
+    want = from_logits(pack, logits, temperature=0.7, entropy=True, align="prediction")
+    torch.testing.assert_close(lp, want.logprobs, rtol=0, atol=0)
+    torch.testing.assert_close(ent, want.entropy, rtol=0, atol=0)
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="layout='flat'"):
         verl_log_probs(TreePack.from_sequences(seqs), logits, 1.0)
-    with pytest.raises(ValueError, match="one row per row of the pack"):
-        verl_log_probs(pack, logits[1:], 1.0)
-    with pytest.raises(ValueError, match="one number or one per sequence"):
-        verl_log_probs(pack, logits, torch.ones(len(seqs) + 1))
-    with pytest.raises(ValueError, match="finite and > 0"):
-        verl_log_probs(pack, logits, torch.zeros(len(seqs)))
-
-
-def test_a_rank_that_needs_more_micro_batches_cuts_where_the_least_prefix_is_shared():
-    """Two GRPO groups planned into one pack, rows interleaved as verl may order them; a rank
-    that must run two micro-batches cuts between the groups, so no prompt runs twice, and
-    every row stays in exactly one micro-batch."""
-    import numpy as np
-    from treepack.verl import _split_to
-
-    prompt_a, prompt_b = [1] * 40, [2] * 40
-    sequences = [np.array((prompt_a if r % 2 else prompt_b) + [3 + r] * (5 + r))
-                 for r in range(8)]
-    rows = np.arange(8)
-    parts = _split_to([rows], 2, sequences)
-    assert sorted(map(tuple, parts)) == [(0, 2, 4, 6), (1, 3, 5, 7)]
-    parts = _split_to([rows], 5, sequences)
-    assert len(parts) == 5 and sorted(np.concatenate(parts).tolist()) == rows.tolist()
-    assert _split_to([np.array([0])], 3, sequences) == [np.array([0])]  # nothing to split
-
-
-def test_verl_log_probs_of_a_padded_pack_equal_the_unpadded_packs():
-    """A flat pack padded to a multiple (the model returns a logit row per padding row too)
-    was refused: the check counted packed rows, not the pack's rows."""
-    from treepack import TreePack
-    from treepack.verl import verl_log_probs
-
-    seqs, pack, logits = sequences_and_logits()
-    padded = TreePack.from_sequences(seqs, layout="flat", pad_to_multiple_of=16)
-    assert padded.num_rows > pack.num_rows
-    extra = torch.randn(padded.num_rows - pack.num_rows, logits.shape[1], dtype=logits.dtype)
-    got = verl_log_probs(padded, torch.cat([logits, extra]), 0.7, entropy_too=True)
-    want = verl_log_probs(pack, logits, 0.7, entropy_too=True)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -235,7 +235,7 @@ assert PPOTrainer._balance_batch.__module__ == "verl.trainer.ppo.v1.trainer_base
 omega_conf_to_dataclass(OmegaConf.create({{"_target_": "verl.workers.config.HFModelConfig",
                                           "path": {model_dir!r},
                                           "external_lib": "treepack.verl"}}))
-assert PPOTrainer._balance_batch.__module__ == "treepack.verl_trainer", PPOTrainer._balance_batch
+assert PPOTrainer._balance_batch.__module__ == "treepack.adapters.verl_trainer", PPOTrainer._balance_batch
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

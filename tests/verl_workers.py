@@ -530,7 +530,7 @@ def fallback(rank: int, world: int, port: int, model_dir: str, out_path: str) ->
         records = captured_log()
 
         def refuse(model, **kw):
-            raise NotImplementedError("a layer treepack cannot pack (test)")
+            raise treepack_verl.hf.UnsupportedModel("a layer treepack cannot pack (test)")
 
         real = treepack_verl.hf.prepare
         treepack_verl.hf.prepare = refuse

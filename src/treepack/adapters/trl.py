@@ -12,8 +12,9 @@ attention_mask, logits_to_keep, ...)``. TRL calls it with each prompt + completi
 (left-padded prompts, right-padded completions) and expects ``[B, logits_to_keep]``
 log-probs (and entropies) aligned with its completion mask. Here the padding is stripped,
 the rows (whose prompts repeat ``num_generations`` times) are merged into one prefix forest —
-or, with ``max_tokens``, planned into several packs — and log-probs come from hidden states
-without ``[T', V]`` logits, with TRL's temperature. Everything else in the trainer is TRL's own.
+or, with ``max_tokens``, planned into several packs — and log-probs come from
+:func:`treepack.hf.logprobs` (the lean head inside the model's forward where it applies, so no
+``[T', V]`` logits), with TRL's temperature. Everything else in the trainer is TRL's own.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 from torch import Tensor
 
 from treepack.adapters import hf
-from treepack.planning.groups import keep_groups_together
-from treepack.lean.logprobs import logprobs_and_entropy_from_hidden, logprobs_from_hidden
-from treepack.planning.planner import plan
+from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
+from treepack.planning.groups import keep_groups_together
+from treepack.planning.planner import plan
 
 try:
     from trl import GRPOTrainer
@@ -94,32 +95,26 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     """:func:`per_token_logps_and_entropies`, and the packs it ran."""
     mask = attention_mask.bool()
     packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of)
-    head = hf.lm_head(model)
-    if cast_lm_head_to_fp32:
-        head = {k: v if k not in ("weight", "bias") or v is None else v.float()
-                for k, v in head.items()}
     width = int(mask.sum(-1).max())
     logps, entropies, router, seq_ids = [], [], [], []
     for pack in packs:
-        out = hf.forward_hidden(model, pack, backend,
-                                **({"output_router_logits": True} if compute_aux_loss else {}))
-        hidden = out.last_hidden_state[0]
-        if cast_lm_head_to_fp32:
-            hidden = hidden.float()
+        out = hf.logprobs(model, pack, entropy=compute_entropy, temperature=temperature,
+                          backend=backend,
+                          head_dtype=torch.float32 if cast_lm_head_to_fp32 else None,
+                          **({"output_router_logits": True} if compute_aux_loss else {}))
+        pad = width - out.logprobs.shape[1]  # every pack to the batch's longest row
+        logps.append(torch.nn.functional.pad(out.logprobs, (0, pad)))
         if compute_entropy:
-            lp, ent = logprobs_and_entropy_from_hidden(pack, hidden, temperature=temperature,
-                                                       **head)
-        else:
-            lp, ent = logprobs_from_hidden(pack, hidden, temperature=temperature, **head), None
-        pad = width - lp.shape[1]  # every pack to the batch's longest row
-        logps.append(torch.nn.functional.pad(lp, (0, pad)))
-        if ent is not None:
-            entropies.append(torch.nn.functional.pad(ent, (0, pad)))
+            entropies.append(torch.nn.functional.pad(out.entropy, (0, pad)))
         router.append(out.router_logits)
         seq_ids.append(pack.seq_ids)
     order = torch.cat(seq_ids).argsort()  # back to the trainer's row order
-    out_logps = _completion_columns(torch.cat(logps)[order], mask, logits_to_keep)
-    out_ent = (_completion_columns(torch.cat(entropies)[order], mask, logits_to_keep)
+    # TRL's column c of row b holds the row's (number of real tokens before c)-th token
+    S = mask.shape[1]
+    columns = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:]
+    keep = mask[:, S - logits_to_keep:]
+    out_logps = take_columns(torch.cat(logps)[order], columns, keep)
+    out_ent = (take_columns(torch.cat(entropies)[order], columns, keep)
                if compute_entropy else None)
     aux_loss = hf.batch_router_aux_loss(model, packs, router) if compute_aux_loss else None
     return out_logps, out_ent, aux_loss, packs
@@ -133,15 +128,6 @@ def _packs(input_ids: Tensor, mask: Tensor, max_tokens, pad_to_multiple_of) -> l
                                         device=input_ids.device)]
     return plan(sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
                 device=input_ids.device).packs(0)
-
-
-def _completion_columns(values: Tensor, mask: Tensor, logits_to_keep: int) -> Tensor:
-    """[B, width] label-aligned values (padding stripped) -> TRL's [B, K] columns: input
-    column c of row b holds the row's (number of real tokens before c)-th token."""
-    S = mask.shape[1]
-    pos = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:].clamp(min=0)  # [B, K]
-    keep = mask[:, S - logits_to_keep:]
-    return torch.where(keep, values.gather(1, pos), values.new_zeros(()))
 
 
 class _Settings(NamedTuple):

@@ -19,7 +19,7 @@ What changes, and what does not:
   prefixes of each other) land in the same pack. Every rank runs the same number of real
   micro-batches (the count is all-reduced; a rank that planned fewer packs splits its
   largest), as verl's per-micro-batch metric aggregation across ranks needs.
-- **One packed forward per micro-batch**, through :func:`treepack.hf.forward` with the
+- **One packed forward per micro-batch**, through :func:`treepack.hf.logprobs` with the
   default backend, inside the FSDP module (so FSDP1 and FSDP2 both work).
 - **Outputs in verl's layout.** ``log_probs`` and ``entropy`` are nested tensors in verl's
   prediction-aligned layout (position p holds the log-prob of token p + 1), each row at its
@@ -53,11 +53,12 @@ import torch
 from torch import Tensor
 
 from treepack.adapters import hf, verl_trainer
-from treepack.core.forest import sort_and_lcp
-from treepack.planning.planner import plan
-from treepack.core.softmax import log_softmax_rows, to_device
-from treepack.core.tree import TreePack
+from treepack.adapters.hf.forwarding import inside_refusal
 from treepack.adapters.verl_trainer import say_once
+from treepack.core import deprecation
+from treepack.core.outputs import from_logits, per_sequence_temperature
+from treepack.core.tree import TreePack
+from treepack.planning.planner import plan
 
 try:
     from verl.utils import tensordict_utils as tu
@@ -86,7 +87,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
         self._treepack_refused = None
         try:
             hf.prepare(self.module)
-        except (TypeError, ValueError, NotImplementedError) as e:
+        except (TypeError, hf.UnsupportedModel) as e:
             self._treepack_refused = f"{_model_name(self.module)}: {e}"
 
     # ---------------------------------------------------------------- the seam
@@ -114,8 +115,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
         count = torch.tensor([len(micro)], device=_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
         count = int(count.item())
-        # as many real micro-batches as every other rank: verl aggregates metrics per index
-        micro = _split_to(micro, count, sequences)
+        if len(micro) < count:  # as many real micro-batches as every other rank: verl
+            micro = self._micro_batches(data, sequences, count)  # aggregates metrics per index
         keep_outputs = forward_only or tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False)  # verl drops them in training
         grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
@@ -130,8 +131,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
                 else:  # past its rows (fewer than micro-batches), a rank reruns one, weight 0
                     real = i < len(micro)
                     picked = micro[i] if real else micro[0][:1]
-                    rows = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
-                    loss, out = self._tree_step(rows, [sequences[r] for r in picked],
+                    batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
+                    loss, out = self._tree_step(batch, [sequences[r] for r in picked],
                                                 loss_function, forward_only)
                     if not real:
                         loss, out["loss"] = loss * 0.0, 0.0
@@ -184,9 +185,11 @@ class TreepackEngine(FSDPEngineWithLMHead):
         longest = int(data["input_ids"].offsets().diff().max())
         return int(data["micro_batch_size_per_gpu"]) * longest
 
-    def _micro_batches(self, data, sequences: list[np.ndarray]) -> list[np.ndarray]:
-        """The rows of each micro-batch: one pack each, trees kept together."""
-        specs = plan(sequences, max_tokens=self._budget(data)).specs[0]
+    def _micro_batches(self, data, sequences: list[np.ndarray], count: int = 1
+                       ) -> list[np.ndarray]:
+        """The rows of each micro-batch: one pack each, trees kept together, at least
+        ``count`` of them where there are that many rows."""
+        specs = plan(sequences, max_tokens=self._budget(data), min_packs=count).specs[0]
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
 
     def _tree_step(self, micro_batch, sequences, loss_function, forward_only):
@@ -196,20 +199,18 @@ class TreepackEngine(FSDPEngineWithLMHead):
         micro_batch = micro_batch.to(get_device_id())
         ids = micro_batch["input_ids"]
         offsets, values = ids.offsets(), ids.values()
-        entropy_too = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
-                                             default=False)
+        entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
+                                         default=False)
         with self._autocast():
             pack = TreePack.from_sequences(sequences, layout="flat", device=values.device)
-            lean = self._lean_outputs(pack, temperature, entropy_too)
-            if lean is not None:
-                log_probs, entropy = lean
-            else:
-                logits = hf.forward(self.module, pack, self.treepack_backend).logits[0]
-                log_probs, entropy = verl_log_probs(pack, logits, temperature, entropy_too)
-            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs,
+            out = hf.logprobs(self.module, pack, head=self._head(pack, temperature),
+                              entropy=entropy, temperature=temperature,
+                              align="prediction", backend=self.treepack_backend)
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.logprobs,
                                                                                 offsets)}
-            if entropy_too:
-                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
+            if entropy:
+                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(out.entropy,
+                                                                                 offsets)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                               dp_group=self.get_data_parallel_group())
@@ -222,27 +223,20 @@ class TreepackEngine(FSDPEngineWithLMHead):
                       "metrics": metrics,
                       "sizes": (pack.num_packed_rows, pack.num_original_tokens)}
 
-    def _lean_outputs(self, pack, temperature, entropy_too):
-        """verl's outputs from the lean head inside the forward (:func:`treepack.hf.
-        forward_lean`), or None where it does not apply: not switched on, temperatures that
-        differ between rows, or a model whose logits are transformed after its head."""
+    def _head(self, pack, temperature) -> str:
+        """Where the log-probs come from: the lean head inside the forward (the lean engine)
+        where it applies, else the model's logits (said once, with the reason)."""
         if not self.lean_head or getattr(self, "_lean_refused", None):
-            return None
-        temps = np.unique(_per_sequence(temperature, pack.num_sequences))
-        if len(temps) > 1:
+            return "logits"
+        if len(np.unique(per_sequence_temperature(temperature, pack.num_sequences))) > 1:
             say_once("per-row temperatures: the lean head takes one; using full logits")
-            return None
-        try:
-            rows = hf.forward_lean(self.module, pack, self.treepack_backend,
-                                   temperature=float(temps[0]), with_entropy=entropy_too)
-        except NotImplementedError as e:
-            self._lean_refused = str(e)
-            say_once(f"the lean head does not apply ({e}); using full logits")
-            return None
-        index = pack.predictions.index  # flat position of each predicted token
-        log_probs = rows.logprobs.new_zeros(pack.num_original_tokens).index_put(
-            (index - 1,), rows.logprobs[pack.rows[index]])  # verl: one position before
-        return log_probs, rows.entropy[pack.rows] if entropy_too else None
+            return "logits"
+        refusal = inside_refusal(self.module)
+        if refusal is not None:
+            self._lean_refused = refusal
+            say_once(f"the lean head does not apply ({refusal}); using full logits")
+            return "logits"
+        return "inside"
 
     def _idle_step(self):
         """An empty pack through the model: collectives in step, nothing learned."""
@@ -270,31 +264,6 @@ def _host_sequences(data) -> list[np.ndarray]:
     return np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
 
 
-def _split_to(micro: list[np.ndarray], count: int, sequences: list[np.ndarray]
-              ) -> list[np.ndarray]:
-    """``micro`` with its largest micro-batches (in tokens) split in two until there are
-    ``count``, or until each holds one row. Parts of a pack stay within its budget."""
-    micro = list(micro)
-    while len(micro) < count:
-        sizes = [sum(len(sequences[r]) for r in m) if len(m) > 1 else -1 for m in micro]
-        i = int(np.argmax(sizes))
-        if sizes[i] < 0:
-            break
-        micro[i:i + 1] = _halves(micro[i], sequences)
-    return micro
-
-
-def _halves(rows: np.ndarray, sequences: list[np.ndarray]) -> list[np.ndarray]:
-    """``rows`` in two parts, cut between the two sequences (in content order) that share the
-    shortest prefix, the cut nearest the middle in tokens among those: a prefix shared across
-    the cut is computed twice, so the cut crosses as little of one as possible."""
-    order, lcp = sort_and_lcp([sequences[r] for r in rows])
-    tokens = np.cumsum([len(sequences[rows[k]]) for k in order])
-    cut = np.arange(1, len(rows))  # before sorted position k
-    k = cut[np.lexsort((np.abs(tokens[cut - 1] - tokens[-1] / 2), lcp[cut]))[0]]
-    return [np.sort(rows[order[:k]]), np.sort(rows[order[k:]])]
-
-
 def _model_name(module) -> str:
     try:
         return type(hf.unwrap(module)).__name__
@@ -304,16 +273,8 @@ def _model_name(module) -> str:
 
 def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
                    entropy_too: bool = False) -> tuple[Tensor, Tensor | None]:
-    """A flat pack's outputs in verl's prediction-aligned layout.
-
-    Position ``p`` of sequence ``s`` (flat ``offsets[s] + p``) holds
-    ``log p(seq_s[p + 1] | seq_s[:p + 1])`` at the sequence's temperature, and 0 at each
-    sequence's last position; with ``entropy_too`` also the entropy of the distribution at
-    every position (the last included), as verl's ``prepare_model_outputs`` computes them.
-    The model runs once whatever the temperatures: a packed row shared by sequences of
-    different temperatures is normalised once per temperature, the others once; rows are
-    normalised in chunks (:func:`treepack.softmax.log_softmax_rows`), so no float32 copy of
-    the ``[T', V]`` logits is made or kept for backward.
+    """Deprecated: ``treepack.hf.logprobs(model, pack, align="prediction", ...)``, or for
+    logits at hand ``treepack.core.outputs.from_logits(pack, logits, align="prediction")``.
 
     Args:
         pack: a pack built with ``layout="flat"``.
@@ -322,55 +283,18 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
         entropy_too: also return the entropies.
 
     Returns:
-        ``(log_probs [total], entropy [total] or None)``, float32 at least.
+        ``(log_probs [total], entropy [total] or None)`` in verl's prediction-aligned layout.
 
     Raises:
-        ValueError: a dense pack, a temperature that is not finite and > 0 or not one per
-            sequence, or logits as :meth:`TreePack.token_logprobs` refuses them.
+        ValueError: a dense pack, or as ``from_logits``.
     """
+    deprecation.warn("treepack.verl.verl_log_probs",
+                     "treepack.core.outputs.from_logits(pack, logits, align='prediction')")
     if pack.layout != "flat":
         raise ValueError("verl_log_probs takes a pack built with layout='flat'")
-    if not logits.is_floating_point() or logits.shape[:-1] != (pack.num_rows,):
-        raise ValueError(f"logits must be floating point [{pack.num_rows}, V] (one row per "
-                         f"row of the pack, padding included), got {logits.dtype} "
-                         f"{tuple(logits.shape)}")
-    pack.check_vocabulary(logits.shape[-1])
-    temps = _per_sequence(temperature, pack.num_sequences)  # [N] float64, host
-    h = pack.host
-    # One normalised row per distinct (packed row, temperature) that an output reads, so the
-    # model runs once and a row shared by sequences of different temperatures is normalised
-    # once per temperature: keys row * n + temperature index, sorted by row.
-    distinct, seq_temp = np.unique(temps, return_inverse=True)
-    n = len(distinct)
-    seq_of_position = np.repeat(np.arange(pack.num_sequences), np.diff(h.offsets))  # [total]
-    pred_seq = seq_of_position[h.prediction_index]
-    pred_key = h.prediction_source * n + seq_temp[pred_seq]  # [M]
-    position_key = h.rows * n + seq_temp[seq_of_position] if entropy_too else pred_key[:0]
-    keys = np.unique(np.concatenate([pred_key, position_key]))
-    logp, entropy = log_softmax_rows(logits, keys // n, distinct[keys % n],
-                                     np.searchsorted(keys, pred_key), pack.predictions.target,
-                                     with_entropy=entropy_too)
-    # prediction m's target is at flat position index[m]; verl keeps its log-prob one before
-    log_probs = logp.new_zeros(pack.num_original_tokens).index_put(
-        (pack.predictions.index - 1,), logp)
-    if entropy_too:
-        entropy = entropy[to_device([np.searchsorted(keys, position_key)], torch.int64,
-                                    pack.device)[0]]
-    return log_probs, entropy
-
-
-def _per_sequence(temperature, n: int) -> np.ndarray:
-    """verl's temperature (a number, or a tensor with one per sequence) as [N] float64 on the
-    host (exact for any float32 or Python value)."""
-    t = torch.as_tensor(temperature).detach().to("cpu", torch.float64).reshape(-1).numpy()
-    if t.size == 1:
-        t = np.repeat(t, n)
-    if t.size != n:
-        raise ValueError(f"temperature has {t.size} values for {n} sequences: give one "
-                         "number or one per sequence")
-    if not (np.isfinite(t) & (t > 0)).all():
-        raise ValueError(f"temperature must be finite and > 0, got {t.tolist()}")
-    return t
+    out = from_logits(pack, logits, temperature=temperature, entropy=entropy_too,
+                      align="prediction", what="verl_log_probs")
+    return out.logprobs, out.entropy
 
 
 def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
@@ -393,7 +317,7 @@ def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
 
 class TreepackLeanEngine(TreepackEngine):
     """:class:`TreepackEngine` with the lean head: log-probs and entropies come from hidden
-    states inside the model's forward (:func:`treepack.hf.forward_lean`), so the ``[T', V]``
+    states inside the model's forward (:func:`treepack.hf.logprobs`, ``head="inside"``), so the ``[T', V]``
     logits never exist. Switched on by ``external_lib=treepack.verl_lean``. Micro-batches
     whose rows have different temperatures, and models that transform logits after their
     head, use full logits (logged once)."""
@@ -413,12 +337,6 @@ def register(devices=("cuda", "npu"), engine: type = TreepackEngine) -> None:
     Args:
         devices: device names to register for, besides those the stock engine holds.
         engine: :class:`TreepackEngine` or :class:`TreepackLeanEngine`.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing of its own.
     """
     table = EngineRegistry._engines.setdefault("language_model", {})
     for backend in ("fsdp", "fsdp2"):

@@ -74,19 +74,6 @@ def install() -> None:
     Importing :mod:`treepack.verl` does it; installing twice wraps once. A trainer whose
     ``actor_rollout_ref.model.external_lib`` names no treepack module still runs verl's own
     method, unchanged.
-
-    Args:
-        none.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing of its own.
-
-    Example:
-        >>> from treepack import verl_trainer
-        >>> verl_trainer.install()  # what `external_lib=treepack.verl` does in the trainer
     """
     for cls, balance in ((trainer_base.PPOTrainer, _balance_v1),
                          (ray_trainer.RayPPOTrainer, _balance_v0)):
@@ -97,15 +84,6 @@ def install() -> None:
 
 def uninstall() -> None:
     """Give verl's trainers back their own ``_balance_batch``.
-
-    Args:
-        none.
-
-    Returns:
-        None.
-
-    Raises:
-        Nothing of its own; without a prior :func:`install` it does nothing.
     """
     for cls, original in list(_ORIGINALS.items()):
         cls._balance_batch = original

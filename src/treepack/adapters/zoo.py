@@ -122,14 +122,8 @@ def qwen2_40m_config():
     22.5M parameters in 8 layers and a 16.4M tied embedding (vocabulary 32000); GQA 8/2 heads
     of 64, intermediate 1408.
 
-    Args:
-        None.
-
     Returns:
         A ``transformers.Qwen2Config``.
-
-    Raises:
-        Nothing of its own.
     """
     import transformers
 
@@ -146,14 +140,8 @@ def qwen25_05b_config():
     24 layers, hidden 896, GQA 14/2 heads of 64, intermediate 4864, vocabulary 151,936, tied
     embedding. Nothing is downloaded.
 
-    Args:
-        None.
-
     Returns:
         A ``transformers.Qwen2Config``.
-
-    Raises:
-        Nothing of its own.
     """
     import transformers
 

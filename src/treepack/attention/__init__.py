@@ -82,9 +82,6 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dr
     Returns:
         ``(backend, why)``: ``"varlen"``, ``"flex"`` or ``"segment"``, and why the faster
         ones do not apply (never ``"dense"``).
-
-    Raises:
-        Nothing of its own.
     """
     if q.device.type != "cuda":
         return "segment", f"on {q.device.type}, where varlen and flex cannot train"

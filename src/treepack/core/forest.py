@@ -19,10 +19,11 @@ nearest-smaller queries; no [N, L]-wide pass except writing the ``rows`` output 
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import numpy as np
+
+from treepack.core import deprecation
 
 __all__ = ["sort_and_lcp", "previous_smaller", "causal_pairs", "ragged_arange", "build_layout",
            "HostLayout",
@@ -134,9 +135,6 @@ class HostLayout(NamedTuple):
 
         Returns:
             A :class:`HostLayout` with no sequences, segments or predictions.
-
-        Raises:
-            Nothing of its own (the caller checks ``num_rows``).
         """
         none = np.zeros(0, dtype=np.int64)
         pad = np.arange(num_rows)
@@ -295,9 +293,8 @@ class ForestStats(NamedTuple):
 
     @property
     def packed_tokens(self) -> int:
-        """Deprecated (one release): :attr:`packed_rows`."""
-        warnings.warn("ForestStats.packed_tokens is now packed_rows; the old name goes in the "
-                      "next release", DeprecationWarning, stacklevel=2)
+        """Deprecated: :attr:`packed_rows`."""
+        deprecation.warn("ForestStats.packed_tokens", "ForestStats.packed_rows")
         return self.packed_rows
 
     @property

@@ -1,17 +1,23 @@
-"""Log-softmax of selected logits rows, chunk by chunk, without a float32 copy of the logits.
+"""The one chunked log-softmax every log-prob of treepack goes through.
 
 ``log_softmax(logits.float(), -1)`` over ``[T', V]`` logits keeps a ``[T', V]`` float32 tensor
 for backward (and the entropy two more): at T' = 16k rows and V = 152k that is 10 GB each,
-more than the bfloat16 logits themselves. :func:`log_softmax_rows` computes what a loss reads
-(the log-prob of each picked token, and optionally each row's entropy) one chunk of rows at
-a time and recomputes the chunk's softmax in backward, so besides the logits (kept for
-backward, as any use of them does) and their gradient only ``O(chunk x V)`` float32 work and
-``O(rows)`` statistics exist. Values and gradients are computed in float32 at least and the
-gradient is rounded to the logits' dtype once per element.
+more than the bfloat16 logits themselves. :func:`normalise` computes only what a loss reads
+(the log-prob of each picked token, and optionally each row's entropy) one chunk of rows at a
+time, and recomputes the chunk in backward. The logits come from a *source*:
+
+- :class:`Logits`: the model's ``[T', V]`` logits, read a chunk at a time (kept for backward,
+  as any use of them is);
+- :class:`Head`: hidden states ``[T', H]`` and the LM head, whose chunk of logits is computed
+  here and recomputed in backward, so no ``[T', V]`` tensor ever exists.
+
+Values and gradients are computed in float32 at least; a source's gradient is rounded to its
+dtype once per element (the head's weight gradient is accumulated in one float32 buffer).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import numpy as np
@@ -19,11 +25,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["log_softmax_rows", "default_chunk_size", "to_device", "CHUNK_BYTES",
-           "DEFAULT_CHUNK_BYTES"]
+__all__ = ["normalise", "Logits", "Head", "head_logits", "log_softmax_rows",
+           "default_chunk_size", "to_device", "CHUNK_BYTES", "DEFAULT_CHUNK_BYTES"]
 
 # Bytes of float32 logits per chunk, by device type. On a GPU the chunk must be large for the
-# per-chunk work (and, in the lean head, its three matmuls) to run near peak and to amortise
+# per-chunk work (and, from a head, its three matmuls) to run near peak and to amortise
 # (measured on an H200 at V = 151,936: 110-row chunks took 3.3x the time of full logits,
 # 4096-row chunks 1.1x); 1 GiB is ~1,770 rows there. The peak is a few chunks, never growing
 # with T'.
@@ -41,54 +47,225 @@ def default_chunk_size(vocab: int, device: torch.device | str | None = None) -> 
 
     Returns:
         The number of rows.
-
-    Raises:
-        Nothing of its own (torch raises for a device name it does not know).
     """
     kind = torch.device(device).type if device is not None else "cpu"
     return max(1, CHUNK_BYTES.get(kind, DEFAULT_CHUNK_BYTES) // (4 * vocab))
 
 
-def log_softmax_rows(logits: Tensor, rows: np.ndarray, temperature: np.ndarray | float,
-                     pick: np.ndarray, token: Tensor, *, with_entropy: bool = False,
-                     chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Picked log-probs (and row entropies) of ``log_softmax(logits[rows] / temperature)``.
+# ---------------------------------------------------------------------- sources of logits
 
-    Normalised row ``i`` is logits row ``rows[i]`` divided by ``temperature[i]``; a logits row
-    may be normalised several times (at different temperatures), its repeats adjacent.
+
+class Logits:
+    """Logits ``[T', V]`` as they are: a chunk is a view (or a gather) of their rows."""
+
+    keeps_logits = False  # backward needs nothing of a chunk once its gradient is formed
+
+    def __init__(self, logits: Tensor):
+        self.tensors = (logits,)
+        self.vocab, self.device, self.dtype = logits.shape[1], logits.device, logits.dtype
+
+    def logits(self, tensors, rows) -> tuple[Tensor, bool]:
+        """A chunk's logits, and whether they are a fresh tensor (may change in place)."""
+        return tensors[0][rows], isinstance(rows, Tensor)
+
+    def recompute(self):
+        return contextlib.nullcontext()
+
+    def grad_buffers(self, tensors) -> list:
+        return [torch.zeros_like(tensors[0])]
+
+    def add_grad(self, buffers, tensors, chunk: _Chunk, gz: Tensor, z: Tensor) -> None:
+        grad = buffers[0]
+        if chunk.distinct is not None:  # a row at several temperatures: sum, round once
+            uniq, inverse = chunk.distinct
+            summed = gz.new_zeros(len(uniq), gz.shape[1]).index_add_(0, inverse, gz)
+            grad.index_copy_(0, uniq, summed.to(grad.dtype))
+        elif isinstance(chunk.rows, slice):
+            grad[chunk.rows] = gz
+        else:
+            grad.index_copy_(0, chunk.rows, gz.to(grad.dtype))
+
+    def grads(self, buffers, tensors) -> tuple:
+        return (buffers[0],)
+
+
+class Head:
+    """Logits ``softcap(scale * (hidden @ weight.T + bias))`` computed a chunk at a time.
+
+    The matmul runs in the head's dtype (or under autocast in autocast's, which backward
+    recomputes under too), the rest in float32 at least. ``softcap`` and ``scale`` are what
+    models do after their head (Gemma 2's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``); the caller validates them.
+    """
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                 scale: float = 1.0, softcap: float | None = None):
+        self.tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
+        self.vocab, self.device, self.dtype = weight.shape[0], hidden.device, weight.dtype
+        self.scale, self.softcap = scale, softcap
+        self.keeps_logits = softcap is not None  # its derivative reads the capped logits
+        kind = hidden.device.type
+        self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    def logits(self, tensors, rows) -> tuple[Tensor, bool]:
+        bias = tensors[2] if len(tensors) > 2 else None
+        return head_logits(tensors[0][rows], tensors[1], bias, self.scale, self.softcap), True
+
+    def recompute(self):
+        kind, enabled, dtype = self.autocast
+        return torch.autocast(kind, dtype=dtype, enabled=enabled)
+
+    def grad_buffers(self, tensors) -> list:
+        acc = torch.promote_types(tensors[1].dtype, torch.float32)
+        return [torch.zeros_like(tensors[0])] + [torch.zeros(t.shape, dtype=acc, device=t.device)
+                                                 for t in tensors[1:]]
+
+    def add_grad(self, buffers, tensors, chunk: _Chunk, gz: Tensor, z: Tensor) -> None:
+        hidden, weight = tensors[:2]
+        if self.softcap is not None:  # z = cap * tanh(u / cap): dz/du = 1 - (z / cap)^2
+            capped = z / self.softcap
+            gz *= 1 - capped * capped
+        if self.scale != 1.0:
+            gz *= self.scale
+        if len(buffers) > 2:
+            buffers[2] += gz.sum(0, dtype=buffers[2].dtype)
+        kind, autocast, autocast_dtype = self.autocast
+        mm = autocast_dtype if autocast else weight.dtype  # the forward's matmul dtype
+        gz = gz.to(mm)
+        with torch.autocast(kind, enabled=False):
+            grad_h = gz @ weight.to(mm)
+            if isinstance(chunk.rows, slice):
+                buffers[0][chunk.rows] = grad_h
+            else:  # a hidden row read at several temperatures adds up
+                buffers[0].index_add_(0, chunk.rows, grad_h.to(buffers[0].dtype))
+            _add_matmul(buffers[1], gz.T, hidden[chunk.rows].to(mm))
+
+    def grads(self, buffers, tensors) -> tuple:
+        return (buffers[0], *(b.to(t.dtype) for b, t in zip(buffers[1:], tensors[1:])))
+
+
+def head_logits(h: Tensor, weight: Tensor, bias: Tensor | None = None, scale: float = 1.0,
+                softcap: float | None = None, temperature: float = 1.0) -> Tensor:
+    """Logits ``softcap(scale * (h W^T + b)) / temperature`` of hidden states ``h`` [C, H], in
+    float32 at least (the matmul in the input dtype): what a :class:`Head` computes per
+    chunk.
 
     Args:
-        logits: [T', V] floating-point logits.
-        rows: [R] host int array, nondecreasing: the logits row of each normalised row.
+        h: [C, H] hidden states; ``weight`` [V, H] and ``bias`` [V] the head's.
+        scale, softcap, temperature: as :class:`Head` (``softcap`` None: none).
+
+    Returns:
+        [C, V] logits.
+    """
+    z = h @ weight.T
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
+    if bias is not None:
+        z += bias.to(z.dtype)
+    if scale != 1.0:
+        z *= scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    if temperature != 1.0:
+        z /= temperature
+    return z
+
+
+_FUSED_ACCUMULATE: dict[torch.device, bool] = {}  # addmm(out_dtype=float32) works there
+
+
+def _add_matmul(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` in place, with ``out`` float32 and ``a``, ``b`` possibly lower.
+
+    Same dtypes: ``addmm_``. Lower-precision inputs on CUDA: cuBLAS writes the float32 sum
+    straight into ``out`` (``addmm(..., out_dtype=float32)``, PyTorch >= 2.8), so no [V, H]
+    product is rounded to bfloat16 or copied; elsewhere the product is added in place.
+    """
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    if out.is_cuda and _FUSED_ACCUMULATE.get(out.device, True):
+        try:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            _FUSED_ACCUMULATE[out.device] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FUSED_ACCUMULATE[out.device] = False  # this torch lacks it: the plain way
+    out.add_(a @ b)
+
+
+# ---------------------------------------------------------------------- the normalisation
+
+
+def normalise(source: Logits | Head, rows: np.ndarray, temperature: np.ndarray | float,
+              pick: np.ndarray, token: Tensor, *, entropy: bool = False,
+              chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Picked log-probs (and row entropies) of ``log_softmax(source rows / temperature)``.
+
+    Normalised row ``i`` is the source's row ``rows[i]`` divided by ``temperature[i]``; a
+    source row may be normalised several times (at different temperatures), its repeats
+    adjacent.
+
+    Args:
+        source: :class:`Logits` or :class:`Head`.
+        rows: [R] host int array, nondecreasing: the source row of each normalised row.
         temperature: [R] host array of finite values > 0, or one number for every row
             (validated by the caller).
-        pick: [M] host int array: the normalised row of each wanted log-prob.
-        token: [M] token ids on the logits' device: ``out[m] = logp[pick[m], token[m]]``.
-        with_entropy: also return every normalised row's entropy.
+        pick: [P] host int array: the normalised row of each wanted log-prob.
+        token: [P] token ids on the source's device: ``out[j] = logp[pick[j], token[j]]``.
+        entropy: also return every normalised row's entropy (a ``-inf`` logit adds 0).
         chunk_size: normalised rows per chunk (default :func:`default_chunk_size`).
 
     Returns:
-        ``(logp [M], entropy [R] or None)`` in float32 at least (float64 stays float64).
-
-    Raises:
-        Nothing of its own (the callers validate shapes and values).
+        ``(logp [P], entropy [R] or None)`` in float32 at least (float64 stays float64);
+        autograd flows to the source's tensors.
     """
-    work = torch.promote_types(logits.dtype, torch.float32)
+    work = torch.promote_types(source.dtype, torch.float32)
     plan = _ChunkPlan(rows, pick, temperature, work,
-                      chunk_size or default_chunk_size(logits.shape[1], logits.device),
-                      logits.device)
-    out = _RowLogSoftmax.apply(logits, token, plan, with_entropy)
-    return (out[0], out[1]) if with_entropy else (out, None)
+                      chunk_size or default_chunk_size(source.vocab, source.device),
+                      source.device)
+    out = _Normalise.apply(plan, source, token, entropy, *source.tensors)
+    return (out[0], out[1]) if entropy else (out, None)
+
+
+def log_softmax_rows(logits: Tensor, rows: np.ndarray, temperature: np.ndarray | float,
+                     pick: np.ndarray, token: Tensor, *, with_entropy: bool = False,
+                     chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Deprecated: ``normalise(Logits(logits), ...)``.
+
+    Args:
+        logits: [T', V] floating-point logits.
+        rows, temperature, pick, token, chunk_size: as :func:`normalise`.
+        with_entropy: its ``entropy``.
+
+    Returns:
+        As :func:`normalise`.
+    """
+    from treepack.core import deprecation
+
+    deprecation.warn("treepack.softmax.log_softmax_rows",
+                     "treepack.core.softmax.normalise(Logits(logits), ...)")
+    return normalise(Logits(logits), rows, temperature, pick, token, entropy=with_entropy,
+                     chunk_size=chunk_size)
+
+
+class _Chunk(NamedTuple):
+    a: int  # normalised rows [a, b)
+    b: int
+    lo: int  # its picks, in sorted order [lo, hi)
+    hi: int
+    rows: slice | Tensor  # its source rows
+    temperature: Tensor | None  # [C, 1], or None at temperature 1
+    distinct: tuple[Tensor, Tensor] | None  # distinct source rows and each row's among them
 
 
 class _ChunkPlan:
     """Host-side chunking of the normalised rows, and device copies of the indices.
 
-    Chunks never split a logits row's repeats, so each logits row's gradient is summed in
-    float32 and rounded once. The picks are sorted by normalised row so that each chunk's
-    picks are one contiguous range. A chunk of consecutive logits rows reads them as a view,
-    and a chunk at temperature 1 divides by nothing. Every index reaches the device in one
-    copy, from pinned memory on a GPU, so building the plan does not wait for the GPU.
+    Chunks never split a source row's repeats, so each row's gradient is summed in float32
+    and rounded once. The picks are sorted by normalised row so that each chunk's picks are
+    one contiguous range. A chunk of consecutive source rows reads them as a view, and a chunk
+    at temperature 1 divides by nothing. Every index reaches the device in one copy, from
+    pinned memory on a GPU, so building the plan does not wait for the GPU.
     """
 
     def __init__(self, rows, pick, temperature, work: torch.dtype, chunk: int, device):
@@ -105,15 +282,16 @@ class _ChunkPlan:
         order = np.argsort(pick, kind="stable")
         pick_sorted = pick[order]
         starts = np.searchsorted(pick_sorted, [a for a, _ in bounds] + [n])
-        host = [rows, pick, order, pick_sorted]
-        distinct = []  # per chunk: its distinct logits rows and each row's among them, or None
+        host = [rows, order, pick_sorted]
+        distinct = []  # per chunk: its distinct source rows and each row's among them, or None
         for a, b in bounds:
             uniq, inverse = np.unique(rows[a:b], return_inverse=True)
             distinct.append(None if len(uniq) == b - a else (len(host), len(host) + 1))
             if len(uniq) < b - a:
                 host += [uniq, inverse.reshape(-1)]
         ints = to_device(host, torch.int64, device)
-        self.rows, self.pick, self.order, self.pick_sorted = ints[:4]
+        self.rows, self.order, self.pick_sorted = ints[:3]
+        self.num_picks = len(pick)
         self.temperature = to_device([temps], torch.float64, device)[0].to(work)
         self.work = work
         self.chunks = []
@@ -125,30 +303,94 @@ class _ChunkPlan:
                 None if (temps[a:b] == 1).all() else self.temperature[a:b, None],
                 None if distinct[i] is None else tuple(ints[j] for j in distinct[i])))
 
-    def logits(self, logits: Tensor, chunk: _Chunk) -> tuple[Tensor, bool]:
-        """The chunk's scaled logits [C, V] in the work dtype, and whether the tensor is
-        fresh (may be changed in place) rather than a view of ``logits``."""
-        z = logits[chunk.rows]
-        fresh = isinstance(chunk.rows, Tensor)
-        if z.dtype != self.work:
-            z, fresh = z.to(self.work), True
-        if chunk.temperature is not None:  # a tensor, as for the picked logits: same rounding
-            z, fresh = z / chunk.temperature, True
-        return z, fresh
+    def logits(self, source, tensors, chunk: _Chunk, *, keep: bool) -> tuple[Tensor, Tensor,
+                                                                               bool]:
+        """The chunk's source logits, the same divided by the temperature in the work dtype,
+        and whether the second may change in place (``keep``: the first must survive)."""
+        z, fresh = source.logits(tensors, chunk.rows)
+        scaled = z
+        if scaled.dtype != self.work:
+            scaled = scaled.to(self.work)
+        if chunk.temperature is not None:
+            scaled = scaled / chunk.temperature
+        return z, scaled, scaled is not z or (fresh and not keep)
 
 
-class _Chunk(NamedTuple):
-    a: int  # normalised rows [a, b)
-    b: int
-    lo: int  # its picks, in sorted order [lo, hi)
-    hi: int
-    rows: slice | Tensor  # its logits rows
-    temperature: Tensor | None  # [C, 1], or None at temperature 1
-    distinct: tuple[Tensor, Tensor] | None  # distinct logits rows and each row's among them
+class _Normalise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _ChunkPlan, source, token, with_entropy, *tensors):
+        n = plan.rows.shape[0]
+        lse = tensors[0].new_empty(n, dtype=plan.work)
+        entropy = tensors[0].new_empty(n, dtype=plan.work) if with_entropy else None
+        logp = tensors[0].new_empty(plan.num_picks, dtype=plan.work)
+        token_sorted = token[plan.order]
+        for c in plan.chunks:
+            _, z, fresh = plan.logits(source, tensors, c, keep=False)  # [C, V]
+            lse[c.a:c.b] = torch.logsumexp(z, dim=-1)
+            if c.hi > c.lo:
+                local = plan.pick_sorted[c.lo:c.hi] - c.a
+                logp[plan.order[c.lo:c.hi]] = (z[local, token_sorted[c.lo:c.hi]]
+                                               - lse[c.a:c.b][local])
+            if with_entropy:  # H = -sum p logp, a -inf logit adding 0
+                logz = z.sub_(lse[c.a:c.b, None]) if fresh else z - lse[c.a:c.b, None]
+                p = logz.exp()
+                entropy[c.a:c.b] = p.mul_(logz.masked_fill_(logz.isneginf(), 0)).sum(-1).neg_()
+        ctx.save_for_backward(token_sorted, lse, entropy, *tensors)
+        ctx.plan, ctx.source = plan, source
+        ctx.set_materialize_grads(False)
+        return (logp, entropy) if with_entropy else logp
+
+    @staticmethod
+    @once_differentiable  # the backward recomputes in chunks: no graph for a second order
+    def backward(ctx, grad_logp, grad_entropy=None):
+        token_sorted, lse, entropy, *tensors = ctx.saved_tensors
+        plan, source = ctx.plan, ctx.source
+        if grad_logp is None and grad_entropy is None:
+            return (None, None, None, None, *([None] * len(tensors)))
+        with source.recompute():
+            grads = _Normalise._backward(plan, source, tensors, token_sorted, lse, entropy,
+                                         grad_logp, grad_entropy)
+        return (None, None, None, None, *grads)
+
+    @staticmethod
+    def _backward(plan, source, tensors, token_sorted, lse, entropy, grad_logp, grad_entropy):
+        buffers = source.grad_buffers(tensors)
+        # d logp[j] / d z[pick j] = onehot(token j) - softmax: each row needs its picks' sum
+        g_row = lse.new_zeros(lse.shape[0])
+        g_pick = None
+        if grad_logp is not None:
+            g_pick = grad_logp.to(lse.dtype)[plan.order]  # sorted by normalised row
+            g_row.index_add_(0, plan.pick_sorted, g_pick)
+        for c in plan.chunks:
+            z, scaled, fresh = plan.logits(source, tensors, c, keep=source.keeps_logits)
+            logz = scaled.sub_(lse[c.a:c.b, None]) if fresh else scaled - lse[c.a:c.b, None]
+            if grad_entropy is None:  # softmax and its gradient in place
+                gz = logz.exp_().mul_(-g_row[c.a:c.b, None])
+            else:  # dH/dz = -p * (logp + H): gz = -p * (g_row + g_H * (logp + H)), in place
+                p = logz.exp()
+                gz = (logz.masked_fill_(logz.isneginf(), 0).add_(entropy[c.a:c.b, None])
+                      .mul_(grad_entropy[c.a:c.b, None]).add_(g_row[c.a:c.b, None])
+                      .mul_(p).neg_())
+            if g_pick is not None and c.hi > c.lo:
+                gz.index_put_((plan.pick_sorted[c.lo:c.hi] - c.a, token_sorted[c.lo:c.hi]),
+                              g_pick[c.lo:c.hi], accumulate=True)
+            if c.temperature is not None:
+                gz /= c.temperature
+            source.add_grad(buffers, tensors, c, gz, z)
+        return source.grads(buffers, tensors)
 
 
 def to_device(arrays: list[np.ndarray], dtype: torch.dtype, device) -> list[Tensor]:
-    """The arrays on ``device`` through one copy (pinned and asynchronous on a GPU)."""
+    """The arrays on ``device`` through one copy (pinned and asynchronous on a GPU).
+
+    Args:
+        arrays: host arrays (any lengths).
+        dtype: ``torch.int64`` or ``torch.float64``.
+        device: where they go.
+
+    Returns:
+        One tensor per array, views of one device buffer.
+    """
     sizes = [len(a) for a in arrays]
     flat = torch.from_numpy(np.concatenate(arrays).astype(np.float64 if dtype == torch.float64
                                                           else np.int64, copy=False))
@@ -158,64 +400,3 @@ def to_device(arrays: list[np.ndarray], dtype: torch.dtype, device) -> list[Tens
     else:
         flat = flat.to(device)
     return list(flat.split(sizes))
-
-
-class _RowLogSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, token, plan: _ChunkPlan, with_entropy):
-        n = plan.rows.shape[0]
-        lse = logits.new_empty(n, dtype=plan.work)
-        entropy = logits.new_empty(n, dtype=plan.work) if with_entropy else None
-        for c in plan.chunks:
-            z, fresh = plan.logits(logits, c)  # [C, V]
-            lse[c.a:c.b] = torch.logsumexp(z, dim=-1)
-            if with_entropy:  # H = -sum p logp, a -inf logit adding 0
-                logp = z.sub_(lse[c.a:c.b, None]) if fresh else z - lse[c.a:c.b, None]
-                p = logp.exp()
-                entropy[c.a:c.b] = p.mul_(logp.masked_fill_(logp.isneginf(), 0)).sum(-1).neg_()
-        picked = logits[plan.rows[plan.pick], token].to(plan.work) / plan.temperature[plan.pick]
-        logp = picked - lse[plan.pick]
-        ctx.save_for_backward(logits, token, lse, entropy)
-        ctx.plan = plan
-        ctx.set_materialize_grads(False)
-        return (logp, entropy) if with_entropy else logp
-
-    @staticmethod
-    @once_differentiable  # the backward recomputes in chunks: no graph for a second order
-    def backward(ctx, grad_logp, grad_entropy=None):
-        if grad_logp is None and grad_entropy is None:
-            return None, None, None, None
-        logits, token, lse, entropy = ctx.saved_tensors
-        plan = ctx.plan
-        grad = torch.zeros_like(logits)
-        # d logp[m] / d z[pick m] = onehot(token m) - softmax: each row needs its picks' sum
-        g_row = lse.new_zeros(lse.shape[0])
-        g_pick = None
-        if grad_logp is not None:
-            g_pick = grad_logp.to(lse.dtype)[plan.order]  # sorted by normalised row
-            g_row.index_add_(0, plan.pick_sorted, g_pick)
-        token_sorted = token[plan.order]
-        for c in plan.chunks:
-            z, fresh = plan.logits(logits, c)
-            logp = z.sub_(lse[c.a:c.b, None]) if fresh else z - lse[c.a:c.b, None]
-            if grad_entropy is None:  # softmax and its gradient in place
-                gz = logp.exp_().mul_(-g_row[c.a:c.b, None])
-            else:  # dH/dz = -p * (logp + H): gz = -p * (g_row + g_H * (logp + H)), in place
-                p = logp.exp()
-                gz = (logp.masked_fill_(logp.isneginf(), 0).add_(entropy[c.a:c.b, None])
-                      .mul_(grad_entropy[c.a:c.b, None]).add_(g_row[c.a:c.b, None])
-                      .mul_(p).neg_())
-            if g_pick is not None and c.hi > c.lo:
-                gz.index_put_((plan.pick_sorted[c.lo:c.hi] - c.a, token_sorted[c.lo:c.hi]),
-                              g_pick[c.lo:c.hi], accumulate=True)
-            if c.temperature is not None:
-                gz /= c.temperature
-            if c.distinct is not None:  # a row at several temperatures: sum, round once
-                uniq, inverse = c.distinct
-                summed = gz.new_zeros(len(uniq), gz.shape[1]).index_add_(0, inverse, gz)
-                grad.index_copy_(0, uniq, summed.to(grad.dtype))
-            elif isinstance(c.rows, slice):
-                grad[c.rows] = gz
-            else:
-                grad.index_copy_(0, c.rows, gz.to(grad.dtype))
-        return grad, None, None, None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
@@ -26,10 +25,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.core import checks
-from treepack.core.checks import floating, positive_int
+from treepack.core import checks, deprecation
 from treepack.core import mask as _mask
-from treepack.core.softmax import log_softmax_rows
+from treepack.core.checks import floating, positive_int
 from treepack.core.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
@@ -265,9 +263,6 @@ class TreePack:
         Returns:
             A new :class:`TreePack`; host tables stay on the host, and structures derived from
             the pack (attention plans, block masks) are rebuilt there on first use.
-
-        Raises:
-            Nothing of its own (torch raises for an unknown device).
         """
 
         def move(value):
@@ -325,10 +320,8 @@ class TreePack:
 
     @property
     def num_tokens(self) -> int:
-        """Deprecated (one release): :attr:`num_packed_rows`, T, the distinct packed rows."""
-        warnings.warn("TreePack.num_tokens is now TreePack.num_packed_rows (distinct packed "
-                      "rows, padding excluded); the old name goes in the next release",
-                      DeprecationWarning, stacklevel=2)
+        """Deprecated: :attr:`num_packed_rows`, T, the distinct packed rows."""
+        deprecation.warn("TreePack.num_tokens", "TreePack.num_packed_rows")
         return self.num_packed_rows
 
     @property
@@ -368,14 +361,8 @@ class TreePack:
         The slow, obviously correct reference for tests and small packs: it allocates T'^2
         booleans. Models should use an attention backend (:mod:`treepack.attention`).
 
-        Args:
-            None.
-
         Returns:
             ``mask[i, j] = j <= i < subtree_end[j]``.
-
-        Raises:
-            Nothing of its own.
         """
         return _mask.dense_mask(self.subtree_end)
 
@@ -389,9 +376,6 @@ class TreePack:
         Returns:
             ``mask_mod(b, h, q, kv) = (kv <= q) & (q < subtree_end[kv])`` (and
             ``position_ids[q] - position_ids[kv] < window``), a closure over O(T') tensors.
-
-        Raises:
-            Nothing of its own.
         """
         return _mask.tree_mask_mod(self.subtree_end, self.position_ids, window)
 
@@ -443,8 +427,7 @@ class TreePack:
             ValueError: logits of the wrong shape, device, dtype or vocabulary (a token id
                 of the pack beyond V), or a bad temperature.
         """
-        logp, _ = self._log_softmax(logits, temperature, "token_logprobs", entropy=False)
-        return self.place(logp)
+        return self._outputs(logits, temperature, "token_logprobs", entropy=False).logprobs
 
     def token_entropy(self, logits: Tensor, *, temperature: float = 1.0) -> Tensor:
         """Entropy of each prediction's next-token distribution, in the layout of
@@ -460,8 +443,7 @@ class TreePack:
         Raises:
             ValueError: as :meth:`token_logprobs`.
         """
-        _, entropy = self._log_softmax(logits, temperature, "token_entropy", entropy=True)
-        return self.place(entropy[_source_rows(self).pick])
+        return self._outputs(logits, temperature, "token_entropy", entropy=True).entropy
 
     def token_logprobs_and_entropy(self, logits: Tensor, *, temperature: float = 1.0
                                    ) -> tuple[Tensor, Tensor]:
@@ -478,9 +460,8 @@ class TreePack:
         Raises:
             ValueError: as :meth:`token_logprobs`.
         """
-        logp, entropy = self._log_softmax(logits, temperature, "token_logprobs_and_entropy",
-                                          entropy=True)
-        return self.place(logp), self.place(entropy[_source_rows(self).pick])
+        out = self._outputs(logits, temperature, "token_logprobs_and_entropy", entropy=True)
+        return out.logprobs, out.entropy
 
     def place(self, values: Tensor) -> Tensor:
         """Per-prediction values placed in the pack's layout.
@@ -491,9 +472,6 @@ class TreePack:
         Returns:
             [N, L] label-aligned (flat: [total]), 0 where there is no prediction; autograd
             flows back to ``values``.
-
-        Raises:
-            Nothing of its own (torch raises for a wrong length).
         """
         out = values.new_zeros(self.rows.numel()).index_put((self.predictions.index,), values)
         return out.view(self.rows.shape)
@@ -514,21 +492,10 @@ class TreePack:
                 f"with pack.to({str(tensor.device)!r})"
             )
 
-    def _log_softmax(self, logits: Tensor, temperature: float, what: str, *, entropy: bool):
-        """Every prediction's log-prob [M] (and each source row's entropy [R]) from logits
-        [T', V], each source row normalised once, in chunks (:mod:`treepack.softmax`)."""
-        if logits.dim() != 2 or logits.shape[0] != self.num_rows:
-            hint = ("; for a model output of shape [1, T', V] pass out.logits[0]"
-                    if logits.dim() == 3 and logits.shape[0] == 1 else "")
-            raise ValueError(f"{what} expects logits of shape [T'={self.num_rows}, V], got "
-                             f"{tuple(logits.shape)}{hint}")
-        self.check_device(logits, "logits")
-        floating(logits, "logits")
-        temperature = checks.temperature(temperature)
-        self.check_vocabulary(logits.shape[1])
-        src = _source_rows(self)
-        return log_softmax_rows(logits, src.rows, temperature, src.pick_host,
-                                self.predictions.target, with_entropy=entropy)
+    def _outputs(self, logits: Tensor, temperature: float, what: str, *, entropy: bool):
+        from treepack.core.outputs import from_logits  # it imports this module
+
+        return from_logits(self, logits, temperature=temperature, entropy=entropy, what=what)
 
     def completion_mask(self, prompt_lengths) -> Tensor:
         """BoolTensor [N, L]: the predictions of completion tokens, for a loss on them only.
@@ -616,22 +583,6 @@ def derived_from_pack(build: Callable[..., R]) -> Callable[..., R]:
                             lambda: build(pack, *values))
 
     return cached
-
-
-class SourceRows(NamedTuple):
-    """The packed rows that predict something, each once, and each prediction's among them."""
-
-    rows: np.ndarray  # [R] ascending packed rows with at least one prediction
-    pick_host: np.ndarray  # [M] index into ``rows`` of each prediction's source row
-    pick: Tensor  # [M] the same on the pack's device
-
-
-@derived_from_pack
-def _source_rows(pack: TreePack) -> SourceRows:
-    """Which rows :meth:`TreePack.token_logprobs` normalises (cached per pack)."""
-    rows, pick = np.unique(pack.host.prediction_source, return_inverse=True)
-    pick = pick.reshape(-1).astype(np.int64)
-    return SourceRows(rows.astype(np.int64), pick, torch.from_numpy(pick).to(pack.device))
 
 
 # ---------------------------------------------------------------------- input checking

@@ -46,9 +46,6 @@ def grpo_batch(
 
     Returns:
         A list of int64 numpy arrays, group by group.
-
-    Raises:
-        Nothing of its own.
     """
     rng = np.random.default_rng(seed)
     out = []
@@ -82,9 +79,6 @@ def agent_batch(
 
     Returns:
         A list of int64 numpy arrays; step i of a trajectory is a prefix of step i + 1.
-
-    Raises:
-        Nothing of its own.
     """
     rng = np.random.default_rng(seed)
     out = []
@@ -113,9 +107,6 @@ def agentic_batch(seed: int = 0) -> list[np.ndarray]:
 
     Returns:
         A list of int64 numpy arrays.
-
-    Raises:
-        Nothing of its own.
     """
     grpo = grpo_batch(groups=4, rollouts=8, prompt_len=1024, response_len=384, jitter=0.5,
                       seed=seed)

@@ -33,8 +33,9 @@ import torch
 from torch import Tensor
 
 from treepack.core.denominators import Denominators, global_denominators
-from treepack.planning.planner import Plan, plan
+from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
+from treepack.planning.planner import Plan, plan
 
 __all__ = ["collate", "Collated", "Batch", "rollouts_from_padded"]
 
@@ -57,9 +58,8 @@ class Batch:
         each completion's length; C is the longest completion of the pack)."""
         width = int(self.completion_lengths.max()) if len(self.completion_lengths) else 0
         j = torch.arange(width, device=values.device)
-        cols = (self.prompt_lengths[:, None] + j).clamp(max=values.shape[1] - 1)
-        keep = j < self.completion_lengths[:, None]
-        return torch.where(keep, values.gather(1, cols), values.new_zeros(()))
+        return take_columns(values, self.prompt_lengths[:, None] + j,
+                            j < self.completion_lengths[:, None])
 
 
 @dataclasses.dataclass

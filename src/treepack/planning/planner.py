@@ -29,14 +29,14 @@ import dataclasses
 import heapq
 import math
 import numbers
-import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from treepack.core.forest import causal_pairs, ragged_arange, sort_and_lcp
+from treepack.core import deprecation
 from treepack.core.checks import positive_int
+from treepack.core.forest import causal_pairs, ragged_arange, sort_and_lcp
 from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack, validate_sequences
 
 __all__ = ["plan", "Plan", "PackSpec", "PAIR_COST"]
@@ -54,9 +54,8 @@ class PackSpec(NamedTuple):
 
     @property
     def rows(self) -> int:
-        """Deprecated (one release): :attr:`packed_rows`."""
-        warnings.warn("PackSpec.rows is now packed_rows; the old name goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
+        """Deprecated: :attr:`packed_rows`."""
+        deprecation.warn("PackSpec.rows", "PackSpec.packed_rows")
         return self.packed_rows
 
 
@@ -92,9 +91,8 @@ class Plan:
 
     @property
     def rows(self) -> int:
-        """Deprecated (one release): :attr:`packed_rows`."""
-        warnings.warn("Plan.rows is now Plan.packed_rows; the old name goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
+        """Deprecated: :attr:`packed_rows`."""
+        deprecation.warn("Plan.rows", "Plan.packed_rows")
         return self.packed_rows
 
     @property
@@ -252,7 +250,7 @@ class _Sorted(NamedTuple):
 
 def plan(sequences, *, max_tokens: int, world_size: int = 1,
          pad_to_multiple_of: int | None = None, pair_cost: float = PAIR_COST,
-         device: torch.device | str | None = None) -> Plan:
+         min_packs: int = 1, device: torch.device | str | None = None) -> Plan:
     """Split ``sequences`` into packs of at most ``max_tokens`` packed rows over
     ``world_size`` ranks, keeping shared prefixes together and costs balanced.
 
@@ -264,6 +262,10 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
         pad_to_multiple_of: pad every pack's rows to a multiple of this (``max_tokens`` must
             be a multiple of it, so padded packs stay within the budget).
         pair_cost: the cost of a visible attention pair, in rows, for balancing.
+        min_packs: at least this many non-empty packs per rank where the rank has that many
+            sequences: a rank with fewer splits its largest pack in two, between the two
+            sequences that share the shortest prefix, nearest the middle (verl needs as many
+            micro-batches on every rank).
         device: where the packs' tensors go when built.
 
     Returns:
@@ -290,8 +292,62 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     per_rank = max(len(b) for b in bins)
     sizes = (pieces.rows.tolist(), pieces.pairs.tolist())  # once: every rank reads them
     specs = [_specs(srt, pieces, sizes, rank_bins, pair_cost, per_rank) for rank_bins in bins]
+    min_packs = positive_int(min_packs, "min_packs", hint=" (packs per rank)")
+    if min_packs > 1:
+        specs = _at_least(specs, min_packs, srt, pair_cost)
     return Plan(specs=specs, min_rows=int(srt.new.sum()), max_tokens=max_tokens,
                 pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device)
+
+
+def _at_least(specs: list[list[PackSpec]], count: int, srt: _Sorted,
+              pair_cost: float) -> list[list[PackSpec]]:
+    """Every rank's packs, its largest split in two until it has ``count`` non-empty packs
+    (or one sequence per pack); ranks padded with empty packs to the same number again."""
+    rank_of = np.empty(len(srt.order), dtype=np.int64)
+    rank_of[srt.order] = np.arange(len(srt.order))  # sequence -> its sorted position
+    out = []
+    for rank in specs:
+        real = [s for s in rank if len(s.seq_ids)]
+        while len(real) < count:
+            i = max(range(len(real)), key=lambda k: (len(real[k].seq_ids) > 1,
+                                                    real[k].packed_rows), default=None)
+            if i is None or len(real[i].seq_ids) < 2:
+                break
+            positions = np.sort(rank_of[real[i].seq_ids])
+            real[i:i + 1] = [_spec(srt, half, pair_cost) for half in _halves(srt, positions)]
+        out.append(sorted(real, key=lambda s: -s.cost))
+    per_rank = max(len(r) for r in out)
+    empty = PackSpec(np.zeros(0, dtype=np.int64), 0, 0, 0.0)
+    return [r + [empty] * (per_rank - len(r)) for r in out]
+
+
+def _shared(srt: _Sorted, positions: np.ndarray) -> np.ndarray:
+    """The prefix each sorted sequence at ``positions`` (ascending) shares with the one before
+    it among them (0 for the first): the least LCP between them in the full sorted order."""
+    lcp = np.append(srt.lcp, 0)  # a sentinel: reduceat's indices must be in range
+    bounds = np.column_stack([positions[:-1] + 1, positions[1:] + 1]).reshape(-1)
+    return np.append(0, np.minimum.reduceat(lcp, bounds)[::2]) if len(positions) > 1 else \
+        np.zeros(len(positions), dtype=np.int64)
+
+
+def _halves(srt: _Sorted, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted sequences at ``positions`` in two parts, cut between the two that share the
+    shortest prefix, the cut nearest the middle in packed rows among those: a prefix shared
+    across the cut is computed twice, so the cut crosses as little of one as possible."""
+    shared = _shared(srt, positions)
+    rows = np.cumsum(srt.length[positions] - shared)
+    cut = np.arange(1, len(positions))  # before member k
+    k = cut[np.lexsort((np.abs(rows[cut - 1] - rows[-1] / 2), shared[cut]))[0]]
+    return positions[:k], positions[k:]
+
+
+def _spec(srt: _Sorted, positions: np.ndarray, pair_cost: float) -> PackSpec:
+    """The pack of the sorted sequences at ``positions`` (ascending), its sizes counted."""
+    shared = _shared(srt, positions)
+    length = srt.length[positions]
+    rows = int((length - shared).sum())
+    pairs = int((causal_pairs(length) - causal_pairs(shared)).sum())
+    return PackSpec(np.sort(srt.order[positions]), rows, pairs, rows + pair_cost * pairs)
 
 
 def _check_budget(max_tokens, world_size, pad_to_multiple_of, pair_cost):

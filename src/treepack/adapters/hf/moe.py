@@ -1,0 +1,88 @@
+"""Mixture-of-experts router losses of the original tokens, from a pack's router logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from treepack.adapters.hf import compat
+from treepack.adapters.hf.prepare import unwrap
+from treepack.adapters.hf.routing import UnsupportedModel, text_config
+from treepack.core import deprecation
+from treepack.core.tree import TreePack
+
+__all__ = ["row_multiplicity", "router_aux_loss", "batch_router_aux_loss"]
+
+
+def row_multiplicity(pack: TreePack) -> Tensor:
+    """How many original tokens each packed row stands for.
+
+    Args:
+        pack: a :class:`~treepack.TreePack`.
+
+    Returns:
+        [T'] float: occurrences of each row (0 for padding).
+    """
+    rows = pack.rows[pack.rows >= 0]
+    return torch.bincount(rows, minlength=pack.num_rows).float()
+
+
+def router_aux_loss(model, pack, router_logits) -> Tensor:
+    """The MoE load-balancing loss of one pack's original tokens, from its router logits.
+
+    Uses the model's own ``load_balancing_loss_func`` with every packed row weighted by the
+    number of original tokens it stands for, which is what the unpacked batch computes.
+    (A list of packs with a list of router logits is deprecated: use
+    :func:`batch_router_aux_loss`.)
+
+    Args:
+        model: the MoE model (or wrapper).
+        pack: the pack the router logits came from.
+        router_logits: the model output's ``router_logits`` (one tensor per layer).
+
+    Returns:
+        A scalar loss tensor.
+
+    Raises:
+        UnsupportedModel: a model whose router loss treepack does not know how to weight.
+    """
+    if isinstance(pack, (list, tuple)):
+        deprecation.warn("hf.router_aux_loss(model, packs, per_pack_router_logits)",
+                         "hf.batch_router_aux_loss")
+        return batch_router_aux_loss(model, pack, router_logits)
+    return batch_router_aux_loss(model, [pack], [router_logits])
+
+
+def batch_router_aux_loss(model, packs, router_logits) -> Tensor:
+    """The load-balancing loss of a whole batch spread over several packs.
+
+    Packs without tokens (``TreePack.empty``) contribute nothing; with no tokens at all the
+    loss is a zero still connected to the router.
+
+    Args:
+        model: the MoE model (or wrapper).
+        packs: the batch's packs.
+        router_logits: for each pack, its per-layer router logits.
+
+    Returns:
+        The batch's loss (not a mean of per-pack losses), a scalar tensor.
+
+    Raises:
+        UnsupportedModel: as :func:`router_aux_loss`.
+    """
+    packs, per_pack = list(packs), list(router_logits)
+    live = [(p, r) for p, r in zip(packs, per_pack) if p.num_original_tokens > 0]
+    if not live:
+        return sum(layer.sum() for r in per_pack for layer in r) * 0.0
+    layers = tuple(torch.cat(per_layer) for per_layer in zip(*(r for _, r in live)))
+    weights = torch.cat([row_multiplicity(p) for p, _ in live])[None]  # [1, rows]
+    model = unwrap(model)
+    loss_fn = compat.model_function(model, "load_balancing_loss_func")
+    if loss_fn is None:
+        raise UnsupportedModel(
+            f"{type(model).__name__} has an auxiliary router loss treepack does not know how to "
+            "weight by original tokens; disable it (output_router_logits=False) or run unpacked"
+        )
+    config = text_config(model)
+    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
+    return loss_fn(layers, num_experts, config.num_experts_per_tok, weights)

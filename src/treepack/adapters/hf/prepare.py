@@ -1,0 +1,250 @@
+"""Preparing a model for packs, reversibly, and the checks that it runs them exactly."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from treepack.adapters.hf import compat
+from treepack.adapters.hf.routing import (ATTENTION_LAYER_TYPES, ORIGINAL, TREE_FORWARD_KWARG,
+                                          TreeForward, UnsupportedModel, check_calls,
+                                          registered_name, text_config, tree_forward)
+from treepack.core import deprecation
+from treepack.core.tree import TreePack
+
+__all__ = ["prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention",
+           "unwrap", "compute_device", "eval_no_grad"]
+
+
+def unwrap(model):
+    """The transformers model inside DDP / FSDP / ``torch.compile`` / PEFT wrappers.
+
+    A PEFT model (LoRA and the other adapters peft injects into the base model's layers)
+    unwraps to its base model (``get_base_model()``): the injected layers run inside it, so
+    the adapters take part in every forward, and ``disable_adapter()`` works as usual.
+
+    Args:
+        model: a ``PreTrainedModel`` or a wrapper of one (``.module``, ``._orig_mod``,
+            ``get_base_model()``).
+
+    Returns:
+        The innermost ``PreTrainedModel``.
+
+    Raises:
+        TypeError: no transformers model inside.
+    """
+    from transformers import PreTrainedModel
+
+    seen = model
+    while not isinstance(seen, PreTrainedModel):
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if inner is None and callable(getattr(seen, "get_base_model", None)):
+            inner = seen.get_base_model()  # peft
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(
+                f"{type(model).__name__} is not a transformers PreTrainedModel (nor a DDP / FSDP "
+                "/ torch.compile / PEFT wrapper of one); treepack.hf runs transformers causal "
+                "LMs — "
+                "use treepack.attention.TreeAttention in your own model"
+            )
+        seen = inner
+    return seen
+
+
+def compute_device(model) -> torch.device:
+    """The device ``model`` computes on: its parameters' device, or, for an FSDP wrapper that
+    offloads parameters to the CPU, the device it moves them to for the forward.
+
+    Args:
+        model: a causal LM, or a DDP / FSDP1 / FSDP2 / compile wrapper of one.
+
+    Returns:
+        A :class:`torch.device` (with its index for an accelerator).
+
+    Raises:
+        TypeError: as :func:`unwrap` for something that is not a model.
+    """
+    device = getattr(model, "compute_device", None)  # FSDP1 (CPUOffload keeps params on CPU)
+    if isinstance(device, torch.device):
+        return device
+    param = next(unwrap(model).parameters())
+    mesh = getattr(param, "device_mesh", None)  # FSDP2 shards are DTensors on a device mesh
+    if mesh is not None and mesh.device_type != param.device.type:  # CPUOffloadPolicy
+        return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    return param.device
+
+
+def is_prepared(model) -> bool:
+    """Whether :func:`prepare` routed ``model``'s attention through treepack.
+
+    Args:
+        model: a transformers causal LM (or wrapper).
+
+    Returns:
+        True when prepared.
+
+    Raises:
+        TypeError: not a transformers model (:func:`unwrap`).
+    """
+    return compat.attn_implementation(unwrap(model).config) in ORIGINAL
+
+
+def original_attention(model) -> str:
+    """The attention implementation ``model`` runs without a pack.
+
+    Args:
+        model: a transformers causal LM (or wrapper), prepared or not.
+
+    Returns:
+        Its own implementation's name (``"sdpa"``, ``"eager"``, ...).
+
+    Raises:
+        TypeError: not a transformers model.
+    """
+    name = compat.attn_implementation(unwrap(model).config)
+    return ORIGINAL.get(name, name)
+
+
+def prepare(model, *, check: bool = True):
+    """Route ``model``'s attention through treepack, reversibly.
+
+    Call it once before :func:`forward` (or use :func:`prepared` for a block of code). It
+    sets the model's attention implementation to ``treepack_<original>``, which runs the
+    tree backend when a pack is passed and the original implementation otherwise, so the
+    model still runs ordinary batches exactly as before. :func:`restore` undoes it.
+    Idempotent.
+
+    Args:
+        model: a transformers causal LM, or a DDP / FSDP / ``torch.compile`` wrapper of one.
+        check: run two 2-token forwards, once, that verify the model reads
+            ``position_ids`` (treepack's depths reach the model only that way) and that its
+            own code runs a tree forward. They run through ``model`` as given, so with a
+            sharded wrapper (FSDP) call ``prepare`` on every rank, as any forward.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        UnsupportedModel: a model treepack cannot run exactly (recurrent or
+            linear-attention layers, positions not read from ``position_ids``, attention
+            that bypasses transformers' interface, ALiBi, attention sinks); the model is
+            left unchanged.
+    """
+    core = unwrap(model)
+    if is_prepared(core):
+        return model
+    config = core.config
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types <= ATTENTION_LAYER_TYPES:
+        other = sorted(layer_types - ATTENTION_LAYER_TYPES)
+        raise UnsupportedModel(
+            f"{type(core).__name__} has {other} layers: their recurrent or linear state would "
+            "run across the whole packed forest, mixing sequences. treepack supports models "
+            f"whose layers are all {sorted(ATTENTION_LAYER_TYPES)}; run this one unpacked"
+        )
+    original = compat.attn_implementation(config)
+    compat.set_attn_implementation(config, registered_name(original))
+    if check:
+        try:
+            _check_reads_position_ids(model, core)
+        except Exception:
+            compat.set_attn_implementation(config, original)
+            raise
+    return model
+
+
+def restore(model):
+    """Undo :func:`prepare`: the model runs its original attention implementation again.
+
+    Args:
+        model: a model (or wrapper), prepared or not.
+
+    Returns:
+        ``model`` itself.
+    """
+    if is_prepared(model):
+        compat.set_attn_implementation(unwrap(model).config, original_attention(model))
+    return model
+
+
+def unprepare(model):
+    """Deprecated: :func:`restore`."""
+    deprecation.warn("hf.unprepare", "hf.restore")
+    return restore(model)
+
+
+@contextlib.contextmanager
+def prepared(model, *, check: bool = True):
+    """``with hf.prepared(model):`` — :func:`prepare` for the block, then :func:`restore`.
+
+    A model that was already prepared stays prepared. Keep gradient-checkpointed backward
+    passes inside the block: they recompute attention through the prepared model.
+
+    Args:
+        model: a transformers causal LM (or wrapper).
+        check: as :func:`prepare`.
+
+    Returns:
+        A context manager yielding ``model``.
+
+    Raises:
+        As :func:`prepare`.
+    """
+    already = is_prepared(model)
+    prepare(model, check=check)
+    try:
+        yield model
+    finally:
+        if not already:
+            restore(model)
+
+
+@contextlib.contextmanager
+def eval_no_grad(model):
+    """``model`` in eval mode without gradients, then every submodule's own train/eval flag
+    back (``model.train(flag)`` would set them all to the root's)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _check_reads_position_ids(model, core) -> None:
+    """Two forwards through ``model`` as given: a sharded wrapper (FSDP) gathers its
+    parameters only in its own forward, so every rank runs them together."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1, 2]], device=device) % text_config(core).vocab_size
+    pack = TreePack.from_sequences([[1, 2]], device=device)
+    outs = []
+    with eval_no_grad(model):
+        for positions in ([0, 1], [0, 7]):  # same chain, keys 1 vs 7 positions back
+            tree = TreeForward(pack, "dense")
+            try:
+                with tree_forward():
+                    out = model(input_ids=ids, use_cache=False, **{TREE_FORWARD_KWARG: tree},
+                                position_ids=torch.tensor([positions], device=device))
+            except UnsupportedModel:
+                raise
+            except Exception as e:  # the model's own code failed on a tree forward
+                raise UnsupportedModel(
+                    f"{type(core).__name__} cannot run a tree forward: its own code raised "
+                    f"{type(e).__name__} ({str(e)[:200]}) when given treepack's attention and "
+                    "depth position_ids, as models with ALiBi biases or custom attention code "
+                    "do. treepack supports models whose layers all attend through "
+                    "transformers' attention interface and take positions from position_ids "
+                    "(rotary or learned); run this one unpacked"
+                ) from e
+            check_calls(core, tree)
+            outs.append(out.logits)
+    if torch.equal(outs[0], outs[1]):
+        raise UnsupportedModel(
+            f"{type(core).__name__} ignores position_ids (the output did not change when "
+            "they did): packed rows would get positions from their packed index instead of "
+            "their depth. treepack supports models that take positions from position_ids "
+            "(rotary or learned absolute); run this one unpacked"
+        )
