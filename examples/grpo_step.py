@@ -45,8 +45,7 @@ mask = pack.completion_mask(prompt_lengths)  # the completion only; the prompt s
 
 def logprobs(model):
     # treepack: one forward over the tree, log-probs back in [N, L] without [T', V] logits
-    hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
-    return treepack.logprobs_and_entropy_from_hidden(pack, hidden, **hf.lm_head(model))
+    return hf.logprobs(model, pack, entropy=True)
 
 
 with torch.no_grad():
