@@ -676,3 +676,37 @@ def test_unsupported_model_is_caught_by_what_earlier_releases_raised():
     """One exception for "cannot run exactly", caught by every type callers caught before."""
     for old in (ValueError, NotImplementedError, RuntimeError):
         assert issubclass(hf.UnsupportedModel, old)
+
+
+def test_padding_rows_do_not_trigger_transformers_padding_warning():
+    """GPT-2 warns "pass an attention_mask, your input_ids may be padded" when the first or
+    last id is its pad id; a pack's padding rows are id 0 and isolated by the tree attention,
+    so the forward gives them another id. The same ids straight into the model still warn."""
+    import io
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    model = tiny("gpt2")
+    assert model.config.pad_token_id == 0
+    pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=64)
+    assert pack.num_rows > pack.num_packed_rows
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = hf_logging.get_logger()
+    root.addHandler(handler)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    try:
+        for ids, expect in ((None, False), (pack.input_ids[None], True)):
+            logging.Logger.warning_once.cache_clear()
+            stream.truncate(0)
+            if ids is None:
+                hf.forward(model, pack)
+            else:
+                with torch.no_grad():
+                    model(input_ids=ids, use_cache=False)
+            assert ("attention_mask" in stream.getvalue()) == expect, stream.getvalue()
+    finally:
+        root.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)

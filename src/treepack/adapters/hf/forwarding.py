@@ -20,7 +20,7 @@ from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, Unsup
 from treepack.core import deprecation
 from treepack.core.outputs import (RowLogprobs, TokenLogprobs, from_logits,
                                    per_sequence_temperature)
-from treepack.core.tree import TreePack
+from treepack.core.tree import TreePack, derived_from_pack
 from treepack.lean.logprobs import outputs_from_hidden, rows_from_hidden
 
 __all__ = ["logprobs", "forward", "forward_hidden", "forward_lean", "HiddenOutput", "HEADS",
@@ -315,6 +315,19 @@ def _forward_replaced(module, forward):
             setattr(module, name, saved)
 
 
+@derived_from_pack
+def _input_ids(pack: TreePack, pad_token_id: int | None) -> Tensor:
+    """The pack's ids for the model: its padding rows (id 0, seen by nothing but themselves,
+    predicting nothing) get an id other than the model's ``pad_token_id``, so transformers'
+    "your input_ids may be padded, pass an attention_mask" check (GPT-2 and others) does not
+    fire on padding the tree attention already isolates. Real rows are the user's ids."""
+    if pack.num_rows == pack.num_packed_rows or pad_token_id is None or pad_token_id != 0:
+        return pack.input_ids
+    ids = pack.input_ids.clone()
+    ids[pack.num_packed_rows:] = 1  # any id of the vocabulary but the pad id (0)
+    return ids
+
+
 def check_pack(pack) -> None:
     """Refuse anything but a TreePack, naming how to build one."""
     if not isinstance(pack, TreePack):
@@ -355,7 +368,8 @@ def run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
     _check_rope(core, pack)
     tree = TreeForward(pack, backend, block_size)
     with tree_forward():
-        out = model(input_ids=pack.input_ids[None], position_ids=pack.position_ids[None],
+        out = model(input_ids=_input_ids(pack, text_config(core).pad_token_id)[None],
+                    position_ids=pack.position_ids[None],
                     use_cache=False, **{TREE_FORWARD_KWARG: tree}, **kwargs)
     check_calls(core, tree)
     aux = None
