@@ -73,3 +73,29 @@ def naive_entropy(row) -> float:
     w = [math.exp(x - m) for x in row]
     z = sum(w)
     return -sum(wi / z * math.log(wi / z) for wi in w if wi > 0)
+
+
+def naive_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                           output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule one token at a time, in the inputs' dtype (float64 stays float64):
+    S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; out = S^T q / sqrt(Dk). Shapes as
+    transformers' kernels: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]."""
+    import torch
+
+    repeat = value.shape[2] // key.shape[2]
+    q, k = query.repeat_interleave(repeat, 2), key.repeat_interleave(repeat, 2)
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    B, T, H, Dk = k.shape
+    state = (torch.zeros(B, H, Dk, value.shape[-1], dtype=value.dtype)
+             if initial_state is None else initial_state)
+    out = []
+    for t in range(T):
+        state = state * g[:, t].exp()[..., None, None]
+        memory = (state * k[:, t, ..., None]).sum(-2)  # [B, H, Dv]
+        delta = (value[:, t] - memory) * beta[:, t, ..., None]
+        state = state + k[:, t, ..., None] * delta[..., None, :]
+        out.append((state * q[:, t, ..., None]).sum(-2))
+    return torch.stack(out, 1), (state if output_final_state else None)

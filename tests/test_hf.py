@@ -32,14 +32,19 @@ def packed_flat(pack, logps):
 
 
 @pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
-def test_every_family_equals_each_sequence_alone_float64(family):
-    model = tiny(family, dtype=torch.float64)
+def test_every_family_equals_each_sequence_alone_float64(family, monkeypatch):
+    model = zoo.tiny_model(family, dtype=torch.float64)
+    if family in zoo.HYBRIDS:  # transformers' scan computes in float32: a float64 one here
+        from test_hybrid import exact_kernel
+
+        exact_kernel(monkeypatch, model)
+    hf.prepare(model)
     expect = alone_logprobs(model, SEQS)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     flat = TreePack.from_sequences(SEQS, share_prefixes=False)  # the padding-free baseline
     # eager's float32 softmax: float32 rounding relative to the log-probs' magnitude
     tol = (16 * torch.finfo(torch.float32).eps * expect.detach().abs().max().item()
-           if family in EAGER_REFERENCE else 1e-12)
+           if family in EAGER_REFERENCE else 1e-9 if family in zoo.HYBRIDS else 1e-12)
     softcapped = bool(getattr(model.config, "attn_logit_softcapping", None))
     for p, backend in ((pack, "segment"), (pack, "dense"), (pack, "varlen"), (flat, "auto")):
         if backend == "varlen" and softcapped:
@@ -88,7 +93,8 @@ def test_verify_in_float16_steps_on_float32_master_weights():
 def test_verify_passes_float32(family):
     report = verify(zoo.tiny_model(family).eval(), SEQS, backend="segment")
     assert report.passed, str(report)
-    assert report.errors["grads"].max_rel <= 1e-5
+    if family not in zoo.HYBRIDS:  # a scan in float32: the floor of two unpacked runs decides
+        assert report.errors["grads"].max_rel <= 1e-5
     assert report.packed_rows < report.original_tokens
 
 

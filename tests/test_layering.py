@@ -1,6 +1,6 @@
 """The package's layering (docs/design.md), read from every module's imports.
 
-Each part is a folder: core -> core; attention, lean, planning -> core; adapters -> any of
+Each part is a folder: core -> core; attention, recurrent, lean, planning -> core; adapters -> any of
 those and data; face -> anything; data -> nothing. Nothing imports face, no module imports the
 package root for a re-export or a short path (``treepack.hf`` for ``treepack.adapters.hf``),
 and core, attention, lean and planning never import transformers, TRL or verl. Imports inside
@@ -15,13 +15,14 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "treepack"
 
 # Each part is a folder of src/treepack; the package root and version.py stand alone.
-PARTS = ("core", "attention", "lean", "planning", "adapters", "face", "data")
+PARTS = ("core", "attention", "recurrent", "lean", "planning", "adapters", "face", "data")
 MAY_IMPORT = {
     "core": {"core"},
     "attention": {"core"},
+    "recurrent": {"core"},
     "lean": {"core"},
     "planning": {"core"},
-    "adapters": {"core", "attention", "lean", "planning", "data"},
+    "adapters": {"core", "attention", "recurrent", "lean", "planning", "data"},
     "face": set(PARTS),
     "data": set(),  # built-in workloads: import nothing of treepack, usable anywhere
 }
@@ -87,7 +88,7 @@ def test_every_import_points_down():
         for target, line in imports(path, module):
             top = target.split(".")[0]
             where = f"{path.relative_to(SRC.parent)}:{line} imports {target}"
-            if top in FRAMEWORKS and layer in ("core", "attention", "lean", "planning"):
+            if top in FRAMEWORKS and layer in ("core", "attention", "recurrent", "lean", "planning"):
                 wrong.append(f"{where}: {layer} never imports {top}")
             if top != "treepack":
                 continue

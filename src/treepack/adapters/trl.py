@@ -94,7 +94,7 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
                      cast_lm_head_to_fp32):
     """:func:`per_token_logps_and_entropies`, and the packs it ran."""
     mask = attention_mask.bool()
-    packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of)
+    packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of, hf.pair_cost(model))
     width = int(mask.sum(-1).max())
     logps, entropies, router, seq_ids = [], [], [], []
     for pack in packs:
@@ -120,13 +120,15 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     return out_logps, out_ent, aux_loss, packs
 
 
-def _packs(input_ids: Tensor, mask: Tensor, max_tokens, pad_to_multiple_of) -> list[TreePack]:
+def _packs(input_ids: Tensor, mask: Tensor, max_tokens, pad_to_multiple_of,
+           pair_cost: float) -> list[TreePack]:
     """The batch's rows, padding stripped, as one pack or planned into several."""
     sequences = [ids[m] for ids, m in zip(input_ids, mask)]
     if max_tokens is None:
         return [TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
                                         device=input_ids.device)]
     return plan(sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
+                pair_cost=pair_cost,
                 device=input_ids.device).packs(0)
 
 

@@ -189,7 +189,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
                        ) -> list[np.ndarray]:
         """The rows of each micro-batch: one pack each, trees kept together, at least
         ``count`` of them where there are that many rows."""
-        specs = plan(sequences, max_tokens=self._budget(data), min_packs=count).specs[0]
+        specs = plan(sequences, max_tokens=self._budget(data), min_packs=count,
+                     pair_cost=hf.pair_cost(self.module)).specs[0]
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
 
     def _tree_step(self, micro_batch, sequences, loss_function, forward_only):

@@ -17,6 +17,11 @@ gpt2       learned absolute positions, full multi-head attention
 mixtral    mixture of experts (router load-balancing loss)
 cohere     q/k layer norms, parallel attention + MLP block, logit_scale after the LM head
 granite    attention/embedding/residual multipliers, logits_scaling after the LM head
+qwen3_5    hybrid: Gated DeltaNet layers (short conv + gated delta rule) and gated attention
+qwen3_5_moe  the same with mixture-of-experts MLPs
+qwen3_next hybrid Gated DeltaNet + attention, mixture of experts
+olmo_hybrid  hybrid Gated DeltaNet + attention
+lfm2       hybrid: short gated convolutions and attention
 ========== ===================================================================
 """
 
@@ -30,6 +35,12 @@ _IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _COMMON = dict(_IDS, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=4096)
 WINDOW = 6  # small enough that the test sequences cross it
+
+_DELTANET = dict(_COMMON, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+_HYBRID_LAYERS = ["linear_attention", "full_attention"]  # repeated to the layer count
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32)
 
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", _COMMON),
@@ -50,7 +61,15 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "cohere": ("CohereConfig", dict(_COMMON, logit_scale=0.5, use_qk_norm=True)),
     "granite": ("GraniteConfig", dict(_COMMON, logits_scaling=4.0, attention_multiplier=0.1,
                                       embedding_multiplier=3.0, residual_multiplier=0.5)),
+    "qwen3_5": ("Qwen3_5TextConfig", _DELTANET),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(_DELTANET, **_MOE)),
+    "qwen3_next": ("Qwen3NextConfig", dict(_DELTANET, **_MOE)),
+    "olmo_hybrid": ("OlmoHybridConfig", _COMMON),
+    "lfm2": ("Lfm2Config", _COMMON),
 }
+HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
+           "qwen3_next": _HYBRID_LAYERS, "olmo_hybrid": _HYBRID_LAYERS,
+           "lfm2": ["conv", "full_attention"]}  # each family's layer types, in turn
 
 
 def tiny_config(family: str, *, layers: int = 2, **overrides):
@@ -73,6 +92,9 @@ def tiny_config(family: str, *, layers: int = 2, **overrides):
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     name, kwargs = FAMILIES[family]
     layer_key = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    if family in HYBRIDS:  # every kind of layer at least once
+        cycle = HYBRIDS[family]
+        kwargs = dict(kwargs, layer_types=[cycle[i % len(cycle)] for i in range(layers)])
     config = getattr(transformers, name)(**{**kwargs, layer_key: layers, **overrides})
     # Dropout off by default: verification needs deterministic forwards.
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
@@ -106,7 +128,8 @@ def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
     dtype = dtype or torch.float32
     config = tiny_config(family, layers=layers, **overrides)
     extra = {}
-    if hasattr(config, "num_local_experts") and dtype == torch.float64:
+    if (hasattr(config, "num_local_experts") or hasattr(config, "num_experts")) and \
+            dtype == torch.float64:
         extra["experts_implementation"] = "eager"  # the grouped-mm kernel has no float64
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -378,11 +378,12 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
         reference = run(_unpacked_loss(seqs), dtype, reference_attention)
         unpacked_errors = None
         tolerance = TOLERANCE.get(dtype, 1e-5)
-        if dtype == torch.float64:  # the spread of two unpacked implementations
-            if reference_attention == "eager":
-                other = run(_alone_through_dense(seqs), dtype, tree=True)
-            else:
-                other = run(_unpacked_loss(seqs), dtype, "eager")
+        if dtype in (torch.float64, torch.float32):  # the spread of two unpacked runs
+            with compat.other_scan(hf.unwrap(model)):  # a hybrid's scan token by token too
+                if reference_attention == "eager":
+                    other = run(_alone_through_dense(seqs), dtype, tree=True)
+                else:
+                    other = run(_unpacked_loss(seqs), dtype, "eager")
             floor_errors = _compare(other, reference)
     return VerifyReport(
         model=type(hf.unwrap(model)).__name__,

@@ -26,10 +26,11 @@ from treepack.adapters.hf.forwarding import (HEADS, HiddenOutput, forward, forwa
 from treepack.adapters.hf.head import lm_head
 from treepack.adapters.hf.moe import batch_router_aux_loss, router_aux_loss, row_multiplicity
 from treepack.adapters.hf.prepare import (compute_device, is_prepared, original_attention,
-                                          prepare, prepared, restore, unprepare, unwrap)
+                                          pair_cost, prepare, prepared, restore, unprepare,
+                                          unwrap)
 from treepack.adapters.hf.routing import UnsupportedModel
 
-__all__ = ["logprobs", "HEADS", "forward", "forward_hidden", "HiddenOutput", "prepare",
-           "restore", "prepared", "unprepare", "is_prepared", "original_attention", "unwrap",
+__all__ = ["logprobs", "HEADS", "pair_cost", "forward", "forward_hidden", "HiddenOutput",
+           "prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention", "unwrap",
            "lm_head", "row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
            "UnsupportedModel", "compute_device", "forward_lean"]

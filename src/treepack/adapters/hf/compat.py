@@ -10,10 +10,18 @@ GPU image). When transformers moves one of these, this file is the one to change
   original attention and mask functions a prepared model falls back to without a pack.
 - ``<model module>.eager_attention_forward``: "eager" is each model's own function.
 - ``<model module>.load_balancing_loss_func``: an MoE model's router loss.
+- ``<model module>.causal_conv1d_fn`` / ``torch_chunk_gated_delta_rule``: the short
+  convolution and the gated-delta-rule scan a hybrid model's recurrent layers call by their
+  module-level names (Qwen3.5, Qwen3-Next, OLMo-hybrid, LFM2 in 5.24; :data:`MIXERS`); a
+  prepared model's module has them wrapped (:func:`module_functions`, :func:`replace`).
+- ``transformers.activations.ACT2FN``: the convolution's activation by name.
+- ``<model module>.torch_recurrent_gated_delta_rule``: the token-by-token form of the scan,
+  which ``treepack verify`` runs as a second unpacked implementation (:func:`other_scan`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable
 
@@ -24,8 +32,9 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("treepack.hf needs transformers >= 5: pip install 'treepack[hf]'") from e
 
-__all__ = ["WRITTEN_AGAINST", "attn_implementation", "set_attn_implementation", "text_config",
-           "register", "attention_function", "mask_function", "model_function"]
+__all__ = ["other_scan", "WRITTEN_AGAINST", "attn_implementation", "set_attn_implementation", "text_config",
+           "register", "attention_function", "mask_function", "model_function", "MIXERS",
+           "module_functions", "replace", "activation", "layer_types"]
 
 WRITTEN_AGAINST = "5.24"
 
@@ -68,3 +77,57 @@ def mask_function(name: str) -> Callable | None:
 def model_function(obj, name: str) -> Callable | None:
     """A function of the modeling module that defines ``obj``'s class (None if absent)."""
     return getattr(sys.modules[type(obj).__module__], name, None)
+
+
+# The module-level functions of a modeling module that a hybrid layer's token mixer calls,
+# by the role treepack gives them.
+MIXERS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta"}
+
+
+def module_functions(model) -> list[tuple[object, str]]:
+    """``(module, name)`` of every :data:`MIXERS` function in the modeling modules that define
+    ``model``'s submodules."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    return [(module, name) for module in sorted(modules, key=lambda m: m.__name__)
+            for name in MIXERS if callable(getattr(module, name, None))]
+
+
+def replace(module, name: str, function: Callable) -> Callable:
+    """Set ``module.name`` to ``function``; return what was there."""
+    original = getattr(module, name)
+    setattr(module, name, function)
+    return original
+
+
+def activation(name: str) -> Callable:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def layer_types(config) -> list[str] | None:
+    """Each layer's kind (``"full_attention"``, ``"linear_attention"``, ``"conv"``, ...), or
+    None for a model without ``layer_types``."""
+    return getattr(text_config(config), "layer_types", None)
+
+
+@contextlib.contextmanager
+def other_scan(model):
+    """While it lasts, ``model``'s gated-delta-rule layers scan token by token (transformers'
+    recurrent form) instead of by chunks: the same math, other float32 roundings."""
+    swapped = []
+    for module in {sys.modules[type(m).__module__] for m in model.modules()}:
+        chunked = getattr(module, "torch_chunk_gated_delta_rule", None)
+        recurrent = getattr(module, "torch_recurrent_gated_delta_rule", None)
+        if chunked is None or recurrent is None:
+            continue
+
+        def by_token(query, key, value, g, beta, chunk_size=64, _recurrent=recurrent, **kwargs):
+            return _recurrent(query, key, value, g=g, beta=beta, **kwargs)
+
+        swapped.append((module, replace(module, "torch_chunk_gated_delta_rule", by_token)))
+    try:
+        yield
+    finally:
+        for module, chunked in swapped:
+            replace(module, "torch_chunk_gated_delta_rule", chunked)

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 from treepack.adapters.hf import compat
-from treepack.adapters.hf.routing import (ATTENTION_LAYER_TYPES, ORIGINAL, TREE_FORWARD_KWARG,
-                                          TreeForward, UnsupportedModel, check_calls,
-                                          registered_name, text_config, tree_forward)
+from treepack.adapters.hf.routing import (ORIGINAL, TREE_FORWARD_KWARG, TreeForward,
+                                          UnsupportedModel, attention_share, check_calls,
+                                          check_layer_types,
+                                          registered_name, route_mixers, text_config,
+                                          tree_forward, unroute_mixers)
 from treepack.core import deprecation
 from treepack.core.tree import TreePack
+from treepack.planning.planner import PAIR_COST
 
 __all__ = ["prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention",
-           "unwrap", "compute_device", "eval_no_grad"]
+           "unwrap", "compute_device", "eval_no_grad", "pair_cost"]
+
+
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> routed mixers
 
 
 def unwrap(model):
@@ -112,8 +119,10 @@ def prepare(model, *, check: bool = True):
     Call it once before :func:`forward` (or use :func:`prepared` for a block of code). It
     sets the model's attention implementation to ``treepack_<original>``, which runs the
     tree backend when a pack is passed and the original implementation otherwise, so the
-    model still runs ordinary batches exactly as before. :func:`restore` undoes it.
-    Idempotent.
+    model still runs ordinary batches exactly as before. A hybrid model's recurrent layers
+    (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, ...) are routed the same way: their
+    modeling module's convolution and scan functions run on the tree given a pack
+    (:mod:`treepack.recurrent`). :func:`restore` undoes both. Idempotent.
 
     Args:
         model: a transformers causal LM, or a DDP / FSDP / ``torch.compile`` wrapper of one.
@@ -126,30 +135,25 @@ def prepare(model, *, check: bool = True):
         ``model`` itself.
 
     Raises:
-        UnsupportedModel: a model treepack cannot run exactly (recurrent or
-            linear-attention layers, positions not read from ``position_ids``, attention
-            that bypasses transformers' interface, ALiBi, attention sinks); the model is
-            left unchanged.
+        UnsupportedModel: a model treepack cannot run exactly (recurrent layers of a family
+            it does not route, positions not read from ``position_ids``, attention that
+            bypasses transformers' interface, ALiBi, attention sinks); the model is left
+            unchanged.
     """
     core = unwrap(model)
     if is_prepared(core):
         return model
     config = core.config
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if not layer_types <= ATTENTION_LAYER_TYPES:
-        other = sorted(layer_types - ATTENTION_LAYER_TYPES)
-        raise UnsupportedModel(
-            f"{type(core).__name__} has {other} layers: their recurrent or linear state would "
-            "run across the whole packed forest, mixing sequences. treepack supports models "
-            f"whose layers are all {sorted(ATTENTION_LAYER_TYPES)}; run this one unpacked"
-        )
+    check_layer_types(core)
     original = compat.attn_implementation(config)
     compat.set_attn_implementation(config, registered_name(original))
+    _HELD[core] = route_mixers(core)
     if check:
         try:
             _check_reads_position_ids(model, core)
         except Exception:
             compat.set_attn_implementation(config, original)
+            unroute_mixers(_HELD.pop(core))
             raise
     return model
 
@@ -164,7 +168,9 @@ def restore(model):
         ``model`` itself.
     """
     if is_prepared(model):
-        compat.set_attn_implementation(unwrap(model).config, original_attention(model))
+        core = unwrap(model)
+        compat.set_attn_implementation(core.config, original_attention(model))
+        unroute_mixers(_HELD.pop(core, []))
     return model
 
 
@@ -248,3 +254,19 @@ def _check_reads_position_ids(model, core) -> None:
             "their depth. treepack supports models that take positions from position_ids "
             "(rotary or learned absolute); run this one unpacked"
         )
+
+
+def pair_cost(model) -> float:
+    """What one visible attention pair costs ``model``, in packed rows, for
+    ``treepack.plan(..., pair_cost=)``: the planner's default scaled by the share of layers
+    that attend. A hybrid's linear-attention, state-space and convolution layers cost rows
+    (one scan step per row), not pairs; a Qwen3.5 (one attention layer in four) pays a
+    quarter.
+
+    Args:
+        model: a transformers causal LM (or wrapper).
+
+    Returns:
+        The pair cost.
+    """
+    return PAIR_COST * attention_share(unwrap(model))

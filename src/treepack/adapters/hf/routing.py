@@ -9,6 +9,7 @@ mixers (linear attention, state-space, short convolutions) are routed here too, 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import re
@@ -16,9 +17,11 @@ import re
 from treepack.adapters.hf import compat
 from treepack.attention import TreeAttention
 from treepack.core.tree import TreePack
+from treepack.recurrent import level_scan, tree_conv1d
 
 __all__ = ["UnsupportedModel", "TreeForward", "tree_forward", "registered_name", "check_calls",
-           "text_config", "TREE_FORWARD_KWARG", "ATTENTION_LAYER_TYPES"]
+           "text_config", "TREE_FORWARD_KWARG", "ATTENTION_LAYER_TYPES", "MIXER_LAYER_TYPES",
+           "check_layer_types", "route_mixers", "unroute_mixers", "attention_share"]
 
 
 TREE_FORWARD_KWARG = "treepack_tree_forward"  # the model keyword that carries a TreeForward
@@ -26,6 +29,18 @@ _PREFIX = "treepack_"
 ORIGINAL: dict[str, str] = {}  # registered treepack name -> the original implementation
 TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Recurrent layer types and the routed functions each layer calls once per forward.
+MIXER_LAYER_TYPES = {"linear_attention": ("conv", "gated_delta"), "conv": ("conv",)}
+# Hybrid families whose recurrent layers treepack routes (model_type), and those it refuses.
+HYBRIDS = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
+           "olmo_hybrid", "lfm2", "lfm2_moe"}
+REFUSED_HYBRIDS = {
+    "bamba": "its Mamba2 layers' SSD scan (mamba2_chunk_scan) is not routed yet",
+    "nemotron_h": "its Mamba2 layers' SSD scan (mamba2_chunk_scan) is not routed yet",
+    "falcon_h1": "its Mamba2 layers' SSD scan (mamba2_chunk_scan) is not routed yet",
+    "jamba": "its Mamba (v1) layers' selective scan is not routed yet",
+    "kimi_linear": "its Kimi Delta Attention scan (chunk_kda) is not routed yet",
+}
 
 
 class UnsupportedModel(NotImplementedError, ValueError):
@@ -83,12 +98,133 @@ def _mask(*args, config=None, **kwargs):
 
 
 class TreeForward:
-    """The per-forward object every attention layer receives: the backend and a call count."""
+    """The per-forward object every token mixer receives: the pack, the attention backend,
+    and call counts that prove each layer took the tree path."""
 
     def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
+        self.pack = pack
         self.attention = TreeAttention(pack, backend, block_size=block_size)
         self.calls = 0
         self.windowed = 0  # calls that passed a sliding window
+        self.mixer_calls: collections.Counter = collections.Counter()  # role -> calls
+
+
+# ---------------------------------------------------------------------- hybrid layers
+
+
+def check_layer_types(model) -> None:
+    """Refuse, by name and reason, a model with layers treepack does not route."""
+    types = set(compat.layer_types(model.config) or ())
+    other = sorted(types - ATTENTION_LAYER_TYPES)
+    if not other:
+        return
+    kind = getattr(text_config(model), "model_type", None)
+    if kind in REFUSED_HYBRIDS:
+        reason = REFUSED_HYBRIDS[kind]
+    elif kind not in HYBRIDS or not set(other) <= set(MIXER_LAYER_TYPES):
+        reason = (f"its {other} layers are not ones treepack routes (it routes "
+                  f"{sorted(ATTENTION_LAYER_TYPES | set(MIXER_LAYER_TYPES))} in "
+                  f"{sorted(HYBRIDS)})")
+    else:
+        return
+    raise UnsupportedModel(
+        f"{type(model).__name__} ({kind}) cannot run on a pack: {reason}, and a recurrent or "
+        "linear state run across the whole packed forest would mix sequences. Run this model "
+        "unpacked")
+
+
+def attention_share(model) -> float:
+    """The share of ``model``'s layers that attend (1 for a model of attention layers only):
+    a hybrid's recurrent layers cost rows, not (query, key) pairs."""
+    types = compat.layer_types(model.config)
+    if not types:
+        return 1.0
+    return sum(t in ATTENTION_LAYER_TYPES for t in types) / len(types)
+
+
+_HOLDERS: collections.Counter = collections.Counter()  # (module, function) -> prepared models
+
+
+def route_mixers(model) -> list[tuple[str, str]]:
+    """Wrap the module-level mixer functions ``model``'s layers call (:data:`compat.MIXERS`)
+    so that, given a pack, they run on the tree; without one they are the originals. What is
+    routed is read from the module itself (a wrapper carries ``treepack_original``), and
+    :func:`unroute_mixers` puts an original back when no prepared model holds it.
+
+    Returns:
+        The ``(module name, function name)`` pairs this model holds.
+    """
+    held = []
+    for module, name in compat.module_functions(model):
+        current = getattr(module, name)
+        if not hasattr(current, "treepack_original"):
+            compat.replace(module, name, _WRAPPERS[compat.MIXERS[name]](current))
+        key = (module.__name__, name)
+        _HOLDERS[key] += 1
+        held.append(key)
+    return held
+
+
+def unroute_mixers(held: list[tuple[str, str]]) -> None:
+    """Release what :func:`route_mixers` returned; originals go back at the last holder."""
+    import sys
+
+    for key in held:
+        _HOLDERS[key] -= 1
+        if _HOLDERS[key] > 0:
+            continue
+        del _HOLDERS[key]
+        module = sys.modules[key[0]]
+        current = getattr(module, key[1])
+        if hasattr(current, "treepack_original"):
+            compat.replace(module, key[1], current.treepack_original)
+
+
+def _conv(original):
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        tree = kwargs.get(TREE_FORWARD_KWARG)
+        if tree is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        tree.mixer_calls["conv"] += 1
+        x = hidden_states[0].transpose(0, 1).to(weight.dtype)  # [T', C]
+        out = tree_conv1d(tree.pack, x, weight, bias)
+        if activation is not None:
+            out = compat.activation(activation)(out)
+        return out.transpose(0, 1)[None].to(hidden_states.dtype)
+
+    causal_conv1d_fn.treepack_original = original
+    return causal_conv1d_fn
+
+
+def _gated_delta(original):
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64,
+                                     initial_state=None, output_final_state=False,
+                                     use_qk_l2norm_in_kernel=False, **kwargs):
+        tree = kwargs.pop(TREE_FORWARD_KWARG, None)
+        if tree is None:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+        if initial_state is not None or kwargs.get("cu_seqlens") is not None:
+            raise UnsupportedModel("a tree forward runs without a cache or sequence boundaries "
+                                   "(initial_state / cu_seqlens were given)")
+        kwargs.pop("cu_seqlens", None)
+        tree.mixer_calls["gated_delta"] += 1
+
+        def kernel(batch, state):  # zeros past a segment's end: beta = 0 and g = 0 keep it
+            return original(batch["q"], batch["k"], batch["v"], g=batch["g"], beta=batch["b"],
+                            chunk_size=chunk_size, initial_state=state, output_final_state=True,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+
+        out = level_scan(tree.pack, kernel, {"q": query[0], "k": key[0], "v": value[0],
+                                             "g": g[0], "b": beta[0]})
+        return out[None], None
+
+    torch_chunk_gated_delta_rule.treepack_original = original
+    return torch_chunk_gated_delta_rule
+
+
+_WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta}
 
 
 @contextlib.contextmanager
@@ -117,16 +253,27 @@ def _expected_windowed_calls(config) -> int:
 
 
 def check_calls(model, tree: TreeForward) -> None:
-    """Refuse a forward in which some layers bypassed the tree attention, or dropped their
-    sliding window."""
+    """Refuse a forward in which some layers bypassed the tree attention or the routed
+    recurrent mixers, or dropped their sliding window."""
     config = text_config(model)
-    expected = config.num_hidden_layers
+    types = compat.layer_types(model.config)
+    expected = config.num_hidden_layers if not types else sum(
+        t in ATTENTION_LAYER_TYPES for t in types)
     if tree.calls != expected:
         raise UnsupportedModel(
-            f"{type(model).__name__} has {expected} layers but {tree.calls} of them attended "
-            "through transformers' attention interface: the others would attend across the "
-            "packed forest (siblings would see each other). treepack supports models whose "
-            "every layer uses the attention interface; run this one unpacked"
+            f"{type(model).__name__} has {expected} attention layers but {tree.calls} of them "
+            "attended through transformers' attention interface: the others would attend "
+            "across the packed forest (siblings would see each other). treepack supports "
+            "models whose every attention layer uses the attention interface; run this one "
+            "unpacked"
+        )
+    roles = collections.Counter(role for t in types or () for role in MIXER_LAYER_TYPES.get(t, ()))
+    if roles != +tree.mixer_calls:
+        raise UnsupportedModel(
+            f"{type(model).__name__}'s recurrent layers should make {dict(roles)} routed calls "
+            f"per forward but made {dict(tree.mixer_calls)}: a layer computed its convolution "
+            "or scan another way (a fused kernel, another transformers version), which would "
+            "run across the packed forest. Run this model unpacked"
         )
     windowed = _expected_windowed_calls(config)
     if tree.windowed != windowed:

@@ -1,0 +1,16 @@
+"""Recurrent token mixers on a tree: short causal convolutions and state scans, exact at every
+branch point (torch and numpy only; imports the core alone).
+
+A short causal convolution of kernel K reads a row's own path at depths d - K + 1 .. d:
+:func:`tree_conv1d` gathers those ancestors (:func:`ancestors`) and sums, one gather per tap.
+A recurrent scan (gated delta rule, Mamba2's SSD, ...) runs over the pack's segments level by
+level in fork depth (:func:`level_scan`): a segment starts from the final state of its parent
+segment, every segment of a level goes through one batched call of the family's own kernel,
+and gradients flow into each parent's final state once per child. A GRPO tree is two levels;
+an agent trajectory without forks one per step it extends.
+"""
+
+from treepack.recurrent.conv import ancestors, tree_conv1d
+from treepack.recurrent.scan import Levels, level_scan, levels
+
+__all__ = ["ancestors", "tree_conv1d", "Levels", "levels", "level_scan"]

@@ -1,0 +1,63 @@
+"""Depthwise causal convolution along each row's path in the tree."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack.core.tree import TreePack, derived_from_pack
+
+__all__ = ["ancestors", "tree_conv1d"]
+
+
+@derived_from_pack
+def ancestors(pack: TreePack, taps: int) -> Tensor:
+    """``[taps, T']``: row ``j``'s ancestor ``m`` steps up its path at ``[m, j]`` (``m = 0`` is
+    the row itself), or ``T'`` (one past the last row) where the path is shorter.
+
+    Args:
+        pack: the pack.
+        taps: how many steps, the kernel size of the convolution.
+
+    Returns:
+        An int64 tensor on the pack's device (cached per pack and ``taps``).
+    """
+    parent = pack.host.parent_row
+    rows = pack.num_rows
+    out = np.empty((taps, rows), dtype=np.int64)
+    out[0] = np.arange(rows)
+    up = np.append(np.where(parent >= 0, parent, rows), rows)  # rows -> rows (a sink)
+    for m in range(1, taps):  # one vectorised step per tap (K is 2 to 4)
+        out[m] = up[out[m - 1]]
+    return torch.from_numpy(out).to(pack.device)
+
+
+def tree_conv1d(pack: TreePack, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``y[j] = bias + sum_m weight[:, K - 1 - m] * x[ancestor_m(j)]``: what a causal depthwise
+    ``conv1d`` (left padding K - 1) computes on each sequence alone, for every packed row.
+
+    Args:
+        pack: the pack ``x`` belongs to.
+        x: [T', C] per-row inputs.
+        weight: [C, K] the depthwise kernel (``conv1d.weight.squeeze(1)``).
+        bias: [C] or None.
+
+    Returns:
+        [T', C] in the dtype of ``x`` and ``weight`` promoted (autograd flows to all three).
+
+    Raises:
+        ValueError: ``x`` that is not one row per row of the pack, or a kernel that does not
+            fit its channels.
+    """
+    if x.dim() != 2 or x.shape[0] != pack.num_rows:
+        raise ValueError(f"x must be [T'={pack.num_rows}, C], got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight must be [C={x.shape[1]}, K], got {tuple(weight.shape)}")
+    taps = weight.shape[1]
+    index = ancestors(pack, taps)
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T': the zeros before a path
+    out = padded[index[0]] * weight[:, taps - 1]
+    for m in range(1, taps):
+        out = out + padded[index[m]] * weight[:, taps - 1 - m]
+    return out if bias is None else out + bias

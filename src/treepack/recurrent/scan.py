@@ -1,0 +1,103 @@
+"""Recurrent scans over a pack's segments, level by level in fork depth."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack.core.forest import ragged_arange
+from treepack.core.tree import TreePack, derived_from_pack
+
+__all__ = ["Level", "Levels", "levels", "level_scan"]
+
+
+class Level(NamedTuple):
+    """The segments at one fork depth, as one padded batch."""
+
+    rows: Tensor  # [B, L] packed row of each position; T' (a sink row) where padded
+    real: Tensor  # [B, L] bool: a real row
+    parent: Tensor | None  # [B] each segment's parent among the previous level's, None at 0
+
+
+class Levels(NamedTuple):
+    """Every segment of a pack by fork depth (:func:`levels`)."""
+
+    levels: list[Level]
+    rows: Tensor  # [R] every segment row, level after level (real positions in order)
+
+
+@derived_from_pack
+def levels(pack: TreePack) -> Levels:
+    """The pack's segments grouped by depth in the segment tree (roots first), each level a
+    padded batch of row indices (cached per pack).
+
+    Args:
+        pack: the pack.
+
+    Returns:
+        :class:`Levels`.
+    """
+    h = pack.host
+    start, end, parent = h.segment_start, h.segment_end, h.segment_parent
+    depth = np.zeros(len(start), dtype=np.int64)
+    up = parent.copy()
+    while (up >= 0).any():  # one vectorised step per level of the segment tree
+        depth += up >= 0
+        up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
+    out, all_rows, previous = [], [], None
+    for d in range(int(depth.max()) + 1 if len(depth) else 0):
+        segs = np.flatnonzero(depth == d)
+        length = end[segs] - start[segs]
+        width = int(length.max())
+        pos = np.arange(width)
+        real = pos[None, :] < length[:, None]
+        rows = np.where(real, start[segs][:, None] + pos[None, :], pack.num_rows)
+        parent_of = None if previous is None else torch.from_numpy(
+            np.searchsorted(previous, parent[segs])).to(pack.device)
+        out.append(Level(torch.from_numpy(rows).to(pack.device),
+                         torch.from_numpy(real).to(pack.device), parent_of))
+        all_rows.append(ragged_arange(start[segs], length))
+        previous = segs
+    flat = np.concatenate(all_rows) if all_rows else np.zeros(0, dtype=np.int64)
+    return Levels(out, torch.from_numpy(flat).to(pack.device))
+
+
+Kernel = Callable[[dict, Tensor | None], tuple[Tensor, Tensor]]
+
+
+def level_scan(pack: TreePack, kernel: Kernel, inputs: dict[str, Tensor]) -> Tensor:
+    """A recurrent scan over every path of the tree, exact at each branch point.
+
+    For each level of :func:`levels`, the level's segments are gathered from ``inputs`` into
+    one padded batch and ``kernel(batch, initial_state)`` runs them, each from its parent
+    segment's final state (zeros, ``None``, at the roots). Padded positions hold zeros: the
+    kernel must leave a state unchanged over zero inputs (a zero gate / step / key), which
+    the adapters arrange per family.
+
+    Args:
+        pack: the pack the inputs belong to.
+        kernel: ``(batch {name: [B, L, ...]}, initial_state [B, ...] or None) -> (out
+            [B, L, ...], final_state [B, ...])``, the family's own scan.
+        inputs: ``{name: [T', ...]}`` per-row inputs, one row per row of the pack.
+
+    Returns:
+        ``[T', ...]`` outputs per row (zeros at the pack's padding rows); autograd flows to the
+        inputs through every level and every parent's final state.
+    """
+    plan = levels(pack)
+    padded = {k: torch.cat([v, v.new_zeros((1, *v.shape[1:]))]) for k, v in inputs.items()}
+    values, states = [], None
+    for level in plan.levels:
+        batch = {k: v[level.rows] for k, v in padded.items()}
+        initial = None if level.parent is None else states[level.parent]
+        out, states = kernel(batch, initial)
+        values.append(out[level.real])
+    first = next(iter(inputs.values()))
+    if not values:
+        return first.new_zeros((pack.num_rows, *first.shape[1:]))
+    out = torch.cat(values)
+    return out.new_zeros((pack.num_rows, *out.shape[1:])).index_put((plan.rows,), out)

@@ -1,0 +1,207 @@
+"""Hybrid models (Gated DeltaNet, short-convolution and attention layers) on a tree: every
+log-prob and every gradient equal to each sequence run alone."""
+
+import sys
+
+import pytest
+import torch
+
+from treepack import TreePack, hf, zoo
+
+from reference import naive_gated_delta_rule
+
+GDN = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
+FAMILIES = [*GDN, "lfm2"]
+
+
+def batch(vocab=zoo.VOCAB, seed=0):
+    """Prompts longer than the scan's chunk (64), forks inside a chunk and at row 1,
+    duplicates, a sequence that is a prefix of another, single tokens, agent steps."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    prompt = ids(70)
+    steps = [ids(9)]
+    for _ in range(2):
+        steps.append(steps[-1] + ids(4))
+    return [prompt + ids(5), prompt + ids(9), prompt + ids(1), prompt[:30], prompt + ids(5)[:0],
+            prompt[:50] + ids(3), [7], [7, 8, 9], [7, 10], prompt[:30], *steps]
+
+
+def alone(model, seq):
+    """log p(seq[p] | seq[:p]) for p >= 1, the model on the sequence alone."""
+    ids = torch.tensor([seq])
+    if len(seq) == 1:
+        return torch.zeros(0, dtype=torch.float64)
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)[:-1]
+    return logp.gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def exact_kernel(monkeypatch, model):
+    """The model's gated-delta-rule kernel in its own dtype (transformers' casts to float32),
+    so float64 runs compare exactly."""
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    if hasattr(module, "torch_chunk_gated_delta_rule"):
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", naive_gated_delta_rule)
+
+
+def packed_values(out, pack, s, n):
+    return out[s, 1:n] if pack.layout == "dense" else out[pack.offsets[s] + 1:pack.offsets[s] + n]
+
+
+def unpacked_run(family, monkeypatch, seqs, weights, attn_implementation=None):
+    """Log-probs of each sequence alone and the parameter gradients of their weighted sum."""
+    model = zoo.tiny_model(family, dtype=torch.float64, layers=4,
+                           attn_implementation=attn_implementation)
+    exact_kernel(monkeypatch, model)
+    logps = [alone(model, s) for s in seqs]
+    sum((lp * w).sum() for lp, w in zip(logps, weights)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return model, [lp.detach() for lp in logps], grads
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", ["dense", "flat"])
+def test_hybrid_logprobs_and_gradients_equal_each_sequence_alone(family, layout, monkeypatch):
+    """Float64, against each sequence alone. transformers computes these models' norms,
+    gates and decays in float32 even in float64 models, so float64 is float32-accurate there:
+    as ``treepack verify`` does, the tolerance is 1e-9 (log-probs, absolute) and 1e-7
+    (gradients, relative to each tensor's largest) or 4x the spread between two unpacked
+    runs (sdpa and eager attention), whichever is larger (measured: 2e-7 to 1e-6)."""
+    seqs = batch()
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(len(s) - 1, generator=g, dtype=torch.float64) for s in seqs]
+    model, want_lp, want = unpacked_run(family, monkeypatch, seqs, weights)
+    _, eager_lp, eager = unpacked_run(family, monkeypatch, seqs, weights, "eager")
+    lp_tol = max(1e-9, 4 * max(float((a - b).abs().max()) for a, b in zip(want_lp, eager_lp)
+                               if a.numel()))
+    grad_tol = max(1e-7, 4 * max(rel(eager[n], w) for n, w in want.items()))
+    with hf.prepared(model):
+        pack = TreePack.from_sequences(seqs, layout=layout, pad_to_multiple_of=16)
+        out = hf.logprobs(model, pack, head="logits").logprobs
+        loss = 0
+        for s, seq in enumerate(seqs):
+            got = packed_values(out, pack, s, len(seq))
+            assert got.numel() == 0 or float((got - want_lp[s]).abs().max()) <= lp_tol, s
+            loss = loss + (got * weights[s]).sum()
+        loss.backward()
+    for name, w in want.items():
+        assert rel(model.get_parameter(name).grad, w) <= grad_tol, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_hybrid_float32_with_transformers_own_kernels_is_within_the_unpacked_error(family):
+    """No kernel swapped: transformers' chunked scan (float32 inside) on the tree; the packed
+    error against a float64 run stays within a few times the unpacked float32 run's."""
+    model64 = zoo.tiny_model(family, dtype=torch.float64, layers=4)
+    model32 = zoo.tiny_model(family, dtype=torch.float32, layers=4)
+    seqs = batch(seed=2)
+    with torch.no_grad():
+        ref = [alone(model64, s) for s in seqs]
+        own = max(float((alone(model32, s) - r).abs().max()) for s, r in zip(seqs, ref)
+                  if len(s) > 1)
+        with hf.prepared(model32):
+            pack = TreePack.from_sequences(seqs)
+            out = hf.logprobs(model32, pack).logprobs
+        packed = max(float((packed_values(out, pack, s, len(seq)) - r).abs().max())
+                     for s, (seq, r) in enumerate(zip(seqs, ref)) if len(seq) > 1)
+    assert packed <= 4 * own + 1e-6, (packed, own)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_hybrid_moe_router_loss_counts_original_tokens(family, monkeypatch):
+    model = zoo.tiny_model(family, dtype=torch.float64, layers=2)
+    exact_kernel(monkeypatch, model)
+    seqs = batch()[:4]
+    L = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+        with hf.prepared(model):
+            got = hf.logprobs(model, TreePack.from_sequences(seqs),
+                              output_router_logits=True).aux_loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # the router loss is float32
+
+
+def test_a_scan_that_forgets_its_parent_state_is_caught(monkeypatch):
+    """A negative control: the equivalence fails when segments start from zero states."""
+    from treepack.adapters.hf import routing
+
+    real = routing.level_scan
+
+    def zero_states(pack, kernel, inputs):
+        return real(pack, lambda batch, state: kernel(batch, None), inputs)
+
+    monkeypatch.setattr(routing, "level_scan", zero_states)
+    with pytest.raises(AssertionError):
+        test_hybrid_logprobs_and_gradients_equal_each_sequence_alone("qwen3_5", "flat",
+                                                                     monkeypatch)
+
+
+def test_restore_puts_the_modeling_functions_back():
+    """Routing is counted per prepared model: the functions stay routed while one holds them
+    and are exactly what was there before once the last is restored."""
+    from treepack.adapters.hf import routing
+
+    model = zoo.tiny_model("qwen3_5")
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    before = module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn
+    held_before = +routing._HOLDERS  # models prepared by earlier tests and never restored
+    other = zoo.tiny_model("qwen3_5", seed=1)
+    hf.prepare(model)
+    hf.prepare(other)
+    assert hasattr(module.torch_chunk_gated_delta_rule, "treepack_original")
+    hf.restore(model)  # the other model still needs them routed
+    assert hasattr(module.torch_chunk_gated_delta_rule, "treepack_original")
+    hf.restore(other)
+    assert (module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn) == before
+    assert +routing._HOLDERS == held_before
+    if not held_before:
+        assert not hasattr(before[0], "treepack_original")  # the originals themselves
+
+
+def test_a_layer_that_bypasses_the_routed_functions_is_refused(monkeypatch):
+    model = hf.prepare(zoo.tiny_model("qwen3_5"))
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    routed = module.torch_chunk_gated_delta_rule
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", routed.treepack_original)
+    try:
+        with pytest.raises(hf.UnsupportedModel, match="gated_delta"):
+            hf.forward(model, TreePack.from_sequences([[5, 6, 7], [5, 6, 8]]))
+    finally:
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", routed)
+        hf.restore(model)
+
+
+@pytest.mark.parametrize("name,kwargs,words", [
+    ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
+                         mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=64),
+     "bamba.*Mamba2"),
+    ("NemotronHConfig", dict(hybrid_override_pattern="M*", mamba_num_heads=4,
+                             mamba_head_dim=32, ssm_state_size=16, n_groups=1, chunk_size=64),
+     "nemotron_h.*Mamba2"),
+])
+def test_hybrids_not_routed_yet_are_refused_by_name(name, kwargs, words):
+    import transformers
+
+    config = getattr(transformers, name)(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         num_hidden_layers=2, pad_token_id=0, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(hf.UnsupportedModel, match=words):
+        hf.prepare(model)
+    assert not hf.is_prepared(model)
+
+
+def test_pair_cost_scales_with_the_share_of_attention_layers():
+    from treepack.planner import PAIR_COST
+
+    assert hf.pair_cost(zoo.tiny_model("llama")) == PAIR_COST
+    assert hf.pair_cost(zoo.tiny_model("qwen3_5", layers=4)) == PAIR_COST / 2

@@ -1,0 +1,145 @@
+"""treepack.recurrent: the short causal convolution and the level-by-level scan on a tree,
+against each sequence run alone."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treepack import TreePack
+from treepack.recurrent import level_scan, levels, tree_conv1d
+
+from reference import naive_gated_delta_rule
+from strategies import forests
+
+
+def per_row(pack, sequences, fn):
+    """``fn(sequence s)`` [len, ...] placed at each sequence's packed rows (shared rows must
+    agree: the assertion compares every occurrence)."""
+    out = {}
+    for s, seq in enumerate(sequences):
+        rows = (pack.rows[s, :len(seq)] if pack.layout == "dense"
+                else pack.rows[pack.offsets[s]:pack.offsets[s] + len(seq)])
+        for r, value in zip(rows.tolist(), fn(s)):
+            out.setdefault(r, []).append(value)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(), st.integers(1, 4), st.sampled_from(["dense", "flat"]))
+def test_tree_conv1d_equals_conv1d_on_each_sequence(sequences, taps, layout):
+    pack = TreePack.from_sequences(sequences, layout=layout, pad_to_multiple_of=8)
+    g = torch.Generator().manual_seed(len(sequences))
+    channels = 3
+    table = torch.randn(4, channels, generator=g, dtype=torch.float64)  # a vector per token
+    weight = torch.randn(channels, taps, generator=g, dtype=torch.float64)
+    bias = torch.randn(channels, generator=g, dtype=torch.float64)
+    got = tree_conv1d(pack, table[pack.input_ids], weight, bias)
+
+    def alone(s):
+        x = table[torch.tensor(sequences[s])].T[None]  # [1, C, len]
+        y = torch.nn.functional.conv1d(x, weight[:, None], bias, padding=taps - 1,
+                                       groups=channels)[0, :, :x.shape[-1]]
+        return y.T
+
+    for r, values in per_row(pack, sequences, alone).items():
+        for v in values:
+            torch.testing.assert_close(got[r], v, rtol=0, atol=1e-12)
+    pad = pack.input_ids[pack.num_packed_rows:]  # padding rows read themselves only
+    torch.testing.assert_close(got[pack.num_packed_rows:],
+                               table[pad] * weight[:, -1] + bias, rtol=0, atol=1e-12)
+
+
+def gated_delta_inputs(pack, g, heads=2, dk=3, dv=2):
+    """Per-token random q, k, v, g, beta (one draw per token id: shared rows agree)."""
+    vocab = int(pack.input_ids.max()) + 1
+    table = {n: torch.randn(vocab, *shape, generator=g, dtype=torch.float64)
+             for n, shape in dict(q=(heads, dk), k=(heads, dk), v=(heads, dv), g=(heads,),
+                                  b=(heads,)).items()}
+    table["g"] = -table["g"].abs()  # decays in log space
+    table["b"] = table["b"].sigmoid()
+    return table
+
+
+def scan(table, ids, state=None):
+    return naive_gated_delta_rule(table["q"][ids][None], table["k"][ids][None],
+                                  table["v"][ids][None], table["g"][ids][None],
+                                  table["b"][ids][None], initial_state=state,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(vocab=4), st.sampled_from(["dense", "flat"]))
+def test_level_scan_equals_the_scan_of_each_sequence(sequences, layout):
+    """Each segment starts from its parent segment's final state; padded positions of a
+    level's batch leave states unchanged. Reference: the scan of each sequence alone."""
+    pack = TreePack.from_sequences(sequences, layout=layout, pad_to_multiple_of=8)
+    table = gated_delta_inputs(pack, torch.Generator().manual_seed(len(sequences)))
+
+    def kernel(batch, state):
+        return naive_gated_delta_rule(batch["q"], batch["k"], batch["v"], batch["g"],
+                                      batch["b"], initial_state=state, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+
+    ids = pack.input_ids
+    got = level_scan(pack, kernel, {n: t[ids] for n, t in table.items()})
+    expected = per_row(pack, sequences, lambda s: scan(table, torch.tensor(sequences[s]))[0][0])
+    for r, values in expected.items():
+        for v in values:
+            torch.testing.assert_close(got[r], v, rtol=0, atol=1e-12)
+    assert not got[pack.num_packed_rows:].any()
+
+
+def test_level_scan_gradients_reach_every_ancestor_once_per_descendant():
+    """A GRPO-like tree: gradients of the outputs equal those of each sequence alone."""
+    g = torch.Generator().manual_seed(0)
+    sequences = [[1, 2, 3, 0, 1, 2], [1, 2, 3, 0, 2], [1, 2, 3], [1, 2, 3, 0, 1, 3, 3, 1]]
+    pack = TreePack.from_sequences(sequences)
+    table = {n: t.requires_grad_() for n, t in gated_delta_inputs(pack, g).items()}
+    w = torch.randn(pack.num_rows, 2, 2, generator=g, dtype=torch.float64)
+
+    def kernel(batch, state):
+        return naive_gated_delta_rule(batch["q"], batch["k"], batch["v"], batch["g"],
+                                      batch["b"], initial_state=state, output_final_state=True)
+
+    out = level_scan(pack, kernel, {n: t[pack.input_ids] for n, t in table.items()})
+    # each row's loss counted once per sequence through it, as the unpacked loss counts it
+    mult = torch.bincount(pack.rows[pack.rows >= 0], minlength=pack.num_rows).double()
+    (out * w * mult[:, None, None]).sum().backward()
+    got = {n: t.grad.clone() for n, t in table.items()}
+    for t in table.values():
+        t.grad = None
+    total = 0
+    for s, seq in enumerate(sequences):
+        rows = pack.rows[s, :len(seq)]
+        out_s = naive_gated_delta_rule(*(table[n][torch.tensor(seq)][None] for n in "qkvgb"),
+                                       output_final_state=False)[0][0]
+        total = total + (out_s * w[rows]).sum()
+    total.backward()
+    for n, t in table.items():
+        torch.testing.assert_close(got[n], t.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_levels_of_a_grpo_tree_and_an_agent_trajectory():
+    grpo = TreePack.from_sequences([[1] * 5 + [2, 3], [1] * 5 + [4], [1] * 5 + [5, 6, 7]])
+    assert len(levels(grpo).levels) == 2
+    assert levels(grpo).levels[1].rows.shape == (3, 3)  # three answers, padded to the longest
+    steps = [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]]  # each step extends the one before
+    assert len(levels(TreePack.from_sequences(steps)).levels) == 3
+    assert levels(TreePack.empty(4)).levels == []
+
+
+def test_a_scan_from_zero_states_at_forks_is_caught():
+    """A negative control: segments that start from zeros instead of their parent's state."""
+    sequences = [[1, 2, 3, 0, 1], [1, 2, 3, 2]]
+    pack = TreePack.from_sequences(sequences)
+    table = gated_delta_inputs(pack, torch.Generator().manual_seed(1))
+
+    def forgetful(batch, state):
+        return naive_gated_delta_rule(batch["q"], batch["k"], batch["v"], batch["g"],
+                                      batch["b"], initial_state=None, output_final_state=True)
+
+    got = level_scan(pack, forgetful, {n: t[pack.input_ids] for n, t in table.items()})
+    want = scan(table, torch.tensor(sequences[0]))[0][0]
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got[pack.rows[0, :5]], want, rtol=0, atol=1e-6)
