@@ -11,7 +11,8 @@ from treepack import TreePack, hf, zoo
 from reference import naive_gated_delta_rule
 
 GDN = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
-FAMILIES = [*GDN, "lfm2"]
+MAMBA2 = ["bamba", "nemotron_h", "falcon_h1"]
+FAMILIES = [*GDN, "lfm2", "lfm3", *MAMBA2]
 
 
 def batch(vocab=zoo.VOCAB, seed=0):
@@ -32,8 +33,9 @@ def alone(model, seq):
     ids = torch.tensor([seq])
     if len(seq) == 1:
         return torch.zeros(0, dtype=torch.float64)
-    logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)[:-1]
-    return logp.gather(-1, ids[0, 1:, None])[:, 0]
+    logits = model(input_ids=ids).logits[0]  # float32 at least, as treepack normalises them
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    return logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].double()
 
 
 def exact_kernel(monkeypatch, model):
@@ -181,27 +183,35 @@ def test_a_layer_that_bypasses_the_routed_functions_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("name,kwargs,words", [
-    ("BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32,
-                         mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=64),
-     "bamba.*Mamba2"),
-    ("NemotronHConfig", dict(hybrid_override_pattern="M*", mamba_num_heads=4,
-                             mamba_head_dim=32, ssm_state_size=16, n_groups=1, chunk_size=64),
-     "nemotron_h.*Mamba2"),
+    ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                         expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
+                         mamba_d_state=8, mamba_dt_rank=8), "jamba.*Mamba \\(v1\\)"),
 ])
 def test_hybrids_not_routed_yet_are_refused_by_name(name, kwargs, words):
     import transformers
 
     config = getattr(transformers, name)(vocab_size=97, hidden_size=64, intermediate_size=96,
                                          num_attention_heads=4, num_key_value_heads=2,
-                                         num_hidden_layers=2, pad_token_id=0, **kwargs)
+                                         num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
+                                         eos_token_id=2, **kwargs)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(hf.UnsupportedModel, match=words):
         hf.prepare(model)
     assert not hf.is_prepared(model)
 
 
-def test_pair_cost_scales_with_the_share_of_attention_layers():
-    from treepack.planner import PAIR_COST
+def test_auto_head_falls_back_when_the_model_changes_its_heads_output():
+    """Nemotron-H casts its logits (``.float()``): in a float64 model that is a new tensor, so
+    the head inside the forward cannot hand its values through. ``head="inside"`` refuses;
+    ``auto`` finds out once, remembers it, and uses the logits."""
+    model = hf.prepare(zoo.tiny_model("nemotron_h", dtype=torch.float64))
+    pack = TreePack.from_sequences(batch()[:5])
+    with pytest.raises(hf.UnsupportedModel, match="changes the output of its head"):
+        hf.logprobs(model, pack, head="inside")
+    got = hf.logprobs(model, pack).logprobs
+    torch.testing.assert_close(got, hf.logprobs(model, pack, head="logits").logprobs,
+                               rtol=0, atol=0)
+    from treepack.adapters.hf.forwarding import inside_refusal
 
-    assert hf.pair_cost(zoo.tiny_model("llama")) == PAIR_COST
-    assert hf.pair_cost(zoo.tiny_model("qwen3_5", layers=4)) == PAIR_COST / 2
+    assert "changes the output" in inside_refusal(model)
+    hf.restore(model)

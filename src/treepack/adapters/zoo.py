@@ -22,6 +22,10 @@ qwen3_5_moe  the same with mixture-of-experts MLPs
 qwen3_next hybrid Gated DeltaNet + attention, mixture of experts
 olmo_hybrid  hybrid Gated DeltaNet + attention
 lfm2       hybrid: short gated convolutions and attention
+lfm3       hybrid: short convolutions, sliding-window and full attention
+bamba      hybrid: Mamba2 layers (short conv + SSD scan) and attention
+nemotron_h hybrid: Mamba2, attention without positions, and MLP-only layers
+falcon_h1  hybrid: attention and Mamba2 side by side in every layer, muP multipliers
 ========== ===================================================================
 """
 
@@ -66,10 +70,23 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("Qwen3NextConfig", dict(_DELTANET, **_MOE)),
     "olmo_hybrid": ("OlmoHybridConfig", _COMMON),
     "lfm2": ("Lfm2Config", _COMMON),
+    "lfm3": ("Lfm3Config", dict(_COMMON, sliding_window=WINDOW)),
+    "bamba": ("BambaConfig", dict(_COMMON, attn_layer_indices=[1, 3, 5, 7], mamba_n_heads=4,
+                                  mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1,
+                                  mamba_chunk_size=64)),
+    "nemotron_h": ("NemotronHConfig", dict(_COMMON, mamba_num_heads=4, mamba_head_dim=32,
+                                           ssm_state_size=16, n_groups=1, chunk_size=64)),
+    "falcon_h1": ("FalconH1Config", dict(_COMMON, mamba_n_heads=4, mamba_d_head=32,
+                                         mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
+                                         mamba_chunk_size=64, lm_head_multiplier=0.5)),
 }
 HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
            "qwen3_next": _HYBRID_LAYERS, "olmo_hybrid": _HYBRID_LAYERS,
-           "lfm2": ["conv", "full_attention"]}  # each family's layer types, in turn
+           "lfm2": ["conv", "full_attention"],
+           "lfm3": ["conv", "sliding_attention", "conv", "full_attention"],
+           "nemotron_h": ["linear_attention", "full_attention", "mlp"],
+           "bamba": None, "falcon_h1": None}  # each family's layer types, in turn (None: its
+#                                            config sets them)
 
 
 def tiny_config(family: str, *, layers: int = 2, **overrides):
@@ -92,7 +109,7 @@ def tiny_config(family: str, *, layers: int = 2, **overrides):
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     name, kwargs = FAMILIES[family]
     layer_key = "n_layer" if family == "gpt2" else "num_hidden_layers"
-    if family in HYBRIDS:  # every kind of layer at least once
+    if HYBRIDS.get(family):  # every kind of layer at least once
         cycle = HYBRIDS[family]
         kwargs = dict(kwargs, layer_types=[cycle[i % len(cycle)] for i in range(layers)])
     config = getattr(transformers, name)(**{**kwargs, layer_key: layers, **overrides})

@@ -10,10 +10,12 @@ GPU image). When transformers moves one of these, this file is the one to change
   original attention and mask functions a prepared model falls back to without a pack.
 - ``<model module>.eager_attention_forward``: "eager" is each model's own function.
 - ``<model module>.load_balancing_loss_func``: an MoE model's router loss.
-- ``<model module>.causal_conv1d_fn`` / ``torch_chunk_gated_delta_rule``: the short
-  convolution and the gated-delta-rule scan a hybrid model's recurrent layers call by their
-  module-level names (Qwen3.5, Qwen3-Next, OLMo-hybrid, LFM2 in 5.24; :data:`MIXERS`); a
-  prepared model's module has them wrapped (:func:`module_functions`, :func:`replace`).
+- ``<model module>.causal_conv1d_fn`` / ``torch_chunk_gated_delta_rule`` /
+  ``mamba2_chunk_scan`` / ``mamba2_split_conv1d_scan_combined``: the short convolution, the
+  gated-delta-rule scan, Mamba2's SSD scan and its fused training kernel, which a hybrid
+  model's recurrent layers call by their module-level names (Qwen3.5, Qwen3-Next,
+  OLMo-hybrid, LFM2, Bamba, Nemotron-H, Falcon-H1 in 5.24; :data:`MIXERS`); a prepared
+  model's module has them wrapped (:func:`module_functions`, :func:`replace`).
 - ``transformers.activations.ACT2FN``: the convolution's activation by name.
 - ``<model module>.torch_recurrent_gated_delta_rule``: the token-by-token form of the scan,
   which ``treepack verify`` runs as a second unpacked implementation (:func:`other_scan`).
@@ -81,7 +83,8 @@ def model_function(obj, name: str) -> Callable | None:
 
 # The module-level functions of a modeling module that a hybrid layer's token mixer calls,
 # by the role treepack gives them.
-MIXERS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta"}
+MIXERS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta",
+          "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "fused"}
 
 
 def module_functions(model) -> list[tuple[object, str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 
 import torch
 from torch import Tensor
@@ -181,16 +182,23 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
     named_outputs(kwargs, "logprobs")
     check_pack(pack)
     temps = per_sequence_temperature(temperature, pack.num_sequences)
-    if head == "auto":
+    auto = head == "auto"
+    if auto:
         head = "inside" if inside_refusal(model, temps) is None else "logits"
     if head == "inside":
         refusal = inside_refusal(model, temps)
         if refusal is not None:
             raise UnsupportedModel(refusal)
-        rows, out = _inside(model, pack, backend, block_size, kwargs, float(temps[0]),
-                            entropy, chunk_size, head_dtype)
-        result = rows.in_layout(pack, align)
-    elif head == "hidden":
+        try:
+            rows, out = _inside(model, pack, backend, block_size, kwargs, float(temps[0]),
+                                entropy, chunk_size, head_dtype)
+            result = rows.in_layout(pack, align)
+        except _ChangedOutput as e:  # found out by one forward; remembered for the model
+            _NO_INSIDE[unwrap(model)] = str(e)
+            if not auto:
+                raise
+            head = "logits"
+    if head == "hidden":
         out = forward_hidden(model, pack, backend, block_size=block_size, **kwargs)
         hidden, weights = out.last_hidden_state[0], lm_head(model)
         if head_dtype is not None:
@@ -199,7 +207,7 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
                        for k, v in weights.items()}
         result = outputs_from_hidden(pack, hidden, temperature=temps, entropy=entropy,
                                      align=align, chunk_size=chunk_size, **weights)
-    else:
+    elif head == "logits":
         out = forward(model, pack, backend, block_size=block_size, **kwargs)
         result = from_logits(pack, out.logits[0], temperature=temps, entropy=entropy,
                              align=align, chunk_size=chunk_size)
@@ -207,10 +215,19 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
                                router_logits=getattr(out, "router_logits", None))
 
 
+class _ChangedOutput(UnsupportedModel):
+    """The model changed its head's output before returning it (found after a forward)."""
+
+
+_NO_INSIDE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> why not
+
+
 def inside_refusal(model, temps=None) -> str | None:
     """Why the lean head cannot run inside this model's forward (at these per-sequence
     temperatures, if given), or None."""
     core = unwrap(model)
+    if core in _NO_INSIDE:
+        return _NO_INSIDE[core]
     head = core.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         return (f"{type(core).__name__}'s output layer is a {type(head).__name__}, not a "
@@ -249,7 +266,7 @@ def _inside(model, pack, backend, block_size, kwargs, temperature, entropy, chun
     with _forward_replaced(head, lean):  # this instance, this forward only
         out, aux = run(model, pack, backend, block_size, kwargs)
     if out.logits is not rows.get("out"):  # it must be the model's output, unchanged, so
-        raise UnsupportedModel(  # that a wrapper's backward hooks see it
+        raise _ChangedOutput(  # that a wrapper's backward hooks see it
             f"{type(core).__name__} changes the output of its head before returning it: use "
             "head='hidden' or 'logits'")
     if aux is not None:

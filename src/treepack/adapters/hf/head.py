@@ -22,7 +22,7 @@ def lm_head(model, *, check: bool = True) -> dict:
 
     ``weight`` and ``bias`` of the output projection, plus what the model does to the logits
     after it: ``softcap`` (Gemma 2's ``final_logit_softcapping``) and ``scale`` (Cohere's
-    ``logit_scale``, Granite's ``1 / logits_scaling``)::
+    ``logit_scale``, Granite's ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``)::
 
         hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
         logps = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
@@ -71,8 +71,8 @@ def _check_lm_head(model, kwargs: dict) -> None:
     if not torch.allclose(z, logits, rtol=tol, atol=tol * float(logits.abs().max())):
         raise UnsupportedModel(
             f"{type(model).__name__} transforms its logits after the LM head in a way "
-            "treepack.hf.lm_head does not know (it knows final_logit_softcapping, logit_scale "
-            "and logits_scaling): log-probs from hidden states would be wrong. Use "
+            "treepack.hf.lm_head does not know (it knows final_logit_softcapping, logit_scale, "
+            "logits_scaling and lm_head_multiplier): log-probs from hidden states would be wrong. Use "
             "pack.token_logprobs(hf.forward(model, pack).logits[0]) for this model"
         )
 
@@ -94,6 +94,8 @@ def lm_head_kwargs(model, gather: bool = True) -> dict:
         scale *= float(config.logit_scale)
     if getattr(config, "logits_scaling", None) is not None:
         scale /= float(config.logits_scaling)
+    if getattr(config, "lm_head_multiplier", None) is not None:  # Falcon-H1
+        scale *= float(config.lm_head_multiplier)
     if scale != 1.0:
         kwargs["scale"] = scale
     return kwargs

@@ -8,7 +8,8 @@ import weakref
 import torch
 
 from treepack.adapters.hf import compat
-from treepack.adapters.hf.routing import (ORIGINAL, TREE_FORWARD_KWARG, TreeForward,
+from treepack.adapters.hf.routing import (NO_POSITIONS, ORIGINAL, TREE_FORWARD_KWARG,
+                                          TreeForward,
                                           UnsupportedModel, attention_share, check_calls,
                                           check_layer_types,
                                           registered_name, route_mixers, text_config,
@@ -120,9 +121,9 @@ def prepare(model, *, check: bool = True):
     sets the model's attention implementation to ``treepack_<original>``, which runs the
     tree backend when a pack is passed and the original implementation otherwise, so the
     model still runs ordinary batches exactly as before. A hybrid model's recurrent layers
-    (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, ...) are routed the same way: their
-    modeling module's convolution and scan functions run on the tree given a pack
-    (:mod:`treepack.recurrent`). :func:`restore` undoes both. Idempotent.
+    (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Bamba's Mamba2, ...) are routed the
+    same way: their modeling module's convolution and scan functions run on the tree given a
+    pack (:mod:`treepack.recurrent`). :func:`restore` undoes both. Idempotent.
 
     Args:
         model: a transformers causal LM, or a DDP / FSDP / ``torch.compile`` wrapper of one.
@@ -247,7 +248,8 @@ def _check_reads_position_ids(model, core) -> None:
                 ) from e
             check_calls(core, tree)
             outs.append(out.logits)
-    if torch.equal(outs[0], outs[1]):
+    if torch.equal(outs[0], outs[1]) and getattr(text_config(core), "model_type",
+                                                 None) not in NO_POSITIONS:
         raise UnsupportedModel(
             f"{type(core).__name__} ignores position_ids (the output did not change when "
             "they did): packed rows would get positions from their packed index instead of "

@@ -14,6 +14,8 @@ import contextlib
 import contextvars
 import re
 
+import torch
+
 from treepack.adapters.hf import compat
 from treepack.attention import TreeAttention
 from treepack.core.tree import TreePack
@@ -29,15 +31,24 @@ _PREFIX = "treepack_"
 ORIGINAL: dict[str, str] = {}  # registered treepack name -> the original implementation
 TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
-# Recurrent layer types and the routed functions each layer calls once per forward.
-MIXER_LAYER_TYPES = {"linear_attention": ("conv", "gated_delta"), "conv": ("conv",)}
-# Hybrid families whose recurrent layers treepack routes (model_type), and those it refuses.
-HYBRIDS = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next",
-           "olmo_hybrid", "lfm2", "lfm2_moe"}
+_GDN = {"linear_attention": (False, ("conv", "gated_delta"))}
+_MAMBA2 = {"linear_attention": (False, ("conv", "ssd"))}
+# Hybrid families whose recurrent layers treepack routes (model_type): for each layer type
+# beside attention, whether it attends too and the routed calls it makes per forward.
+HYBRIDS = {
+    "qwen3_5": _GDN, "qwen3_5_text": _GDN, "qwen3_5_moe": _GDN, "qwen3_5_moe_text": _GDN,
+    "qwen3_next": _GDN, "olmo_hybrid": _GDN,
+    "lfm2": {"conv": (False, ("conv",))}, "lfm2_moe": {"conv": (False, ("conv",))},
+    "lfm3": {"conv": (False, ("conv",))},
+    "bamba": _MAMBA2,
+    "nemotron_h": {**_MAMBA2, "mlp": (False, ()), "moe": (False, ())},
+    "falcon_h1": {"hybrid": (True, ("conv", "ssd"))},  # attention and Mamba2 side by side
+}
+MIXER_LAYER_TYPES = sorted({t for kinds in HYBRIDS.values() for t in kinds})
+# Families whose attention layers take no positions at all (order comes from their recurrent
+# layers): nothing to read from position_ids, so prepare's position check does not apply.
+NO_POSITIONS = {"nemotron_h"}
 REFUSED_HYBRIDS = {
-    "bamba": "its Mamba2 layers' SSD scan (mamba2_chunk_scan) is not routed yet",
-    "nemotron_h": "its Mamba2 layers' SSD scan (mamba2_chunk_scan) is not routed yet",
-    "falcon_h1": "its Mamba2 layers' SSD scan (mamba2_chunk_scan) is not routed yet",
     "jamba": "its Mamba (v1) layers' selective scan is not routed yet",
     "kimi_linear": "its Kimi Delta Attention scan (chunk_kda) is not routed yet",
 }
@@ -112,6 +123,12 @@ class TreeForward:
 # ---------------------------------------------------------------------- hybrid layers
 
 
+def layer_kinds(model) -> dict[str, tuple[bool, tuple[str, ...]]]:
+    """For each layer type ``model`` may have: whether it attends, and its routed calls."""
+    kinds = {t: (True, ()) for t in ATTENTION_LAYER_TYPES}
+    return kinds | HYBRIDS.get(getattr(text_config(model), "model_type", None), {})
+
+
 def check_layer_types(model) -> None:
     """Refuse, by name and reason, a model with layers treepack does not route."""
     types = set(compat.layer_types(model.config) or ())
@@ -121,10 +138,9 @@ def check_layer_types(model) -> None:
     kind = getattr(text_config(model), "model_type", None)
     if kind in REFUSED_HYBRIDS:
         reason = REFUSED_HYBRIDS[kind]
-    elif kind not in HYBRIDS or not set(other) <= set(MIXER_LAYER_TYPES):
-        reason = (f"its {other} layers are not ones treepack routes (it routes "
-                  f"{sorted(ATTENTION_LAYER_TYPES | set(MIXER_LAYER_TYPES))} in "
-                  f"{sorted(HYBRIDS)})")
+    elif not types <= set(layer_kinds(model)):
+        reason = (f"its {other} layers are not ones treepack routes (it routes the "
+                  f"recurrent layers of {sorted(HYBRIDS)})")
     else:
         return
     raise UnsupportedModel(
@@ -139,7 +155,8 @@ def attention_share(model) -> float:
     types = compat.layer_types(model.config)
     if not types:
         return 1.0
-    return sum(t in ATTENTION_LAYER_TYPES for t in types) / len(types)
+    kinds = layer_kinds(model)
+    return sum(kinds.get(t, (True,))[0] for t in types) / len(types)
 
 
 _HOLDERS: collections.Counter = collections.Counter()  # (module, function) -> prepared models
@@ -224,7 +241,54 @@ def _gated_delta(original):
     return torch_chunk_gated_delta_rule
 
 
-_WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta}
+def _ssd(original):
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,
+                          initial_states=None, dt_softplus=False,
+                          dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        tree = kwargs.pop(TREE_FORWARD_KWARG, None)
+        if tree is None:
+            return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                            initial_states=initial_states, dt_softplus=dt_softplus,
+                            dt_limit=dt_limit, return_final_states=return_final_states,
+                            **kwargs)
+        if initial_states is not None or kwargs.get("seq_idx") is not None or \
+                kwargs.get("cu_seqlens") is not None:
+            raise UnsupportedModel("a tree forward runs without a cache or sequence boundaries "
+                                   "(initial_states / seq_idx / cu_seqlens were given)")
+        tree.mixer_calls["ssd"] += 1
+        # The step size as the kernel makes it, so that past a segment's end it is exactly 0
+        # (no decay, no input: the state carries over unchanged).
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)
+        if dt_softplus:
+            dt = torch.nn.functional.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        everything = (float("-inf"), float("inf"))
+
+        def kernel(batch, state):
+            return original(batch["x"], batch["dt"], A, batch["B"], batch["C"], chunk_size, D=D,
+                            dt_bias=None, initial_states=state, dt_softplus=False,
+                            dt_limit=everything, return_final_states=True, **kwargs)
+
+        out = level_scan(tree.pack, kernel, {"x": hidden_states[0], "dt": dt[0], "B": B[0],
+                                             "C": C[0]})[None]
+        return (out, None) if return_final_states else out
+
+    mamba2_chunk_scan.treepack_original = original
+    return mamba2_chunk_scan
+
+
+def _fused(original):
+    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
+        if kwargs.get(TREE_FORWARD_KWARG) is not None:
+            return None  # the layer's unfused path, whose convolution and scan are routed
+        return original(*args, **kwargs)
+
+    mamba2_split_conv1d_scan_combined.treepack_original = original
+    return mamba2_split_conv1d_scan_combined
+
+
+_WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta, "ssd": _ssd, "fused": _fused}
 
 
 @contextlib.contextmanager
@@ -257,8 +321,8 @@ def check_calls(model, tree: TreeForward) -> None:
     recurrent mixers, or dropped their sliding window."""
     config = text_config(model)
     types = compat.layer_types(model.config)
-    expected = config.num_hidden_layers if not types else sum(
-        t in ATTENTION_LAYER_TYPES for t in types)
+    kinds = layer_kinds(model)
+    expected = config.num_hidden_layers if not types else sum(kinds[t][0] for t in types)
     if tree.calls != expected:
         raise UnsupportedModel(
             f"{type(model).__name__} has {expected} attention layers but {tree.calls} of them "
@@ -267,7 +331,7 @@ def check_calls(model, tree: TreeForward) -> None:
             "models whose every attention layer uses the attention interface; run this one "
             "unpacked"
         )
-    roles = collections.Counter(role for t in types or () for role in MIXER_LAYER_TYPES.get(t, ()))
+    roles = collections.Counter(role for t in types or () for role in kinds[t][1])
     if roles != +tree.mixer_calls:
         raise UnsupportedModel(
             f"{type(model).__name__}'s recurrent layers should make {dict(roles)} routed calls "
