@@ -173,11 +173,11 @@ def part_attention(device, dry, scale):
             continue
         seqs = [torch.as_tensor(s) for s in seqs]
         tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
-        flat = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
-                                       share_prefixes=False)
+        padding_free = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
+                                               share_prefixes=False)
         row = dict(workload=name, rows=tree.num_packed_rows, tokens=tree.num_original_tokens)
         for label, pack, backends_here in (("tree", tree, backends),
-                                           ("padding_free", flat, ["varlen"])):
+                                           ("padding_free", padding_free, ["varlen"])):
             g = torch.Generator(device=device).manual_seed(0)
             T = pack.num_rows
             q, k, v = (torch.randn(1, h, T, D, device=device, generator=g, dtype=dtype)

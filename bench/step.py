@@ -45,7 +45,8 @@ def main():
     parser.add_argument("--workloads", nargs="+", default=None)
     parser.add_argument("--jitter", type=float, default=None)
     parser.add_argument("--scale", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds after a warm-up round, every step once per round")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--full-logits", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
@@ -63,10 +64,11 @@ def main():
         f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {where}; torch {torch.__version__}; model: random {model} "
           f"({sum(p.numel() for p in net.parameters()) / 1e6:.1f}M params), {dtype}; "
-          f"scale 1/{scale}; best of {args.repeats} after a warm-up")
+          f"scale 1/{scale}; medians of {args.repeats} interleaved rounds after a warm-up, "
+          f"ratios median [lowest-highest round]")
     print(f"{'workload':<12}{'backend':<9}{'tokens':>8}{'rows':>8}{'padded s':>10}"
-          f"{'pad-free s':>11}{'tree s':>9}{'tree/padded':>12}{'FLOP limit':>11}{'/limit':>8}"
-          f"{'tree/pad-free':>14}{'loss diff':>10}")
+          f"{'pad-free s':>11}{'tree s':>9}{'tree/padded':>23}{'FLOP limit':>11}{'/limit':>8}"
+          f"{'tree/pad-free':>23}{'loss diff':>10}")
     results = []
     for w in works:
         for backend in args.backends:
@@ -80,9 +82,12 @@ def main():
             loss = max(x["loss_rel_error"] for x in s.values())
             print(f"{w.name:<12}{backend:<9}{r['original_tokens']:>8,}{r['packed_rows']:>8,}"
                   f"{s['padded']['seconds']:>10.2f}{s['padding_free']['seconds']:>11.2f}"
-                  f"{s['tree']['seconds']:>9.2f}{r['tree_vs_padded']:>12.3f}"
+                  f"{s['tree']['seconds']:>9.2f}{benchmark.ratio_cell(r, 'tree_vs_padded'):>23}"
                   f"{r['flop_ratio_limit']:>11.3f}{r['over_limit']:>8.2f}"
-                  f"{r['tree_vs_padding_free']:>14.3f}{loss:>10.1e}", flush=True)
+                  f"{benchmark.ratio_cell(r, 'tree_vs_padding_free'):>23}{loss:>10.1e}",
+                  flush=True)
+    for line in benchmark.uncertain_note(results):
+        print(line.strip())
     ok = all(r["over_limit"] <= 1.15 for r in results)
     print(f"bar: tree step within 1.15x of the FLOP-ratio limit x the padded step: "
           f"{'PASS' if ok else 'FAIL'}")

@@ -1,5 +1,7 @@
-"""The benchmark scripts run as they stand (at toy sizes), so a GPU session can trust them."""
+"""The benchmark scripts run as they stand (at toy sizes), so a GPU session can trust them;
+and the timing they share (``treepack.benchmark.timing``) holds up on a fake clock."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -71,3 +73,76 @@ def test_gpu_script_reports_failures_and_gaps_instead_of_passing_them(monkeypatc
     assert "lean <= 1.1x full time at <= 1/10 memory: INCOMPLETE" in bars
     assert "PASS" not in bars
     assert (tmp_path / "gpu.json").exists()  # written as the rows came in
+
+
+def fake_steps(cost: dict, burst: dict | None = None):
+    """Steps that only advance a fake clock: ``cost[name]`` seconds, times ``burst[(round,
+    name)]`` in a round where the machine is busy; and the clock, and the order they ran in."""
+    now, ran, calls = [0.0], [], {name: 0 for name in cost}
+
+    def step(name):
+        def run():
+            factor = (burst or {}).get((calls[name], name), 1.0)
+            calls[name] += 1
+            ran.append(name)
+            now[0] += cost[name] * factor
+        return run
+
+    return {name: step(name) for name in cost}, (lambda: now[0]), ran
+
+
+COST = {"padded": 4.0, "padding_free": 3.0, "tree": 1.0}
+
+
+def test_interleave_runs_every_step_once_per_round_starting_at_a_rotating_step():
+    from treepack.benchmark import interleave
+
+    steps, clock, ran = fake_steps(COST)
+    heard, wrapped = [], []
+
+    @contextlib.contextmanager
+    def around(name):
+        wrapped.append(name)
+        yield
+
+    times = interleave(steps, 3, clock=clock, around=around,
+                       after_round=lambda r, seconds: heard.append((r, seconds)))
+    assert ran == ["padded", "padding_free", "tree", "padding_free", "tree", "padded",
+                   "tree", "padded", "padding_free"]
+    assert wrapped == ran  # every timed call, and only those
+    assert times == {name: [cost] * 3 for name, cost in COST.items()}
+    assert heard == [(r, COST) for r in range(3)]  # progress after every round
+
+
+def test_a_busy_round_slows_both_sides_of_its_ratio_and_leaves_it_alone():
+    """Interleaved, a load that triples every step of round 1 moves the times' spread but no
+    per-round ratio: the ratio's spread stays 0 and nothing is flagged."""
+    from treepack.benchmark import Spread, interleave, ratio
+
+    steps, clock, _ = fake_steps(COST, burst={(1, name): 3.0 for name in COST})
+    times = interleave(steps, 3, clock=clock)
+    assert Spread.of(times["padded"]) == (4.0, 4.0, 12.0)
+    assert ratio(times, "tree", "padded") == (0.25, 0.25, 0.25)
+    assert not ratio(times, "tree", "padded").uncertain
+
+
+def test_a_burst_on_one_step_moves_the_spread_not_the_median_and_is_flagged_across_1():
+    """Issue 18: the tree step once read 3.9x slower than padded on a busy machine. A burst
+    that slows round 1's tree step 5x makes that round's ratio 1.25: the median stays 0.25, the
+    range [0.25, 1.25] crosses 1, and the ratio is flagged."""
+    from treepack.benchmark import interleave, ratio
+
+    steps, clock, _ = fake_steps(COST, burst={(1, "tree"): 5.0})
+    r = ratio(interleave(steps, 3, clock=clock), "tree", "padded")
+    assert r == (0.25, 0.25, 1.25) and r.uncertain
+
+
+def test_spread_median_range_and_the_flag():
+    from treepack.benchmark import Spread
+
+    assert Spread.of([0.3, 0.1, 0.2]) == (0.2, 0.1, 0.3)
+    assert Spread.of([0.5, 0.7]) == (0.6, 0.5, 0.7)  # an even count: the middle two's mean
+    assert Spread.of([0.5]) == (0.5, 0.5, 0.5) and not Spread.of([0.5]).uncertain
+    assert Spread.of([0.9, 1.1]).uncertain
+    assert not Spread.of([1.0, 1.2]).uncertain  # a round at exactly 1 decides nothing
+    assert not Spread.of([0.2, 0.9]).uncertain and not Spread.of([1.1, 3.0]).uncertain

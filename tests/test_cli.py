@@ -121,6 +121,7 @@ def test_verify_command_exit_status_1_above_tolerance(capsys, monkeypatch):
     from treepack import verification
 
     monkeypatch.setitem(verification.TOLERANCE, __import__("torch").float32, 1e-12)
+    monkeypatch.setattr(verification, "FLOOR_FACTOR", 0.0)
     code, out, _ = run(capsys, "verify", "--family", "llama")
     assert code == 1 and "FAIL" in out
 
@@ -133,15 +134,17 @@ def test_verify_command_reports_flex_cpu_backward_clearly(capsys):
 
 
 def test_bench_command_writes_table_json_and_plot(capsys, tmp_path):
+    import statistics
+
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     code, out, err = run(capsys, "bench", "--prompts", "1", "--rollouts", "3", "--steps", "2",
                          "--prefix-len", "24", "--branch-len", "8", "--tool-len", "4",
-                         "--json", str(out_json), "--plot", str(out_png), "--repeats", "1")
+                         "--json", str(out_json), "--plot", str(out_png), "--repeats", "2")
     assert code == 0, err
-    for word in ("step time", "peak memory", "FLOP-ratio limit", "padding-free", "vs padded",
-                 "equivalence", "Claw-R1", "0.500", "~0.53"):
+    for word in ("step time", "peak memory", "FLOP-ratio limit", "padding-free", "tree / padded",
+                 "median of 2 rounds", "equivalence", "Claw-R1", "0.500", "~0.53"):
         assert word in out
     result = json.loads(out_json.read_text())
     (work,) = result["workloads"]
@@ -149,11 +152,63 @@ def test_bench_command_writes_table_json_and_plot(capsys, tmp_path):
     assert set(work["steps"]) == {"padded", "padding_free", "tree_logits", "tree"}
     assert all(s["grad_max_rel_error"] < 1e-4 and s["loss_rel_error"] < 1e-5
                for s in work["steps"].values())
-    assert work["tree_vs_padded"] == pytest.approx(
-        work["steps"]["tree"]["seconds"] / work["steps"]["padded"]["seconds"])
+    for s in work["steps"].values():  # a step's time: the median of its rounds, and their range
+        assert len(s["round_seconds"]) == 2 == result["repeats"]
+        assert s["seconds"] == pytest.approx(statistics.median(s["round_seconds"]))
+        assert s["seconds_spread"] == [min(s["round_seconds"]), max(s["round_seconds"])]
+    tree, padded = (work["steps"][k]["round_seconds"] for k in ("tree", "padded"))
+    per_round = [t / p for t, p in zip(tree, padded)]  # a ratio: within each round, then median
+    assert work["tree_vs_padded"] == pytest.approx(statistics.median(per_round))
+    assert work["tree_vs_padded_spread"] == pytest.approx([min(per_round), max(per_round)])
+    assert work["tree_vs_padded_uncertain"] == (min(per_round) < 1 < max(per_round))
     assert len(result["claw_r1"]) == 3 and result["backend"] == "auto"
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "treepack bench" in err  # the progress bar
+    progress = [line.split("] ", 1)[1] for line in err.splitlines()
+                if line.startswith("treepack bench [")]  # one line each, as it runs
+    assert progress[0] == "building the model" and progress[-1] == "done"
+    assert progress[1] == "custom: warm-up round, every step checked against the padded one"
+    assert [line.split(":")[1] for line in progress[2:4]] == [" round 1 of 2", " round 2 of 2"]
+    assert all(f"{step} " in progress[2] for step in work["steps"])
+
+
+def test_bench_flags_a_ratio_whose_rounds_disagree(capsys, tmp_path, monkeypatch):
+    """A load burst during one round's tree step makes that round's tree / padded ratio read
+    above 1 while the others read below: the median stands, and the ratio is flagged uncertain
+    in the JSON and marked in the table. The steps run for real; the clock is a fake one in
+    which padded takes 4 s, padding-free 3 s and tree 1 s, but 5 s in round 2."""
+    pytest.importorskip("transformers")
+    from treepack.face.benchmark import compare
+
+    real = compare.interleave
+
+    def on_a_fake_clock(steps, rounds, **kwargs):
+        now, calls = [0.0], {name: 0 for name in steps}
+        cost = {"padded": 4.0, "padding_free": 3.0, "tree": 1.0}
+
+        def timed(name, step):
+            def run():
+                step()
+                calls[name] += 1
+                now[0] += cost[name] * (5 if (name, calls[name]) == ("tree", 2) else 1)
+            return run
+
+        return real({name: timed(name, step) for name, step in steps.items()}, rounds,
+                    clock=lambda: now[0], **kwargs)
+
+    monkeypatch.setattr(compare, "interleave", on_a_fake_clock)
+    out = tmp_path / "bench.json"
+    code, table, _ = run(capsys, "bench", "--quick", "--prompts", "1", "--rollouts", "2",
+                         "--steps", "1", "--prefix-len", "8", "--branch-len", "4", "--no-plot",
+                         "--json", str(out))
+    (work,) = json.loads(out.read_text())["workloads"]
+    assert code == 0 and work["steps"]["tree"]["round_seconds"] == [1.0, 5.0, 1.0]
+    assert work["steps"]["tree"]["seconds"] == 1.0
+    assert (work["tree_vs_padded"], work["tree_vs_padded_spread"]) == (0.25, [0.25, 1.25])
+    assert work["tree_vs_padded_uncertain"] and work["tree_vs_padding_free_uncertain"]
+    (row,) = [line for line in table.splitlines()
+              if line.startswith("  custom ") and "]" in line]  # the time table's row
+    assert "0.250 [0.250-1.250]*" in row and row.count("]*") == 2
+    assert "the rounds disagree on which step is faster" in table
 
 
 @pytest.mark.parametrize("argv, message", [

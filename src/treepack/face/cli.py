@@ -133,11 +133,13 @@ def _stats(args) -> int:
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 BENCH_TOLERANCE = 1e-4  # largest relative gradient error accepted from a float32 bench step
+QUICK_CPU_SCALE = 64  # --quick on a CPU: lengths / 64, so 3 timed rounds fit in about a minute
 
 
 def _bench(args) -> int:
+    import time
+
     import torch
-    from tqdm import tqdm
 
     from treepack.face import benchmark
 
@@ -157,7 +159,7 @@ def _bench(args) -> int:
                          f"{torch.__version__}); leave --device out to run on the CPU")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     scale = args.scale or ((8 if args.quick else 1) if device.type == "cuda" else
-                           (32 if args.quick else 8))
+                           (QUICK_CPU_SCALE if args.quick else 8))
     custom = {k: getattr(args, k) for k in ("prompts", "rollouts", "steps", "prefix_len",
                                             "branch_len", "tool_len")}
     if any(v is not None for v in custom.values()):
@@ -169,23 +171,20 @@ def _bench(args) -> int:
         if args.workloads:
             works = [w for w in works if w.name in args.workloads]
     steps = [s for s in benchmark.STEPS if s != "tree_logits" or not args.quick]
-    total = 1 + len(works) * len(steps)
-    with tqdm(total=total, desc="treepack bench", file=sys.stderr,
-              bar_format="{desc} {n}/{total} {bar} {elapsed}") as bar:
-        def progress(msg):
-            if msg != "building the model":
-                bar.update(1)
-            bar.set_description(f"treepack bench: {msg}")
+    start = time.perf_counter()
 
-        try:
-            result = benchmark.run_bench(works, device=device, model=args.model,
-                                         dtype=getattr(torch, args.dtype), backend=args.backend,
-                                         repeats=args.repeats, micro_batch=args.micro_batch,
-                                         steps=steps, progress=progress)
-        except (RuntimeError, ValueError) as e:
-            raise InputError(str(e)) from None
-        bar.update(1)
-        bar.set_description("treepack bench: done")
+    def progress(msg):  # one line each: readable in a terminal and in a log file alike
+        print(f"treepack bench [{time.perf_counter() - start:4.0f} s] {msg}", file=sys.stderr,
+              flush=True)
+
+    try:
+        result = benchmark.run_bench(works, device=device, model=args.model,
+                                     dtype=getattr(torch, args.dtype), backend=args.backend,
+                                     repeats=args.repeats, micro_batch=args.micro_batch,
+                                     steps=steps, progress=progress)
+    except (RuntimeError, ValueError) as e:
+        raise InputError(str(e)) from None
+    progress("done")
     print(benchmark.render(result))
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
@@ -285,15 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one training step (forward, mean NLL, backward) of a random model "
         "on three ragged RL batches (GRPO with a long prompt, GRPO with little sharing, "
         "multi-turn agent trajectories), four ways side by side: right-padded micro-batches, "
-        "padding-free packing, the prefix-tree pack with full logits and with lean log-probs. "
-        "Prints times, ratios against both baselines beside the FLOP-ratio limit, peak "
+        "padding-free packing, the prefix-tree pack with full logits and with lean log-probs, "
+        "interleaved over --repeats rounds (a busy machine slows every step of a round alike). "
+        "Prints median times, ratios against both baselines with their spread beside the "
+        "FLOP-ratio limit, peak "
         "memory, equivalence errors and Claw-R1's token-ratio scenarios. Lengths are the GPU "
         "sizes divided by --scale (default 8 on a CPU, 1 on a GPU). Workload options "
         "(--prompts ...) replace the three with PROMPTS x ROLLOUTS trajectories of STEPS "
         "steps.",
     )
-    bench.add_argument("--quick", action="store_true", help="4x shorter sequences and no "
-                       "full-logits tree step (< 2 minutes on 2 CPU cores)")
+    bench.add_argument("--quick", action="store_true", help="8x shorter sequences (lengths / "
+                       "64 on a CPU, / 8 on a GPU) and no full-logits tree step (about a minute "
+                       "on 2 CPU cores)")
     bench.add_argument("--workloads", nargs="+", choices=("grpo_long", "low_sharing", "agent"),
                        help="run only these of the three workloads")
     bench.add_argument("--jitter", type=_fraction, default=None,
@@ -314,8 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: cuda if present")
     bench.add_argument("--micro-batch", type=_positive_int, default=4,
                        help="sequences per padded micro-batch (default 4)")
-    bench.add_argument("--repeats", type=_positive_int, default=1,
-                       help="timed steps after a warm-up (the best counts)")
+    bench.add_argument("--repeats", type=_positive_int, default=3,
+                       help="timed rounds after a warm-up round, each running every step once "
+                       "(default 3): times are medians, ratios the median of the per-round "
+                       "ratios with their range, flagged where it crosses 1")
     bench.add_argument("--json", default="treepack-bench.json", help="results file")
     bench.add_argument("--plot", default="treepack-bench.png", help="PNG plot file")
     bench.add_argument("--no-plot", action="store_true")
