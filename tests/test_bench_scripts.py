@@ -146,3 +146,20 @@ def test_spread_median_range_and_the_flag():
     assert Spread.of([0.9, 1.1]).uncertain
     assert not Spread.of([1.0, 1.2]).uncertain  # a round at exactly 1 decides nothing
     assert not Spread.of([0.2, 0.9]).uncertain and not Spread.of([1.1, 3.0]).uncertain
+
+
+def test_flop_model_counts_pairs_on_attention_layers_and_scans_per_row():
+    """A hybrid's recurrent layers cost rows, not pairs: half the layers of the tiny Qwen3.5
+    attend, so its attention FLOPs are half those of the same model counted as all attention,
+    and a scan term grows with rows."""
+    from treepack import zoo
+    from treepack.benchmark import step_flops
+
+    hybrid = zoo.tiny_model("qwen3_5", layers=4)
+    flops = step_flops(hybrid, tokens=100, pairs=1000)
+    as_attention = zoo.tiny_model("qwen3_5", layers=4,
+                                  layer_types=["full_attention"] * 4)
+    assert flops.attention == step_flops(as_attention, 100, 1000).attention / 2
+    assert step_flops(hybrid, 200, 1000).linear == 2 * flops.linear
+    plain = step_flops(zoo.tiny_model("llama", layers=4), 100, 1000)
+    assert plain.attention == 3 * 4 * 64 * 4 * 1000  # every layer attends, heads x dim = 64

@@ -31,8 +31,8 @@ falcon_h1  hybrid: attention and Mamba2 side by side in every layer, muP multipl
 
 from __future__ import annotations
 
-__all__ = ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config", "qwen25_05b_config",
-           "MODELS"]
+__all__ = ["FAMILIES", "HYBRIDS", "tiny_config", "tiny_model", "qwen2_40m_config",
+           "qwen25_05b_config", "qwen35_40m_config", "MODELS"]
 
 VOCAB = 97
 _IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -193,4 +193,29 @@ def qwen25_05b_config():
     )
 
 
-MODELS = {"qwen2-40m": qwen2_40m_config, "qwen2.5-0.5b": qwen25_05b_config}  # bench presets
+def qwen35_40m_config():
+    """A Qwen3.5-like hybrid of about 40M parameters, for CPU benchmarks: Qwen3.5's layer
+    pattern (three Gated DeltaNet layers, then one gated attention layer) at the size of
+    :func:`qwen2_40m_config` — not a shape Qwen ships.
+
+    8 layers, hidden 512, intermediate 1408, vocabulary 32000 (tied); attention 8/2 heads of
+    64; DeltaNet 4 key / 8 value heads of 64, convolution kernel 4.
+
+    Returns:
+        A ``transformers.Qwen3_5TextConfig``.
+    """
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
+        + ["full_attention"], max_position_embeddings=32768, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+
+
+MODELS = {"qwen2-40m": qwen2_40m_config, "qwen2.5-0.5b": qwen25_05b_config,
+          "qwen3.5-40m": qwen35_40m_config}  # bench presets

@@ -44,7 +44,8 @@ def tree_conv1d(pack: TreePack, x: Tensor, weight: Tensor, bias: Tensor | None =
         bias: [C] or None.
 
     Returns:
-        [T', C] in the dtype of ``x`` and ``weight`` promoted (autograd flows to all three).
+        [T', C] in the dtype of ``x`` and ``weight`` promoted, summed in float32 at least and
+        rounded once (autograd flows to all three).
 
     Raises:
         ValueError: ``x`` that is not one row per row of the pack, or a kernel that does not
@@ -56,8 +57,13 @@ def tree_conv1d(pack: TreePack, x: Tensor, weight: Tensor, bias: Tensor | None =
         raise ValueError(f"weight must be [C={x.shape[1]}, K], got {tuple(weight.shape)}")
     taps = weight.shape[1]
     index = ancestors(pack, taps)
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row T': the zeros before a path
-    out = padded[index[0]] * weight[:, taps - 1]
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    work = torch.promote_types(dtype, torch.float32)  # one rounding, as conv1d's accumulator
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(work)  # row T': zeros before a path
+    w = weight.to(work)
+    out = padded[index[0]] * w[:, taps - 1]
     for m in range(1, taps):
-        out = out + padded[index[m]] * weight[:, taps - 1 - m]
-    return out if bias is None else out + bias
+        out = out + padded[index[m]] * w[:, taps - 1 - m]
+    if bias is not None:
+        out = out + bias.to(work)
+    return out.to(dtype)
