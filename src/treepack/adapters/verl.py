@@ -12,7 +12,7 @@ module registers :class:`TreepackEngine` as verl's FSDP / FSDP2 language-model e
 
 What changes, and what does not:
 
-- **Micro-batches are formed by trees.** The rank's rows are planned with
+- **Micro-batches are formed by trees.** The rank's sequences (verl's rows) are planned with
   :func:`treepack.plan` under verl's token budget (``ppo_max_token_len_per_gpu`` /
   ``log_prob_max_token_len_per_gpu``, or ``micro_batch_size_per_gpu`` x the longest row),
   so the rollouts of one prompt and the steps of one agent trajectory (whose histories are
@@ -126,9 +126,9 @@ class TreepackEngine(FSDPEngineWithLMHead):
             sync = contextlib.nullcontext() if forward_only else self._gradient_sync_context(
                 is_last_micro_batch=i == count - 1)
             with grad, sync, torch.profiler.record_function(f"micro_batch{i}"):
-                if not micro:  # no rows at all: an empty pack keeps the collectives in step
+                if not micro:  # no sequences: an empty pack keeps the collectives in step
                     loss, out = self._idle_step()
-                else:  # past its rows (fewer than micro-batches), a rank reruns one, weight 0
+                else:  # past its packs (fewer than the others), a rank reruns one, weight 0
                     real = i < len(micro)
                     picked = micro[i] if real else micro[0][:1]
                     batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
@@ -187,8 +187,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _micro_batches(self, data, sequences: list[np.ndarray], count: int = 1
                        ) -> list[np.ndarray]:
-        """The rows of each micro-batch: one pack each, trees kept together, at least
-        ``count`` of them where there are that many rows."""
+        """The sequences of each micro-batch: one pack each, trees kept together, at least
+        ``count`` of them where there are that many sequences."""
         specs = plan(sequences, max_tokens=self._budget(data), min_packs=count,
                      pair_cost=hf.pair_cost(self.module)).specs[0]
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
@@ -260,7 +260,8 @@ def _device() -> torch.device:
 
 
 def _host_sequences(data) -> list[np.ndarray]:
-    """The rows' token ids on the host (one copy of the nested values, if on a device)."""
+    """The sequences' token ids on the host (one copy of the nested values, if on a
+    device)."""
     ids = data["input_ids"]
     return np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
 
@@ -306,8 +307,8 @@ def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
         for key, value in out.get("model_output", {}).items():
             model_output.setdefault(key, []).extend(value.unbind())
     order = np.argsort(np.concatenate(micro)) if micro else np.zeros(0, dtype=np.int64)
-    for key, rows in model_output.items():
-        model_output[key] = torch.nested.as_nested_tensor([rows[i] for i in order],
+    for key, per_sequence in model_output.items():
+        model_output[key] = torch.nested.as_nested_tensor([per_sequence[i] for i in order],
                                                           layout=torch.jagged)
     metrics: dict = {}
     for out in outputs:
