@@ -125,7 +125,9 @@ def test_levels_of_a_grpo_tree_and_an_agent_trajectory():
     assert len(levels(grpo).levels) == 2
     assert levels(grpo).levels[1].rows.shape == (3, 3)  # three answers, padded to the longest
     steps = [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]]  # each step extends the one before
-    assert len(levels(TreePack.from_sequences(steps)).levels) == 3
+    assert len(levels(TreePack.from_sequences(steps)).levels) == 1  # one chain: one call
+    forked = steps + [[1, 2, 3, 9]]  # a fork after the second step's first token
+    assert [lv.rows.shape[0] for lv in levels(TreePack.from_sequences(forked)).levels] == [1, 2]
     assert levels(TreePack.empty(4)).levels == []
 
 

@@ -32,8 +32,13 @@ class Levels(NamedTuple):
 
 @derived_from_pack
 def levels(pack: TreePack) -> Levels:
-    """The pack's segments grouped by depth in the segment tree (roots first), each level a
-    padded batch of row indices (cached per pack).
+    """The pack's scan chains grouped by depth (roots first), each level a padded batch of
+    row indices (cached per pack).
+
+    A chain is a run of segments each of which has exactly one child: nothing reads the state
+    between them but that child, so one kernel call scans them all. A chain ends at a fork or
+    a leaf. An agent trajectory whose steps extend each other is one chain; a GRPO group is a
+    prompt chain and one chain per response.
 
     Args:
         pack: the pack.
@@ -42,26 +47,35 @@ def levels(pack: TreePack) -> Levels:
         :class:`Levels`.
     """
     h = pack.host
-    start, end, parent = h.segment_start, h.segment_end, h.segment_parent
-    depth = np.zeros(len(start), dtype=np.int64)
-    up = parent.copy()
-    while (up >= 0).any():  # one vectorised step per level of the segment tree
-        depth += up >= 0
-        up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
+    parent = h.segment_parent
+    count = len(parent)
+    children = np.bincount(parent[parent >= 0], minlength=count)
+    # pre-order: a segment's only child is the next segment, so chains are index runs
+    head = (parent < 0) | (children[np.maximum(parent, 0)] != 1)
+    heads = np.flatnonzero(head)
+    chain_of = np.cumsum(head) - 1
+    last = np.append(heads[1:] - 1, count - 1) if count else heads
+    start, end = h.segment_start[heads], h.segment_end[last]
+    up = np.where(parent[heads] >= 0, chain_of[np.maximum(parent[heads], 0)], -1)
+    depth = np.zeros(len(heads), dtype=np.int64)
+    hop = up.copy()
+    while (hop >= 0).any():  # one vectorised step per level of the chain tree
+        depth += hop >= 0
+        hop = np.where(hop >= 0, up[np.maximum(hop, 0)], -1)
     out, all_rows, previous = [], [], None
     for d in range(int(depth.max()) + 1 if len(depth) else 0):
-        segs = np.flatnonzero(depth == d)
-        length = end[segs] - start[segs]
+        chains = np.flatnonzero(depth == d)
+        length = end[chains] - start[chains]
         width = int(length.max())
         pos = np.arange(width)
         real = pos[None, :] < length[:, None]
-        rows = np.where(real, start[segs][:, None] + pos[None, :], pack.num_rows)
+        rows = np.where(real, start[chains][:, None] + pos[None, :], pack.num_rows)
         parent_of = None if previous is None else torch.from_numpy(
-            np.searchsorted(previous, parent[segs])).to(pack.device)
+            np.searchsorted(previous, up[chains])).to(pack.device)
         out.append(Level(torch.from_numpy(rows).to(pack.device),
                          torch.from_numpy(real).to(pack.device), parent_of))
-        all_rows.append(ragged_arange(start[segs], length))
-        previous = segs
+        all_rows.append(ragged_arange(start[chains], length))
+        previous = chains
     flat = np.concatenate(all_rows) if all_rows else np.zeros(0, dtype=np.int64)
     return Levels(out, torch.from_numpy(flat).to(pack.device))
 
@@ -72,9 +86,9 @@ Kernel = Callable[[dict, Tensor | None], tuple[Tensor, Tensor]]
 def level_scan(pack: TreePack, kernel: Kernel, inputs: dict[str, Tensor]) -> Tensor:
     """A recurrent scan over every path of the tree, exact at each branch point.
 
-    For each level of :func:`levels`, the level's segments are gathered from ``inputs`` into
-    one padded batch and ``kernel(batch, initial_state)`` runs them, each from its parent
-    segment's final state (zeros, ``None``, at the roots). Padded positions hold zeros: the
+    For each level of :func:`levels`, the level's chains of segments are gathered from
+    ``inputs`` into one padded batch and ``kernel(batch, initial_state)`` runs them, each from
+    its parent chain's final state (zeros, ``None``, at the roots). Padded positions hold zeros: the
     kernel must leave a state unchanged over zero inputs (a zero gate / step / key), which
     the adapters arrange per family.
 
