@@ -262,7 +262,10 @@ def launch(mode, model_dir, out, per_device, accumulation):
          str(script), mode, model_dir, str(out), str(per_device), str(accumulation)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    result = torch.load(out, weights_only=False)
+    result["micro_batches"] = [torch.load(f"{out}.{rank}", weights_only=False)
+                               for rank in range(result["processes"])]
+    return result
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """One TRL GRPO run on every process of an ``accelerate launch`` (CPU, gloo), for
 tests/test_trl.py: stock ``GRPOTrainer`` or ``TreepackGRPOTrainer`` from the same checkpoint
 and seed. Rank 0 saves the weights after training, the training history and, per process,
-the prompts of every training micro-batch.
+the prompts of every training micro-batch (to OUT.0, OUT.1, ...).
 
     accelerate launch --multi_gpu --num_processes 2 tests/trl_ranks.py MODE MODEL_DIR OUT \\
         PER_DEVICE_BATCH GRADIENT_ACCUMULATION
@@ -51,14 +51,17 @@ def main(mode, model_dir, out, per_device, accumulation):
                       processing_class=PreTrainedTokenizerFast.from_pretrained(model_dir))
     torch.manual_seed(0)
     trainer.train()
-    every = [None] * state.num_processes
-    torch.distributed.all_gather_object(every, micro_batches)
+    # Each process writes its own micro-batches, no collective after training: gloo's
+    # allgather work, freed on its own thread, takes the GIL and deadlocks (or aborts) the
+    # group's teardown at exit (torch 2.13).
+    torch.save(micro_batches, f"{out}.{state.process_index}")
     if state.is_main_process:
         torch.save({"params": {k: p.detach().clone() for k, p in trainer.model.named_parameters()},
-                    "history": trainer.state.log_history, "micro_batches": every,
+                    "history": trainer.state.log_history,
                     "warnings": [str(w.message) for w in said if "treepack" in str(w.message)],
                     "processes": state.num_processes}, out)
-
+    state.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 if __name__ == "__main__":
     mode, model_dir, out, per_device, accumulation = sys.argv[1:6]
