@@ -126,20 +126,28 @@ TOLERANCE = 1e-5  # relative, float32
 
 # ------------------------------------------------------------------------------- the model
 
-def make_model_dir(root: str) -> str:
-    """A random tiny Qwen2 and a word-level tokenizer, saved where verl loads models from."""
+def make_model_dir(root: str, family: str = "qwen2") -> str:
+    """A random tiny model (Qwen2, or a ``treepack.zoo`` family such as the hybrid
+    ``qwen3_5``) and a word-level tokenizer, saved where verl loads models from."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    path = os.path.join(root, "tiny_qwen2")
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=False,
-                         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+    path = os.path.join(root, f"tiny_{family}")
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    if family == "qwen2":
+        config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=512, tie_word_embeddings=False,
+                             pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+        Qwen2ForCausalLM(config).save_pretrained(path)
+    else:
+        from treepack import zoo
+
+        model = zoo.tiny_model(family, vocab_size=VOCAB)
+        model.config.update(dict(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS))
+        model.save_pretrained(path)
     vocab = {"<pad>": PAD, "<eos>": EOS, "<bos>": BOS, "<unk>": UNK}
     vocab.update({f"t{i}": i for i in range(4, VOCAB)})
     words = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -163,10 +171,10 @@ def make_engine(engine_cls, path: str, strategy: str, model_config=None, **engin
                   infer_micro_batch_size_per_gpu=2, seed=42)
     config.update(engine_config)
     engine = engine_cls(
-        model_config=HFModelConfig(path=path, use_remove_padding=True,
-                                   enable_gradient_checkpointing=True,
-                                   override_config={"attn_implementation": "sdpa"},
-                                   **(model_config or {})),
+        model_config=HFModelConfig(**{"path": path, "use_remove_padding": True,
+                                      "enable_gradient_checkpointing": True,
+                                      "override_config": {"attn_implementation": "sdpa"},
+                                      **(model_config or {})}),
         engine_config=FSDPEngineConfig(**config),
         optimizer_config=FSDPOptimizerConfig(lr=1e-2, total_training_steps=10,
                                              lr_warmup_steps=0, weight_decay=0.0,
@@ -338,8 +346,11 @@ def init(rank: int, world: int, port: int) -> None:
 
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: str,
-                    out_path: str) -> None:
-    """Stock engine vs TreepackEngine on the same batches; rank 0 saves the measured errors."""
+                    out_path: str, stock_padded: bool = False) -> None:
+    """Stock engine vs TreepackEngine on the same batches; rank 0 saves the measured errors.
+    ``stock_padded``: the stock engine's batches say ``use_remove_padding=False`` (a hybrid:
+    verl's padding-free path runs transformers' CPU scan across the sequences it concatenates,
+    which ignores their boundaries)."""
     init(rank, world, port)
     try:
         treepack_verl.register(devices=("cpu",))
@@ -349,6 +360,8 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
         result = {"registered": type(tree).__name__}
 
         def infer(engine, **kw):
+            if stock_padded and engine is stock:
+                kw = dict(kw, use_remove_padding=False)
             data = shard(make_batch(rows, engine, forward_only=True, **kw), rank, world)
             with engine.eval_mode():
                 out = engine.forward_backward_batch(data, None, forward_only=True)
@@ -385,6 +398,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
                for t in gather_rows(response_from_nested(
                    base["model_output"]["log_probs"],
                    shard(make_batch(rows, stock, True), rank, world)["response_mask"]))]
+        padded = {"use_remove_padding": False} if stock_padded else {}
         ref = [t + 0.1 * torch.randn(t.shape, generator=g) for t in old]
         adv = [torch.tensor(r["mask"], dtype=torch.float32) * (i % 5 - 2) / 2
                for i, r in enumerate(rows)]
@@ -392,7 +406,8 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
             losses, grads, norms = {}, {}, {}
             for label, engine in (("stock", stock), ("tree", tree)):
                 data = shard(make_batch(rows, engine, False, temperature=1.0, old_log_probs=old,
-                                        ref_log_prob=ref, advantages=adv), rank, world)
+                                        ref_log_prob=ref, advantages=adv,
+                                        **(padded if engine is stock else {})), rank, world)
                 with engine.train_mode():
                     engine.optimizer_zero_grad()
                     out = engine.forward_backward_batch(data, actor_loss(mode, len(rows)))
@@ -405,6 +420,9 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
             result[f"grads_{mode}"] = max(
                 float((grads["tree"][k] - w).abs().max() / w.abs().max().clamp_min(1e-30))
                 for k, w in grads["stock"].items())
+            result[f"grads_over_model_{mode}"] = max(
+                float((grads["tree"][k] - w).abs().max()) for k, w in grads["stock"].items()
+            ) / max(float(w.abs().max()) for w in grads["stock"].values())
             result[f"grad_names_{mode}"] = sorted(grads["tree"]) == sorted(grads["stock"])
             if norms:
                 result["grad_norm"] = (norms["tree"], norms["stock"])

@@ -16,9 +16,12 @@ GPU image). When transformers moves one of these, this file is the one to change
   model's recurrent layers call by their module-level names (Qwen3.5, Qwen3-Next,
   OLMo-hybrid, LFM2, Bamba, Nemotron-H, Falcon-H1 in 5.24; :data:`MIXERS`); a prepared
   model's module has them wrapped (:func:`module_functions`, :func:`replace`).
+- ``<Gated DeltaNet layer>.causal_conv1d_fn`` / ``.chunk_gated_delta_rule``: the same two,
+  held per layer in transformers 5.10 (:data:`LAYER_MIXERS`, :func:`layer_functions`).
 - ``transformers.activations.ACT2FN``: the convolution's activation by name.
-- ``<model module>.torch_recurrent_gated_delta_rule``: the token-by-token form of the scan,
-  which ``treepack verify`` runs as a second unpacked implementation (:func:`other_scan`).
+- ``<model module>.torch_recurrent_gated_delta_rule`` (5.10: ``<layer>.recurrent_gated_delta_rule``):
+  the token-by-token form of the scan, which ``treepack verify`` runs as a second unpacked
+  implementation (:func:`other_scan`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 __all__ = ["other_scan", "WRITTEN_AGAINST", "attn_implementation", "set_attn_implementation", "text_config",
            "register", "attention_function", "mask_function", "model_function", "MIXERS",
-           "module_functions", "replace", "activation", "layer_types"]
+           "module_functions", "LAYER_MIXERS", "layer_functions", "replace", "activation", "layer_types"]
 
 WRITTEN_AGAINST = "5.24"
 
@@ -95,6 +98,23 @@ def module_functions(model) -> list[tuple[object, str]]:
             for name in MIXERS if callable(getattr(module, name, None))]
 
 
+# transformers 5.10 (verl 0.9's pin): the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) hold
+# their convolution and scan as attributes each layer sets in ``__init__`` (the convolution
+# None without the causal-conv1d package), by the role treepack gives them.
+LAYER_MIXERS = {"causal_conv1d_fn": "conv", "chunk_gated_delta_rule": "gated_delta"}
+
+
+def layer_functions(model) -> list[tuple[object, list[str]]]:
+    """``(layer, names)`` of every submodule of ``model`` that holds :data:`LAYER_MIXERS`
+    attributes of its own (transformers 5.10)."""
+    found = []
+    for layer in model.modules():
+        names = [name for name in LAYER_MIXERS if name in vars(layer)]
+        if names:
+            found.append((layer, names))
+    return found
+
+
 def replace(module, name: str, function: Callable) -> Callable:
     """Set ``module.name`` to ``function``; return what was there."""
     original = getattr(module, name)
@@ -117,20 +137,28 @@ def layer_types(config) -> list[str] | None:
 @contextlib.contextmanager
 def other_scan(model):
     """While it lasts, ``model``'s gated-delta-rule layers scan token by token (transformers'
-    recurrent form) instead of by chunks: the same math, other float32 roundings."""
+    recurrent form) instead of by chunks: the same math, other float32 roundings. Swaps the
+    modeling module's function and, in transformers 5.10, each layer's own attribute."""
+    def by_token(recurrent):
+        def scan(query, key, value, g, beta, chunk_size=64, **kwargs):
+            kwargs.pop("cu_seqlens", None)  # 5.10 passes it (None) to the chunked form only
+            return recurrent(query, key, value, g=g, beta=beta, **kwargs)
+        return scan
+
     swapped = []
     for module in {sys.modules[type(m).__module__] for m in model.modules()}:
         chunked = getattr(module, "torch_chunk_gated_delta_rule", None)
         recurrent = getattr(module, "torch_recurrent_gated_delta_rule", None)
-        if chunked is None or recurrent is None:
-            continue
-
-        def by_token(query, key, value, g, beta, chunk_size=64, _recurrent=recurrent, **kwargs):
-            return _recurrent(query, key, value, g=g, beta=beta, **kwargs)
-
-        swapped.append((module, replace(module, "torch_chunk_gated_delta_rule", by_token)))
+        if chunked is not None and recurrent is not None:
+            swapped.append((module, "torch_chunk_gated_delta_rule",
+                            replace(module, "torch_chunk_gated_delta_rule", by_token(recurrent))))
+    for layer, names in layer_functions(model):
+        recurrent = vars(layer).get("recurrent_gated_delta_rule")
+        if "chunk_gated_delta_rule" in names and recurrent is not None:
+            swapped.append((layer, "chunk_gated_delta_rule",
+                            replace(layer, "chunk_gated_delta_rule", by_token(recurrent))))
     try:
         yield
     finally:
-        for module, chunked in swapped:
-            replace(module, "torch_chunk_gated_delta_rule", chunked)
+        for owner, name, chunked in swapped:
+            replace(owner, name, chunked)

@@ -162,14 +162,19 @@ def attention_share(model) -> float:
 _HOLDERS: collections.Counter = collections.Counter()  # (module, function) -> prepared models
 
 
-def route_mixers(model) -> list[tuple[str, str]]:
-    """Wrap the module-level mixer functions ``model``'s layers call (:data:`compat.MIXERS`)
-    so that, given a pack, they run on the tree; without one they are the originals. What is
-    routed is read from the module itself (a wrapper carries ``treepack_original``), and
-    :func:`unroute_mixers` puts an original back when no prepared model holds it.
+def route_mixers(model) -> list:
+    """Wrap the mixer functions ``model``'s layers call so that, given a pack, they run on
+    the tree; without one they are the originals. Two places hold them:
+
+    - the modeling module (:data:`compat.MIXERS`, transformers 5.11 on): what is routed is
+      read from the module itself (a wrapper carries ``treepack_original``), and an original
+      goes back when no prepared model holds it;
+    - each layer (:data:`compat.LAYER_MIXERS`, transformers 5.10, the one verl 0.9 pins):
+      the wrappers read the pack from the layer's own forward keywords, taken by a pre-hook,
+      so that an activation-checkpointing recompute sees it as the first forward did.
 
     Returns:
-        The ``(module name, function name)`` pairs this model holds.
+        What :func:`unroute_mixers` releases.
     """
     held = []
     for module, name in compat.module_functions(model):
@@ -179,14 +184,20 @@ def route_mixers(model) -> list[tuple[str, str]]:
         key = (module.__name__, name)
         _HOLDERS[key] += 1
         held.append(key)
+    for layer, names in compat.layer_functions(model):
+        held.append(_route_layer(layer, names))
     return held
 
 
-def unroute_mixers(held: list[tuple[str, str]]) -> None:
-    """Release what :func:`route_mixers` returned; originals go back at the last holder."""
+def unroute_mixers(held: list) -> None:
+    """Release what :func:`route_mixers` returned; module-level originals go back at their
+    last holder, a layer's at once."""
     import sys
 
     for key in held:
+        if isinstance(key, _RoutedLayer):
+            key.release()
+            continue
         _HOLDERS[key] -= 1
         if _HOLDERS[key] > 0:
             continue
@@ -197,11 +208,87 @@ def unroute_mixers(held: list[tuple[str, str]]) -> None:
             compat.replace(module, key[1], current.treepack_original)
 
 
+class _RoutedLayer:
+    """What releasing one layer's routing puts back: its mixer attributes and hooks."""
+
+    def __init__(self, layer, originals: dict, hooks: tuple):
+        self.layer, self.originals, self.hooks = layer, originals, hooks
+
+    def release(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for name, original in self.originals.items():
+            setattr(self.layer, name, original)
+
+
+# The pack of the layer forward under way, for mixers held per layer. Set from the layer's
+# keywords by a pre-hook, so that the wrappers and hooks are plain functions: a deep copy of
+# a prepared model (a reference model) routes as the model does.
+_LAYER_TREE: contextvars.ContextVar = contextvars.ContextVar("treepack_layer_tree",
+                                                             default=None)
+
+
+def _enter(layer, args, kwargs):
+    _LAYER_TREE.set(kwargs.get(TREE_FORWARD_KWARG))
+
+
+def _leave(layer, args, kwargs, output):
+    _LAYER_TREE.set(None)
+
+
+def _route_layer(layer, names: list[str]) -> _RoutedLayer:
+    originals = {name: getattr(layer, name) for name in names}
+    hooks = (layer.register_forward_pre_hook(_enter, with_kwargs=True),
+             layer.register_forward_hook(_leave, with_kwargs=True, always_call=True))
+    for name in names:
+        wrapped = _WRAPPERS[compat.LAYER_MIXERS[name]](originals[name])
+        setattr(layer, name, _layer_conv(wrapped, originals[name])
+                if compat.LAYER_MIXERS[name] == "conv" else wrapped)
+    return _RoutedLayer(layer, originals, hooks)
+
+
+def _layer_conv(wrapped, original):
+    """transformers 5.10's call, ``causal_conv1d_fn(x=..., weight=..., seq_idx=...)``, where
+    the layer holds None without the causal-conv1d package and then runs its own
+    ``silu(conv1d(x))``, which this reproduces off the tree."""
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+        if seq_idx is not None:
+            kwargs["seq_idx"] = seq_idx
+        if original is None:
+            activation = "silu"  # the layer's fallback applies silu whatever it was given
+        return wrapped(x, weight, bias, activation=activation, **kwargs)
+
+    return causal_conv1d_fn
+
+
+def _tree(kwargs: dict) -> TreeForward | None:
+    """The pack a routed mixer runs on: a forward keyword (module-level routing) or what
+    its layer's pre-hook took (per-layer routing)."""
+    return kwargs.pop(TREE_FORWARD_KWARG, None) or _LAYER_TREE.get()
+
+
+def _unfused_conv(hidden_states, weight, bias=None, activation=None, **kwargs):
+    """A depthwise causal convolution as transformers 5.10's layers run it without the
+    causal-conv1d package (``conv1d(x)[..., :L]``)."""
+    if kwargs.get("seq_idx") is not None:
+        raise UnsupportedModel("seq_idx needs the causal-conv1d package")
+    length = hidden_states.shape[-1]
+    out = torch.nn.functional.conv1d(hidden_states, weight.unsqueeze(1), bias,
+                                     padding=weight.shape[-1] - 1, groups=weight.shape[0])
+    out = out[..., :length]
+    return compat.activation(activation)(out) if activation is not None else out
+
+
 def _conv(original):
+    original = original or _unfused_conv
+
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        tree = kwargs.get(TREE_FORWARD_KWARG)
+        tree = _tree(kwargs)
         if tree is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        if kwargs.get("seq_idx") is not None:
+            raise UnsupportedModel("a tree forward runs without sequence boundaries "
+                                   "(seq_idx was given)")
         tree.mixer_calls["conv"] += 1
         x = hidden_states[0].transpose(0, 1).to(weight.dtype)  # [T', C]
         out = tree_conv1d(tree.pack, x, weight, bias)
@@ -217,7 +304,7 @@ def _gated_delta(original):
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64,
                                      initial_state=None, output_final_state=False,
                                      use_qk_l2norm_in_kernel=False, **kwargs):
-        tree = kwargs.pop(TREE_FORWARD_KWARG, None)
+        tree = _tree(kwargs)
         if tree is None:
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
                             initial_state=initial_state, output_final_state=output_final_state,
