@@ -31,7 +31,7 @@ from torch import Tensor
 from treepack.core.forest import ragged_arange
 from treepack.core.tree import TreePack, derived_from_pack
 
-__all__ = ["Chains", "chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
+__all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
 
 EXACT_UP_TO = 16  # sizes up to this are their own bucket
 
@@ -82,6 +82,37 @@ def chains(pack: TreePack, window: int | None = None) -> Chains:
     # where sequence `seq`'s rows start in the flattened rows table ([N, L] or flat)
     first = h.offsets[seq] if h.rows.ndim == 1 else seq * (h.rows.shape[1] if h.rows.size else 0)
     context_rows = h.rows.reshape(-1)[ragged_arange(first + lo, context)]
+    key_length = context + length
+    key_start = np.cumsum(key_length) - key_length
+    key_rows = np.empty(int(key_length.sum()), dtype=np.int64)
+    key_rows[ragged_arange(key_start, context)] = context_rows
+    key_rows[ragged_arange(key_start + context, length)] = rows
+    return Chains(start, length, context, key_rows)
+
+
+def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None) -> Chains:
+    """The chains of a subset of the pack's rows run as one forward (a part of a tree too
+    large for one, :mod:`treepack.planning.parts`).
+
+    ``rows`` (ascending) are the forward's query rows; its chains are cut where a row's parent
+    is not the row before it in the subset. ``start`` counts in the subset (0 .. len(rows));
+    ``key_rows`` are the pack's rows: a chain's ancestors (which may lie outside the subset,
+    computed by an earlier forward) then its own rows. Host work, O(len(rows) + K) numpy.
+    """
+    h = pack.host
+    rows = np.asarray(rows, dtype=np.int64)
+    first = np.ones(rows.shape[0], dtype=bool)
+    first[1:] = h.parent_row[rows[1:]] != rows[:-1]
+    start = np.flatnonzero(first)
+    length = np.diff(np.append(start, rows.shape[0]))
+    head = rows[start]
+    depth = h.position_ids[head]
+    lo = np.zeros_like(depth) if window is None else np.maximum(depth - window + 1, 0)
+    context = depth - lo
+    # the segment holding a chain's first row: any sequence through it has its ancestors
+    seq = h.segment_sequence[np.searchsorted(h.segment_start, head, side="right") - 1]
+    base = h.offsets[seq] if h.rows.ndim == 1 else seq * (h.rows.shape[1] if h.rows.size else 0)
+    context_rows = h.rows.reshape(-1)[ragged_arange(base + lo, context)]
     key_length = context + length
     key_start = np.cumsum(key_length) - key_length
     key_rows = np.empty(int(key_length.sum()), dtype=np.int64)

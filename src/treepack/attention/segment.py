@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from treepack.attention.chains import chains, gather_rows, geometric_bucket
+from treepack.attention.chains import Chains, chains, gather_rows, geometric_bucket
 from treepack.attention.dense import sdpa
 from treepack.core.tree import derived_from_pack
 
@@ -79,7 +79,13 @@ class ShapeGroups(NamedTuple):
 @derived_from_pack
 def shape_groups(pack, window: int | None, width: int = 512) -> ShapeGroups:
     """Group the pack's chains into calls for heads x head_dim = ``width``; host work only."""
-    c = chains(pack, window)
+    return chain_groups(chains(pack, window), pack.num_rows, pack.device, width)
+
+
+def chain_groups(c: Chains, num_rows: int, device, width: int = 512) -> ShapeGroups:
+    """Group chains into calls: queries are rows ``[start, start + length)`` of ``num_rows``
+    query rows, keys ``key_rows`` of a key tensor that may hold more rows than the queries
+    (the context rows a part of a tree reads from earlier parts, :mod:`treepack.parts`)."""
     shapes, chain_shape = np.unique(np.stack((c.key_length, c.length), 1), axis=0,
                                     return_inverse=True)
     call = group_shapes(shapes[:, 1], shapes[:, 0], np.bincount(chain_shape.reshape(-1)),
@@ -98,15 +104,15 @@ def shape_groups(pack, window: int | None, width: int = 512) -> ShapeGroups:
         slots.append(real.reshape(-1))
         padding = None
         if (q_len != Q).any() or (kv_len != K).any():
-            per_chain = lambda a: torch.from_numpy(a).view(-1, 1, 1, 1).to(pack.device)  # noqa
+            per_chain = lambda a: torch.from_numpy(a).view(-1, 1, 1, 1).to(device)  # noqa
             last = kv_len - q_len + np.minimum(np.arange(Q)[:, None], q_len - 1)  # [Q, G]
             padding = Padding(per_chain(kv_len - q_len), per_chain(q_len), per_chain(kv_len),
                               last.max(1), last.min(1))
         groups.append(Group(len(members), Q, K, padding))
     q_rows, real = np.concatenate(q_rows), np.concatenate(slots)
-    row_slot = np.empty(pack.num_rows, dtype=np.int64)
+    row_slot = np.empty(num_rows, dtype=np.int64)
     row_slot[q_rows[real]] = np.flatnonzero(real)
-    move = lambda a: torch.from_numpy(a).to(pack.device)  # noqa: E731
+    move = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     return ShapeGroups(groups, move(q_rows), move(row_slot), move(np.concatenate(kv_rows)))
 
 
@@ -173,8 +179,13 @@ class _SelectSlots(torch.autograd.Function):
 
 
 def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
-    width = q.shape[1] * q.shape[3]
-    plan = shape_groups(attend.pack, window, width)
+    plan = shape_groups(attend.pack, window, q.shape[1] * q.shape[3])
+    return attend_groups(q, k, v, plan, scale=scale, softcap=softcap, window=window,
+                         dropout=dropout)
+
+
+def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout) -> Tensor:
+    """``q`` ``[1, Hq, rows, D]`` against ``k``/``v`` ``[1, Hkv, keys, D]`` by ``plan``."""
     q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
     q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
     sizes = [g.size * g.kv for g in plan.groups]

@@ -19,11 +19,15 @@ attention masks, flash "padding-free" boundaries) raise ``ValueError``. An MoE r
 auxiliary loss is recomputed with each packed row weighted by the number of original tokens it
 stands for, so it equals the unpacked one (:mod:`.moe`). Every transformers internal treepack
 touches is in :mod:`.compat`.
+
+A tree larger than one forward runs in parts that each compute their rows once
+(:func:`backward_in_parts`, :func:`logprobs_in_parts`; :mod:`.parts`).
 """
 
 from treepack.adapters.hf.forwarding import (HEADS, HiddenOutput, forward, forward_hidden,
                                           forward_lean, logprobs)
 from treepack.adapters.hf.head import lm_head
+from treepack.adapters.hf.parts import PartsResult, backward_in_parts, logprobs_in_parts
 from treepack.adapters.hf.moe import batch_router_aux_loss, router_aux_loss, row_multiplicity
 from treepack.adapters.hf.prepare import (compute_device, is_prepared, original_attention,
                                           pair_cost, prepare, prepared, restore, unprepare,
@@ -33,4 +37,5 @@ from treepack.adapters.hf.routing import UnsupportedModel
 __all__ = ["logprobs", "HEADS", "pair_cost", "forward", "forward_hidden", "HiddenOutput",
            "prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention", "unwrap",
            "lm_head", "row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
-           "UnsupportedModel", "compute_device", "forward_lean"]
+           "UnsupportedModel", "compute_device", "forward_lean", "backward_in_parts",
+           "logprobs_in_parts", "PartsResult"]

@@ -88,8 +88,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         )
     tree.calls += 1
     tree.windowed += kwargs.get("sliding_window") is not None
-    out = tree.attention(
-        query, key, value,
+    out = tree.attend(
+        module, query, key, value,
         scale=kwargs.get("scaling"),
         softcap=kwargs.get("softcap"),
         window=kwargs.get("sliding_window"),
@@ -118,6 +118,10 @@ class TreeForward:
         self.calls = 0
         self.windowed = 0  # calls that passed a sliding window
         self.mixer_calls: collections.Counter = collections.Counter()  # role -> calls
+
+    def attend(self, module, query, key, value, **kwargs):
+        """One attention layer (``module``) of the forward, on the tree backend."""
+        return self.attention(query, key, value, **kwargs)
 
 
 # ---------------------------------------------------------------------- hybrid layers

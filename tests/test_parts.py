@@ -1,0 +1,199 @@
+"""Trees larger than one forward, run in parts (treepack.planning.parts, treepack.hf.parts):
+every row computed once, log-probs and gradients those of one forward over the whole tree
+(float64, to rounding) and of every sequence alone."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import forests
+
+from treepack import hf, zoo
+from treepack.planning.parts import split
+from treepack.planner import plan
+from treepack.tree import TreePack
+
+
+def check_parts(pack, max_rows):
+    parts = split(pack, max_rows)
+    h = pack.host
+    seen = np.zeros(pack.num_rows, dtype=int)
+    for i, part in enumerate(parts.parts):
+        assert 0 < part.rows.shape[0] <= max_rows
+        assert (np.diff(part.rows) > 0).all()
+        seen[part.rows] += 1
+        # every row's parent was computed by this part or one above it in the part tree
+        above = {i}
+        j = part.parent
+        while j >= 0:
+            above.add(j)
+            j = parts.parts[j].parent
+        assert j == -1
+        parents = h.parent_row[part.rows]
+        assert all(parts.part_of[r] in above for r in parents[parents >= 0])
+        assert part.parent < i  # a parent part runs first
+    assert (seen == 1).all()
+    assert parts.rows_computed == pack.num_rows
+    return parts
+
+
+@settings(max_examples=150, deadline=None)
+@given(forests(max_sequences=10, max_len=20), st.integers(1, 30))
+def test_every_row_in_one_part_under_its_ancestors(seqs, max_rows):
+    check_parts(TreePack.from_sequences(seqs), max_rows)
+
+
+def test_a_long_context_group_is_computed_once_not_per_pack():
+    """The issue's shape: an 8,192-token prompt and 16 responses of 2-4k at 16,384 rows a
+    forward. Splitting repeats the prompt in every pack; parts compute the tree's rows."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 1000, 8192)
+    seqs = [np.concatenate([prompt, rng.integers(3, 1000, rng.integers(2048, 4097))])
+            for _ in range(16)]
+    pack = TreePack.from_sequences(seqs)
+    parts = check_parts(pack, 16384)
+    repeated = plan(seqs, max_tokens=16384).packed_rows
+    assert parts.rows_computed == pack.num_rows < 0.6 * repeated
+    trunk = parts.parts[0]
+    assert trunk.rows.shape[0] == 8192 and trunk.parent == -1
+    assert all(p.parent == 0 for p in parts.parts[1:])
+
+
+def test_a_trajectory_longer_than_a_forward_is_a_chain_of_parts():
+    steps, history, seqs = 6, [1, 2, 3], []
+    rng = np.random.default_rng(1)
+    for _ in range(steps):
+        history = history + rng.integers(3, 50, 9).tolist()
+        seqs.append(history + rng.integers(3, 50, 3).tolist())  # a side branch per step
+    parts = check_parts(TreePack.from_sequences(seqs), 12)
+    depth = []
+    for part in parts.parts:
+        d, j = 0, part.parent
+        while j >= 0:
+            d, j = d + 1, parts.parts[j].parent
+        depth.append(d)
+    assert max(depth) >= 3  # cuts three levels deep
+
+
+def test_split_refuses_padding_and_bad_budgets():
+    with pytest.raises(ValueError, match="padding rows"):
+        split(TreePack.from_sequences([[1, 2, 3]], pad_to_multiple_of=8), 4)
+    with pytest.raises(ValueError, match="max_rows=0"):
+        split(TreePack.from_sequences([[1, 2, 3]]), 0)
+
+
+# ------------------------------------------------------------------------ on a model
+
+def batches():
+    """Forests with 1, 2 and 3 levels of cuts at the budgets used: GRPO groups with a
+    prompt longer than the budget's share, agent steps extending each other, duplicates,
+    a sequence that is a prefix of another, a single token."""
+    g = np.random.default_rng(2)
+
+    def tokens(n):
+        return g.integers(3, 90, n).tolist()
+
+    prompt = tokens(26)
+    grpo = [prompt + tokens(int(g.integers(1, 14))) for _ in range(6)]
+    grpo += [grpo[0], prompt[:9], [7]]
+    history, agent = tokens(8), []
+    for _ in range(4):
+        history = history + tokens(7)
+        agent.append(history + tokens(int(g.integers(1, 5))))
+    return grpo + agent
+
+
+def model_of(family):
+    model = zoo.tiny_model(family, layers=2).double()
+    return hf.prepare(model)
+
+
+def whole_tree(model, seqs, weights):
+    pack = TreePack.from_sequences(seqs)
+    model.zero_grad()
+    out = hf.logprobs(model, pack, entropy=True, head="hidden")
+    loss = loss_of(weights)(out, pack.prediction_mask)
+    loss.backward()
+    return out, loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def loss_of(weights):
+    def loss_fn(out, mask):  # a sum over predictions, as gradient accumulation needs
+        return (-(out.logprobs * weights) + 0.01 * out.entropy).where(mask, 0).sum() / 100
+    return loss_fn
+
+
+def relative(got, want):
+    return max(float((got[k] - w).abs().max() / w.abs().max().clamp_min(1e-300))
+               for k, w in want.items())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "llama"])
+@pytest.mark.parametrize("max_tokens", [1000, 40, 16, 7])
+def test_parts_equal_one_forward_over_the_tree(family, max_tokens):
+    """qwen2 has a sliding window on one layer, gemma2 windows and soft-capping; 1000 rows
+    is one part, 7 cuts the GRPO prompt and the agent history into chains of parts."""
+    model = model_of(family)
+    seqs = batches()
+    weights = torch.randn(TreePack.from_sequences(seqs).rows.shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(3))
+    want, want_loss, want_grads = whole_tree(model, seqs, weights)
+    model.zero_grad()
+    got = hf.backward_in_parts(model, seqs, loss_of(weights), max_tokens=max_tokens,
+                               entropy=True)
+    assert got.rows == TreePack.from_sequences(seqs).num_packed_rows
+    assert (got.parts == 1) == (max_tokens == 1000)
+    torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.entropy, want.entropy.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.loss, want_loss, rtol=1e-12, atol=0)
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    # Gemma's RMSNorm computes in float32 even in a float64 model, so its weights' gradients
+    # sum rows in float32, grouped by part: 2.5e-7 relative, measured (1e-15 for the others)
+    assert relative(grads, want_grads) <= (1e-6 if family == "gemma2" else 1e-12)
+    forward_only = hf.logprobs_in_parts(model, seqs, max_tokens=max_tokens, entropy=True)
+    torch.testing.assert_close(forward_only.logprobs, want.logprobs.detach(), rtol=0,
+                               atol=1e-12)
+
+
+def test_parts_equal_every_sequence_alone_and_step_alike():
+    """Against the model run on each sequence by itself (its own attention), and one SGD
+    step on each: the parameters agree."""
+    seqs = batches()
+    weights = torch.randn(TreePack.from_sequences(seqs).rows.shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(4))
+    alone, parted = model_of("qwen2"), model_of("qwen2")
+    loss = 0.0
+    for i, s in enumerate(seqs):
+        ids = torch.tensor([s])
+        logits = alone(ids).logits[0]
+        if len(s) > 1:
+            logp = logits[:-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+            ent = -(logits[:-1].log_softmax(-1).exp() * logits[:-1].log_softmax(-1)).sum(-1)
+            term = (-(logp * weights[i, 1:len(s)]) + 0.01 * ent).sum() / 100
+            term.backward()
+            loss += float(term.detach())
+    got = hf.backward_in_parts(parted, seqs, loss_of(weights), max_tokens=7, entropy=True)
+    assert abs(float(got.loss) - loss) <= 1e-12 * abs(loss)
+    # transformers' rotary tables are float32 even in a float64 model: two unpacked
+    # attentions (sdpa, eager) differ by 4e-7 relative on these gradients
+    grads = {k: p.grad for k, p in parted.named_parameters()}
+    assert relative(grads, {k: p.grad for k, p in alone.named_parameters()}) <= 2e-6
+    for model in (alone, parted):
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+    for (k, a), (_, b) in zip(alone.named_parameters(), parted.named_parameters()):
+        assert float((b - a).abs().max()) <= 2e-6 * float(a.grad.abs().max()), k
+
+
+def test_parts_refuse_what_they_cannot_run_exactly():
+    seqs = [[1, 2, 3, 4], [1, 2, 5]]
+    hybrid = hf.prepare(zoo.tiny_model("qwen3_5", layers=2))
+    with pytest.raises(hf.UnsupportedModel, match="recurrent layers"):
+        hf.logprobs_in_parts(hybrid, seqs, max_tokens=2)
+    model = zoo.tiny_model("llama", layers=2)
+    with pytest.raises(ValueError, match="not prepared"):
+        hf.logprobs_in_parts(model, seqs, max_tokens=2)
+    hf.prepare(model)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(hf.UnsupportedModel, match="gradient checkpointing"):
+        hf.backward_in_parts(model, seqs, lambda out, mask: out.logprobs.sum(), max_tokens=2)
