@@ -21,6 +21,9 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
 5. step      one training step of a random Qwen2.5-0.5B-shaped model in bfloat16 on three
              ragged RL batches: padded micro-batches of 4, padding-free packing and the tree
              pack (auto and flex backends, lean log-probs), with the FLOP-ratio limit.
+6. hybrid    the same step on the hybrid preset (Qwen3.5's layer pattern).
+7. parts     bench/parts.py's trees larger than one forward: parts (every row once) against
+             the whole tree in one pack, the split-and-repeat plan and padding-free.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
@@ -348,6 +351,40 @@ def part_step(device, dry, scale, repeats, preset=None, flex=True):
             torch.cuda.empty_cache()
 
 
+def part_parts(device, dry, scale, repeats):
+    """bench/parts.py's workloads: a tree larger than one forward, in parts (every row once)
+    against the whole tree in one pack, today's split-and-repeat plan and padding-free."""
+    import importlib.util
+
+    from treepack.face.benchmark.timing import interleave, ratio, synced
+
+    spec = importlib.util.spec_from_file_location("bench_parts",
+                                                  os.path.join(ROOT, "bench", "parts.py"))
+    bench_parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_parts)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    preset = "qwen2.5-0.5b" if not dry else "qwen2-40m"
+    model = benchmark.bench_model(preset, device, dtype)
+    for name, (seqs, budget) in bench_parts.workloads(scale).items():
+        if elapsed() > BUDGET[0]:
+            record("parts", workload=name, error="skipped: time budget spent")
+            continue
+        try:
+            steps, rows = bench_parts.steps_for(model, seqs, budget)
+            steps = {k: synced(v, device) for k, v in steps.items()}
+            peaks = {k: peak_during(v, device) for k, v in steps.items()}  # also a warm-up
+            times = interleave(steps, repeats)
+        except Exception as e:  # noqa: BLE001
+            record("parts", workload=name, error=f"{type(e).__name__}: {e}"[:300],
+                   traceback=traceback.format_exc()[-1200:])
+            continue
+        record("parts", workload=name, model=preset, budget=budget, rows=rows,
+               **{f"parts/{k}": ratio(times, "parts", k).median for k in steps if k != "parts"},
+               peak_mb={k: round(v) if v == v else None for k, v in peaks.items()})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------- summary
 
 
@@ -483,7 +520,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="toy sizes (for a CPU)")
     parser.add_argument("--parts", nargs="+", default=["verify", "lean", "step", "attention",
-                                                       "flex", "hybrid"])
+                                                       "flex", "hybrid", "parts"])
     parser.add_argument("--budget", type=float, default=360, help="seconds for all parts")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -504,6 +541,8 @@ def main():
         # the hybrid preset (Qwen3.5's layer pattern): its step on the same workloads
         "hybrid": lambda: part_step(device, dry, 64 if dry else 1, 1 if dry else args.repeats,
                                     preset=HYBRID_PRESET, flex=False),
+        # a tree larger than one forward (bench/parts.py): parts vs whole, split, padding-free
+        "parts": lambda: part_parts(device, dry, 64 if dry else 1, 1 if dry else args.repeats),
     }
     for name in args.parts:
         if elapsed() > BUDGET[0]:
