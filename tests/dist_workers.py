@@ -77,15 +77,21 @@ def reference_grads():
 
     seqs, mask, old_shift, adv = step_batch()
     model = zoo.tiny_model("llama", seed=1)
-    logps = torch.zeros(mask.shape)
-    for s, seq in enumerate(seqs):
-        logp = model(input_ids=seq[None], use_cache=False).logits[0].log_softmax(-1)
-        logps = logps.index_put((torch.tensor([s]), torch.arange(1, len(seq))),
-                                logp[:-1].gather(-1, seq[1:, None])[:, 0])
+    logps = alone_logprobs(model, seqs, mask.shape)
     loss = step_loss(logps, torch.arange(len(seqs)), mask, old_shift, adv,
                      losses.Denominators.of(mask))
     loss.backward()
     return {k: p.grad for k, p in model.named_parameters()}
+
+
+def alone_logprobs(model, seqs, shape):
+    """[N, L] label-aligned log-probs of every sequence run by itself."""
+    logps = torch.zeros(shape)
+    for s, seq in enumerate(seqs):
+        logp = model(input_ids=seq[None], use_cache=False).logits[0].log_softmax(-1)
+        logps = logps.index_put((torch.tensor([s]), torch.arange(1, len(seq))),
+                                logp[:-1].gather(-1, seq[1:, None])[:, 0])
+    return logps
 
 
 def _rank_step(model, rank, world, set_sync):
@@ -148,5 +154,65 @@ def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save(grads, out)
         model = None  # release the sharded module before shutdown
+    finally:
+        shutdown()
+
+
+# ---------------------------------------------------------------------- parts under DDP
+
+def parts_loss(mask, old_shift, adv):
+    """seq-mean-token-mean of a clipped policy loss as a sum over predictions: each token
+    weighted by 1 / (its sequence's loss tokens x the batch's sequences), counted on the whole
+    batch's mask, so any part's share adds up to the step's loss."""
+    lengths = mask.sum(-1, keepdim=True).clamp_min(1)
+    weight = mask / lengths / mask.any(-1).sum()
+
+    def loss_fn(seq_ids):
+        def part(out, part_mask):
+            w, a = weight[seq_ids][:, :part_mask.shape[1]], adv[seq_ids][:, :part_mask.shape[1]]
+            old = out.logprobs.detach() + old_shift[seq_ids][:, :part_mask.shape[1]]
+            ratio = (out.logprobs - old).exp()
+            clipped = torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+            return -(clipped * w).where(part_mask, 0).sum()
+        return part
+    return loss_fn
+
+
+def parts_reference_grads():
+    """Single process, every sequence alone, the same loss."""
+    from treepack import zoo
+
+    from treepack import TokenLogprobs
+
+    seqs, mask, old_shift, adv = step_batch()
+    model = zoo.tiny_model("llama", seed=1)
+    out = TokenLogprobs(alone_logprobs(model, seqs, mask.shape))
+    parts_loss(mask, old_shift, adv)(torch.arange(len(seqs)))(out, mask).backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def ddp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank its own trees (a plan's), in parts of at most 12 rows, under DDP; the loss
+    is DDP's: averaged over ranks, so each rank's share is scaled by the world size."""
+    import numpy as np
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import treepack
+    from treepack import hf, zoo
+
+    init(rank, world, port)
+    try:
+        core = hf.prepare(zoo.tiny_model("llama", seed=1))
+        model = DDP(core)
+        seqs, mask, old_shift, adv = step_batch()
+        plan = treepack.plan(seqs, max_tokens=60, world_size=world)
+        mine = np.concatenate([p.seq_ids for p in plan.specs[rank]])
+        loss = parts_loss(mask, old_shift, adv)(torch.from_numpy(mine))
+        step = hf.backward_in_parts(model, [seqs[i] for i in mine],
+                                    lambda o, m: loss(o, m) * world, max_tokens=12)
+        assert step.parts > 1
+        if rank == 0:
+            torch.save({k: p.grad for k, p in core.named_parameters()}, out)
+        model = core = None
     finally:
         shutdown()

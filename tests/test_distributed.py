@@ -36,3 +36,17 @@ def test_one_step_over_a_plan_equals_the_unpacked_batch(worker, tmp_path):
     for k, g in expect.items():
         # float32 model: gradients agree to float32 rounding of the reductions
         torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item())
+
+
+def test_parts_under_ddp_equal_every_sequence_alone(tmp_path):
+    """Two ranks, each its own trees run in parts (more than one forward each, different
+    counts), under DDP: the averaged gradients equal one process running every sequence
+    alone."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "grads.pt"
+    spawn(dist_workers.ddp_parts_worker, str(out))
+    got = torch.load(out)
+    expect = dist_workers.parts_reference_grads()
+    assert got.keys() == expect.keys()
+    for k, g in expect.items():
+        torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item())

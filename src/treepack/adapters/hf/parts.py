@@ -55,7 +55,9 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
 
     Args:
         model: a prepared transformers causal LM (attention layers only; no gradient
-            checkpointing: each part's backward runs through its own saved graph).
+            checkpointing: each part's backward runs through its own saved graph), or a DDP
+            wrapper of one: each rank runs its own trees' parts and the gradients are
+            averaged over the ranks once, at the end.
         sequences: the step's token sequences (lists, arrays or 1-D tensors).
         loss_fn: ``loss_fn(outputs, mask) -> scalar``: ``outputs`` a
             :class:`~treepack.TokenLogprobs` with ``[N, L]`` label-aligned log-probs (and
@@ -72,7 +74,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
 
     Raises:
         UnsupportedModel: a hybrid model (its recurrent state at each cut is not carried
-            yet), gradient checkpointing on, or a DDP / FSDP wrapper.
+            yet), gradient checkpointing on, or an FSDP-sharded model.
         ValueError: an unprepared model, bad sequences or ``max_tokens``.
     """
     core = _check(model)
@@ -84,9 +86,11 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
             "gradient checkpointing is on: a part's backward runs through the graph its "
             "forward saved, after the parts below it; turn it off "
             "(model.gradient_checkpointing_disable()) and lower max_tokens instead")
-    run = _Run(model, core, sequences, max_tokens, temperature, entropy, train=True,
+    run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy, train=True,
                loss_fn=loss_fn)
     run.all()
+    if _local(model) is not model:
+        _average_gradients(model)
     return PartsResult(run.loss.detach(), run.logprobs.detach(),
                        None if run.entropy is None else run.entropy.detach(),
                        len(run.parts.parts), run.parts.rows_computed)
@@ -105,7 +109,7 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature: float =
         As :func:`backward_in_parts`, but gradient checkpointing does not matter here.
     """
     core = _check(model)
-    run = _Run(model, core, sequences, max_tokens, temperature, entropy, train=False)
+    run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy, train=False)
     with torch.no_grad():
         run.all()
     return TokenLogprobs(run.logprobs, run.entropy)
@@ -125,20 +129,42 @@ def _check(model):
     return core
 
 
-def _refuse_distributed(model) -> None:
-    """DDP and FSDP synchronise gradients per backward and expect each forward's backward
-    before the next forward; parts run a part's backward after its children's forwards."""
+def _local(model):
+    """The module a rank runs its parts on: the one inside DDP (whose per-backward reduction
+    and per-forward buffer broadcast would need every rank to run as many parts; the
+    gradients are averaged once at the end instead, as DDP would), else ``model``."""
     from torch.nn.parallel import DistributedDataParallel
 
-    wrapped = isinstance(model, DistributedDataParallel) or any(
-        type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP"))
-        for m in model.modules())
-    if wrapped:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _refuse_distributed(model) -> None:
+    """FSDP gathers parameters with collectives in every forward and backward, in an order
+    the parts of each rank's trees would not keep the same across ranks."""
+    if any(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP"))
+           for m in model.modules()):
         raise UnsupportedModel(
-            f"{type(model).__name__} is wrapped for data parallelism (DDP / FSDP): running a "
-            "tree in parts under those wrappers is not supported yet; call this on the "
-            "unwrapped model of one process, or plan trees that fit one forward "
-            "(treepack.plan)")
+            f"{type(model).__name__} is sharded with FSDP: its forwards and backwards gather "
+            "parameters collectively, and each rank's parts would run a different sequence "
+            "of them; not supported yet. Use DDP (supported: its gradients are averaged once "
+            "after all parts) or plan trees that fit one forward (treepack.plan)")
+
+
+def _average_gradients(model) -> None:
+    """What DDP's reducer does once per step: every gradient averaged over its process
+    group. A parameter without a gradient on this rank adds zeros (the ranks' parameter
+    lists must line up)."""
+    import torch.distributed as dist
+
+    group = model.process_group
+    world = dist.get_world_size(group)
+    for p in model.module.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= world
 
 
 class _Run:
