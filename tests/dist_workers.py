@@ -130,19 +130,25 @@ def ddp_worker(rank: int, world: int, port: int, out: str) -> None:
         shutdown()
 
 
-def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
-    import contextlib
-
+def sharded_model():
+    """A prepared tiny Llama under FSDP2: each layer, then the root."""
     from torch.distributed.fsdp import fully_shard
 
     from treepack import hf, zoo
 
+    model = hf.prepare(zoo.tiny_model("llama", seed=1))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import contextlib
+
     init(rank, world, port)
     try:
-        model = hf.prepare(zoo.tiny_model("llama", seed=1))
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+        model = sharded_model()
 
         @contextlib.contextmanager
         def set_sync(last):
@@ -214,5 +220,35 @@ def ddp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save({k: p.grad for k, p in core.named_parameters()}, out)
         model = core = None
+    finally:
+        shutdown()
+
+
+def fsdp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The same under FSDP2 (fully_shard per layer and at the root): its gradients are
+    averaged over ranks too."""
+    import numpy as np
+
+    import treepack
+    from treepack import hf
+
+    init(rank, world, port)
+    try:
+        model = sharded_model()
+        seqs, mask, old_shift, adv = step_batch()
+        plan = treepack.plan(seqs, max_tokens=60, world_size=world)
+        mine = np.concatenate([p.seq_ids for p in plan.specs[rank]])
+        loss = parts_loss(mask, old_shift, adv)(torch.from_numpy(mine))
+        for _ in range(2):  # twice: the module is left as FSDP expects (sharded, synced)
+            model.zero_grad()
+            step = hf.backward_in_parts(model, [seqs[i] for i in mine],
+                                        lambda o, m: loss(o, m) * world, max_tokens=12 + rank)
+        assert step.parts > 1
+        old = hf.logprobs_in_parts(model, [seqs[i] for i in mine], max_tokens=9 + rank)
+        torch.testing.assert_close(old.logprobs, step.logprobs, rtol=0, atol=1e-5)
+        grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(grads, out)
+        model = None
     finally:
         shutdown()

@@ -38,13 +38,14 @@ def test_one_step_over_a_plan_equals_the_unpacked_batch(worker, tmp_path):
         torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item())
 
 
-def test_parts_under_ddp_equal_every_sequence_alone(tmp_path):
+@pytest.mark.parametrize("worker", ["ddp_parts_worker", "fsdp_parts_worker"])
+def test_parts_under_ddp_and_fsdp2_equal_every_sequence_alone(worker, tmp_path):
     """Two ranks, each its own trees run in parts (more than one forward each, different
-    counts), under DDP: the averaged gradients equal one process running every sequence
-    alone."""
+    counts), under DDP and FSDP2: the averaged gradients equal one process running every
+    sequence alone."""
     pytest.importorskip("transformers")
     out = tmp_path / "grads.pt"
-    spawn(dist_workers.ddp_parts_worker, str(out))
+    spawn(getattr(dist_workers, worker), str(out))
     got = torch.load(out)
     expect = dist_workers.parts_reference_grads()
     assert got.keys() == expect.keys()

@@ -17,6 +17,7 @@ predictions it made, and the step's loss is the sum of what it returns.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -57,7 +58,9 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
         model: a prepared transformers causal LM (attention layers only; no gradient
             checkpointing: each part's backward runs through its own saved graph), or a DDP
             wrapper of one: each rank runs its own trees' parts and the gradients are
-            averaged over the ranks once, at the end.
+            averaged over the ranks once, at the end; or an FSDP2 (``fully_shard``) one:
+            its parameters are gathered once for the step, the gradients reduce-scattered
+            once at the end (every rank must call this, as any FSDP step).
         sequences: the step's token sequences (lists, arrays or 1-D tensors).
         loss_fn: ``loss_fn(outputs, mask) -> scalar``: ``outputs`` a
             :class:`~treepack.TokenLogprobs` with ``[N, L]`` label-aligned log-probs (and
@@ -74,7 +77,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
 
     Raises:
         UnsupportedModel: a hybrid model (its recurrent state at each cut is not carried
-            yet), gradient checkpointing on, or an FSDP-sharded model.
+            yet), gradient checkpointing on, or an FSDP1-wrapped model.
         ValueError: an unprepared model, bad sequences or ``max_tokens``.
     """
     core = _check(model)
@@ -86,9 +89,10 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
             "gradient checkpointing is on: a part's backward runs through the graph its "
             "forward saved, after the parts below it; turn it off "
             "(model.gradient_checkpointing_disable()) and lower max_tokens instead")
-    run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy, train=True,
-               loss_fn=loss_fn)
-    run.all()
+    with _fsdp_unsharded(model):
+        run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
+                   train=True, loss_fn=loss_fn)
+        run.all()
     if _local(model) is not model:
         _average_gradients(model)
     return PartsResult(run.loss.detach(), run.logprobs.detach(),
@@ -109,8 +113,9 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature: float =
         As :func:`backward_in_parts`, but gradient checkpointing does not matter here.
     """
     core = _check(model)
-    run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy, train=False)
-    with torch.no_grad():
+    with _fsdp_unsharded(model, train=False), torch.no_grad():
+        run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
+                   train=False)
         run.all()
     return TokenLogprobs(run.logprobs, run.entropy)
 
@@ -138,16 +143,58 @@ def _local(model):
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+@contextlib.contextmanager
+def _fsdp_unsharded(model, train: bool = True):
+    """FSDP2: every module's parameters gathered once, up front, and kept while the parts
+    run, their gradients accumulated unsharded without reduction; then one empty forward
+    and backward on every rank reduce-scatters them and reshards (without ``train``: the
+    parameters are resharded). So each rank runs its own
+    sequence of parts, while the collectives (one all-gather per module, one reduce-scatter
+    per module) line up across ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        yield
+        return
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_reshard_after_forward(False, recurse=False)
+        m.set_reshard_after_backward(False, recurse=False)
+    for m in sharded:
+        m.unshard()
+    try:
+        yield
+    finally:
+        if not train:
+            for m in sharded:
+                m.set_reshard_after_forward(True, recurse=False)
+                m.set_reshard_after_backward(True, recurse=False)
+                m.set_requires_gradient_sync(True, recurse=False)
+                m.reshard()
+            return
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+        device = compute_device(model)
+        with tree_forward():
+            out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
+                        position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                        use_cache=False, **{TREE_FORWARD_KWARG: TreeForward(
+                            TreePack.empty(1, device=device), "segment")})
+        (out.logits.sum() * 0.0).backward()
+
+
 def _refuse_distributed(model) -> None:
-    """FSDP gathers parameters with collectives in every forward and backward, in an order
+    """FSDP1 gathers parameters with collectives in every forward and backward, in an order
     the parts of each rank's trees would not keep the same across ranks."""
-    if any(type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP"))
-           for m in model.modules()):
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise UnsupportedModel(
-            f"{type(model).__name__} is sharded with FSDP: its forwards and backwards gather "
-            "parameters collectively, and each rank's parts would run a different sequence "
-            "of them; not supported yet. Use DDP (supported: its gradients are averaged once "
-            "after all parts) or plan trees that fit one forward (treepack.plan)")
+            f"{type(model).__name__} is wrapped with FSDP1 (FullyShardedDataParallel): its "
+            "forwards and backwards gather parameters collectively, and each rank's parts "
+            "would run a different sequence of them. Use FSDP2 (fully_shard) or DDP, which "
+            "are supported, or plan trees that fit one forward (treepack.plan)")
 
 
 def _average_gradients(model) -> None:
