@@ -193,7 +193,29 @@ def test_parts_refuse_what_they_cannot_run_exactly():
     model = zoo.tiny_model("llama", layers=2)
     with pytest.raises(ValueError, match="not prepared"):
         hf.logprobs_in_parts(model, seqs, max_tokens=2)
-    hf.prepare(model)
-    model.gradient_checkpointing_enable()
-    with pytest.raises(hf.UnsupportedModel, match="gradient checkpointing"):
+    hf.prepare(model).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(hf.UnsupportedModel, match="use_reentrant"):
         hf.backward_in_parts(model, seqs, lambda out, mask: out.logprobs.sum(), max_tokens=2)
+
+
+def test_parts_under_activation_checkpointing_equal_one_forward(monkeypatch):
+    """transformers' (non-reentrant) activation checkpointing recomputes each layer in its
+    part's backward; the keys and values kept are the first forward's."""
+    from treepack.adapters.hf import parts
+
+    calls = []
+    put = parts._KeysValues.put
+    monkeypatch.setattr(parts._KeysValues, "put",
+                        lambda self, *a: calls.append(a[0]) or put(self, *a))
+    seqs = batches()
+    weights = torch.randn(TreePack.from_sequences(seqs).rows.shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(5))
+    model = model_of("qwen2").train()
+    want, _, want_grads = whole_tree(model, seqs, weights)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.zero_grad()
+    got = hf.backward_in_parts(model, seqs, loss_of(weights), max_tokens=7, entropy=True)
+    assert len(calls) > 2 * got.parts  # 2 layers a forward, and recomputed in backward
+    torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=0, atol=1e-12)
+    assert relative({k: p.grad for k, p in model.named_parameters()}, want_grads) <= 1e-12

@@ -55,8 +55,8 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
     """One step's forward and backward over a tree too large for one forward.
 
     Args:
-        model: a prepared transformers causal LM (attention layers only; no gradient
-            checkpointing: each part's backward runs through its own saved graph), or a DDP
+        model: a prepared transformers causal LM (attention layers only; activation
+            checkpointing non-reentrant, transformers' default), or a DDP
             wrapper of one: each rank runs its own trees' parts and the gradients are
             averaged over the ranks once, at the end; or an FSDP2 (``fully_shard``) one:
             its parameters are gathered once for the step, the gradients reduce-scattered
@@ -77,18 +77,10 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
 
     Raises:
         UnsupportedModel: a hybrid model (its recurrent state at each cut is not carried
-            yet), gradient checkpointing on, or an FSDP1-wrapped model.
+            yet), reentrant activation checkpointing, or an FSDP1-wrapped model.
         ValueError: an unprepared model, bad sequences or ``max_tokens``.
     """
     core = _check(model)
-    checkpointing = ("is_activation_checkpointing"  # transformers 5.24's name
-                     if hasattr(type(core), "is_activation_checkpointing")
-                     else "is_gradient_checkpointing")
-    if getattr(core, checkpointing, False):
-        raise UnsupportedModel(
-            "gradient checkpointing is on: a part's backward runs through the graph its "
-            "forward saved, after the parts below it; turn it off "
-            "(model.gradient_checkpointing_disable()) and lower max_tokens instead")
     with _fsdp_unsharded(model):
         run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
                    train=True, loss_fn=loss_fn)
@@ -110,7 +102,7 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature: float =
         :class:`~treepack.TokenLogprobs`: ``[N, L]`` label-aligned.
 
     Raises:
-        As :func:`backward_in_parts`, but gradient checkpointing does not matter here.
+        As :func:`backward_in_parts`.
     """
     core = _check(model)
     with _fsdp_unsharded(model, train=False), torch.no_grad():
@@ -313,6 +305,15 @@ class _KeysValues:
         self.plans: dict = {}
 
     def put(self, i: int, module, key: Tensor, value: Tensor) -> None:
+        if module in self.own[i]:
+            return  # an activation-checkpointing recompute: the forward's are kept
+        if self.train and not torch.is_grad_enabled():
+            raise UnsupportedModel(
+                "a layer ran its forward without gradients during a training step: "
+                "reentrant activation checkpointing, whose backward would not see the "
+                "gradients the parts below add to this part's keys and values. Use "
+                "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False})")
         self.own[i][module] = (key, value)
         if self.train:
             key, value = (t.detach().requires_grad_() for t in (key, value))
@@ -358,7 +359,7 @@ class _KeysValues:
         tensors, grads = [], []
         for module, own in self.own[i].items():
             for t, leaf in zip(own, self.leaves[i][module]):
-                if leaf.grad is not None:
+                if leaf.grad is not None and t.requires_grad:  # frozen below (LoRA): none
                     tensors.append(t)
                     grads.append(leaf.grad)
         return tensors, grads
