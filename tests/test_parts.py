@@ -156,6 +156,40 @@ def test_parts_equal_one_forward_over_the_tree(family, max_tokens):
                                atol=1e-12)
 
 
+def test_parts_take_one_temperature_per_sequence():
+    """Duplicates and siblings at different temperatures: each normalised once per
+    (row, temperature), as one forward over the tree."""
+    model, seqs = model_of("llama"), batches()
+    temps = 0.5 + torch.arange(len(seqs)) % 3 / 2
+    pack = TreePack.from_sequences(seqs)
+    want = hf.logprobs(model, pack, entropy=True, head="hidden", temperature=temps)
+    got = hf.logprobs_in_parts(model, seqs, max_tokens=7, entropy=True, temperature=temps)
+    torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.entropy, want.entropy.detach(), rtol=0, atol=1e-12)
+
+
+def test_parts_in_verls_alignment_equal_one_forward():
+    """align="prediction": at p the log-prob of token p + 1, and the entropy at every
+    position, the last one's from its own row; the loss sees every position."""
+    model, seqs = model_of("qwen2"), batches()
+    pack = TreePack.from_sequences(seqs)
+    weights = torch.randn(pack.rows.shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(6))
+    model.zero_grad()
+    want = hf.logprobs(model, pack, entropy=True, head="hidden", align="prediction")
+    valid = pack.rows >= 0
+    loss_of(weights)(want, valid).backward()
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    masks = []
+    got = hf.backward_in_parts(model, seqs, lambda o, m: masks.append(m) or loss_of(weights)(o, m),
+                               max_tokens=7, entropy=True, align="prediction")
+    assert torch.equal(sum(m.int() for m in masks), valid.int())  # every position once
+    torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.entropy, want.entropy.detach(), rtol=0, atol=1e-12)
+    assert relative({k: p.grad for k, p in model.named_parameters()}, want_grads) <= 1e-12
+
+
 def test_parts_equal_every_sequence_alone_and_step_alike():
     """Against the model run on each sequence by itself (its own attention), and one SGD
     step on each: the parameters agree."""

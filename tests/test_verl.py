@@ -98,19 +98,25 @@ def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trai
             assert all(torch.equal(a, b) for a, b in zip(grouper[key], stock[key])), (path, key)
 
 
+def assert_equals_stock(r, grads="grads"):
+    """compare_engines' results within TOLERANCE: outputs, gradients (relative to each
+    tensor's largest, or with ``grads_over_model`` the model's), losses and the step."""
+    for key in ("log_probs_scalar", "entropy_scalar", "log_probs_per_row", "entropy_per_row",
+                "log_probs_fixed_size", f"{grads}_token-mean", f"{grads}_seq-mean-token-mean",
+                "log_probs_after_step"):
+        assert r[key] <= TOLERANCE, (key, r[key])
+    for key in ("loss_token-mean", "loss_seq-mean-token-mean", "grad_norm"):
+        got, want = r[key]
+        assert abs(got - want) <= TOLERANCE * abs(want), (key, got, want)
+
+
 @pytest.mark.parametrize("world,strategy", [(1, "fsdp2"), (2, "fsdp2"), (2, "fsdp")])
 def test_verl_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
     out = tmp_path / "result.pt"
     spawn(verl_workers.compare_engines, world, model_dir, strategy, str(out))
     r = torch.load(out)
     assert r["registered"] == "TreepackEngine"
-    for key in ("log_probs_scalar", "entropy_scalar", "log_probs_per_row", "entropy_per_row",
-                "log_probs_fixed_size", "grads_token-mean", "grads_seq-mean-token-mean",
-                "log_probs_after_step"):
-        assert r[key] <= TOLERANCE, (key, r[key])
-    for key in ("loss_token-mean", "loss_seq-mean-token-mean", "grad_norm"):
-        got, want = r[key]
-        assert abs(got - want) <= TOLERANCE * abs(want), (key, got, want)
+    assert_equals_stock(r)
     assert r["grad_names_token-mean"] and r["model_output_dropped"]
     # every rank runs as many micro-batches; the shared prefixes were packed once
     assert len({run for run, _ in r["micro_batches"]}) == 1, r["micro_batches"]
@@ -119,6 +125,24 @@ def test_verl_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
     # every micro-batch is real and verl's per-index metric aggregation works as for stock
     assert all(run == packed for run, packed in r["micro_batches"]), r["micro_batches"]
     assert r["metrics_tree"].keys() == r["metrics_stock"].keys() and r["metrics_tree"]
+
+
+@pytest.mark.parametrize("world,strategy", [(1, "fsdp2"), (2, "fsdp2"), (2, "fsdp")])
+def test_verl_engine_runs_trees_over_budget_in_parts(world, strategy, model_dir, tmp_path):
+    """A budget of 64 tokens splits the 9-rollout GRPO group: under FSDP2 the engine runs
+    every rank's trees in parts (each row once; log-probs, then verl's loss on them, then
+    the parts' backward with its gradient), equal to the stock engine; FSDP1 splits and
+    repeats, and says why."""
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.compare_engines, world, model_dir, strategy, str(out), False, 64)
+    r = torch.load(out)
+    assert_equals_stock(r)
+    if strategy == "fsdp2":
+        assert r["parts"] and r["parts"][0] > 1 and not r["messages"], r
+        assert r["micro_batches"] == [(1, 1)] * world  # one micro-batch a rank, in parts
+    else:
+        assert r["parts"] is None
+        assert any("parts run under FSDP2" in m for m in r["messages"]), r["messages"]
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -134,13 +158,7 @@ def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, tmp_path_fac
     out = tmp_path / "result.pt"
     spawn(verl_workers.compare_engines, world, model_dir, "fsdp2", str(out), True)
     r = torch.load(out)
-    for key in ("log_probs_scalar", "entropy_scalar", "log_probs_per_row", "entropy_per_row",
-                "log_probs_fixed_size", "grads_over_model_token-mean",
-                "grads_over_model_seq-mean-token-mean", "log_probs_after_step"):
-        assert r[key] <= TOLERANCE, (key, r[key])
-    for key in ("loss_token-mean", "loss_seq-mean-token-mean", "grad_norm"):
-        got, want = r[key]
-        assert abs(got - want) <= TOLERANCE * abs(want), (key, got, want)
+    assert_equals_stock(r, grads="grads_over_model")
     assert all(0 < ratio < 1 for ratio in r["token_ratio"]), r["token_ratio"]  # packed
 
 

@@ -346,7 +346,8 @@ def init(rank: int, world: int, port: int) -> None:
 
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: str,
-                    out_path: str, stock_padded: bool = False) -> None:
+                    out_path: str, stock_padded: bool = False, budget: int | None = None
+                    ) -> None:
     """Stock engine vs TreepackEngine on the same batches; rank 0 saves the measured errors.
     ``stock_padded``: the stock engine's batches say ``use_remove_padding=False`` (a hybrid:
     verl's padding-free path runs transformers' CPU scan across the sequences it concatenates,
@@ -354,10 +355,13 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
     init(rank, world, port)
     try:
         treepack_verl.register(devices=("cpu",))
-        stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy)
-        tree = make_engine(treepack_verl.TreepackEngine, model_dir, strategy)
+        budgets = {} if budget is None else dict(max_token_len_per_gpu=budget,
+                                                 infer_max_token_len_per_gpu=budget)
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy, **budgets)
+        tree = make_engine(treepack_verl.TreepackEngine, model_dir, strategy, **budgets)
         rows = make_rows()
-        result = {"registered": type(tree).__name__}
+        result = {"registered": type(tree).__name__, "messages": []}
+        log = captured_log()
 
         def infer(engine, **kw):
             if stock_padded and engine is stock:
@@ -381,6 +385,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
             result[f"log_probs_{name}"] = relative_error(got_lp, want_lp)
             result[f"entropy_{name}"] = relative_error(got_ent, want_ent)
         result["token_ratio"] = out["metrics"]["treepack/token_ratio"]
+        result["parts"] = out["metrics"].get("treepack/parts")
         every = [None] * world
         dist.all_gather_object(every, (len(out["loss"]), len(out["metrics"]["treepack/token_ratio"])))
         result["micro_batches"] = every  # (run, packed) per rank
@@ -432,6 +437,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
         want_lp, _, _ = outputs(stock)
         got_lp, _, _ = outputs(tree)
         result["log_probs_after_step"] = relative_error(got_lp, want_lp)
+        result["messages"] = [r.getMessage() for r in log]
         if rank == 0:
             torch.save(result, out_path)
     finally:

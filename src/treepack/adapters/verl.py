@@ -38,6 +38,16 @@ What changes, and what does not:
   verl's trainer logs an update's as ``actor/treepack/token_ratio``. It drops the metrics of
   log-prob passes, so an update also reports the engine's last log-prob pass (this rank's
   packed rows / tokens over the pass) as ``treepack/log_prob_token_ratio``.
+- **Trees larger than the budget run in parts** (:mod:`treepack.hf.parts`) where the plan
+  would split one and repeat its prefix, under FSDP2: the rank's batch is one micro-batch
+  whose trees run in forwards of at most the budget, every row once. A log-prob pass is
+  those forwards. An update takes two passes, since verl's losses normalise per sequence
+  (``seq-mean-token-mean``), which a part holding some of a sequence's tokens cannot: the
+  log-probs without gradients, verl's ``loss_function`` on them (its value, metrics and
+  gradient with respect to each log-prob and entropy), then the parts' forwards and
+  backwards with that gradient; one more forward over the tree's rows than a pack would
+  take, against repeating every split prefix. FSDP1 and a float16 gradient scaler keep the
+  split (said once). ``treepack/parts`` reports the forwards.
 - ``use_remove_padding=false`` changes nothing (a pack never holds padding); said once.
 - **Groups stay on one rank.** Importing this module also makes verl's trainers keep each
   group (``uid``) on one data-parallel rank when they balance a batch
@@ -54,10 +64,12 @@ from torch import Tensor
 
 from treepack.adapters import hf, verl_trainer
 from treepack.adapters.hf.forwarding import inside_refusal
+from treepack.adapters.hf.routing import HYBRIDS
 from treepack.adapters.verl_trainer import say_once
 from treepack.core import deprecation
 from treepack.core.outputs import from_logits, per_sequence_temperature
 from treepack.core.tree import TreePack
+from treepack.planning.parts import split
 from treepack.planning.planner import plan
 
 try:
@@ -111,6 +123,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
                              dp_size=self.get_data_parallel_size())
         sequences = _host_sequences(data)
+        if self._in_parts(data, sequences, group):
+            return self._parts_step(data, sequences, loss_function, forward_only)
         micro = self._micro_batches(data, sequences)
         count = torch.tensor([len(micro)], device=_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -192,6 +206,109 @@ class TreepackEngine(FSDPEngineWithLMHead):
         specs = plan(sequences, max_tokens=self._budget(data), min_packs=count,
                      pair_cost=hf.pair_cost(self.module)).specs[0]
         return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
+
+    # ------------------------------------------------------------ trees over budget
+
+    def _in_parts(self, data, sequences: list[np.ndarray], group) -> bool:
+        """Whether this batch runs in parts (every row once, :mod:`treepack.hf.parts`): some
+        rank's plan repeats rows (a tree larger than the budget), and every rank can."""
+        wants = False
+        if sequences:
+            p = plan(sequences, max_tokens=self._budget(data), pair_cost=hf.pair_cost(self.module))
+            wants = p.packed_rows > p.min_rows
+        cannot = self._parts_refusal()
+        flags = torch.tensor([int(wants), int(cannot is not None)], device=_device())
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+        if flags[0].item() and flags[1].item():
+            say_once("a tree is larger than the token budget and is split, its prefix "
+                     "repeated in every pack: "
+                     + (cannot or "another rank cannot run trees in parts"))
+        return bool(flags[0].item()) and not flags[1].item()
+
+    def _parts_refusal(self) -> str | None:
+        """Why this engine cannot run trees in parts, or None."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if getattr(self, "scaler", None) is not None:
+            return "a gradient scaler (float16) is on"
+        if not isinstance(self.module, FSDPModule):
+            return "parts run under FSDP2 (strategy=fsdp2); this engine is not"
+        if getattr(hf.unwrap(self.module).config, "model_type", None) in HYBRIDS:
+            return "the model has recurrent layers"
+        return None
+
+    def _parts_step(self, data, sequences, loss_function, forward_only):
+        """The rank's batch as one micro-batch, its trees run in parts of at most the budget.
+
+        verl's losses normalise per sequence (``seq-mean-token-mean``), which a part holding
+        some of a sequence's tokens cannot, so training takes two passes: the log-probs
+        without gradients, verl's ``loss_function`` on them as leaves (its value, metrics and
+        gradient with respect to every log-prob and entropy), then the parts' forwards and
+        backwards with that gradient as their loss: exactly the step's gradient, at the cost
+        of one more forward over the tree's rows (each once).
+        """
+        temperature = per_sequence_temperature(data["temperature"], len(sequences))
+        budget = self._budget(data)
+        entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
+        device = _device()
+        offsets = data["input_ids"].offsets().to(device)
+        lengths = np.array([len(q) for q in sequences])
+        with self._autocast(), torch.no_grad():
+            first = hf.logprobs_in_parts(self.module, sequences, max_tokens=budget,
+                                         temperature=temperature, entropy=entropy,
+                                         align="prediction")
+        place = _Flat(lengths, device)
+        values = {"log_probs": place.flat(first.logprobs)}
+        if entropy:
+            values["entropy"] = place.flat(first.entropy)
+        tree = TreePack.from_sequences(sequences)
+        tree_rows = tree.num_packed_rows
+        metrics = {"treepack/token_ratio": tree_rows / max(int(lengths.sum()), 1),
+                   "treepack/parts": len(split(tree, budget).parts)}
+        batch = data.to(device)
+        loss = torch.tensor(1.0, device=device)
+        if loss_function is not None:
+            leaves = {k: v.detach().requires_grad_(not forward_only) for k, v in values.items()}
+            model_output = {k: torch.nested.nested_tensor_from_jagged(v, offsets)
+                            for k, v in leaves.items()}
+            with contextlib.nullcontext() if not forward_only else torch.no_grad():
+                loss, loss_metrics = loss_function(model_output=model_output, data=batch,
+                                                   dp_group=self.get_data_parallel_group())
+            metrics.update(loss_metrics)
+            if not forward_only:
+                loss.backward()
+                grads = {k: place.dense(v.grad if v.grad is not None
+                                        else torch.zeros_like(v))
+                         for k, v in leaves.items()}
+                self._parts_backward(sequences, grads, budget, temperature, entropy)
+        else:
+            assert forward_only, "forward_only must be True when loss_function is None"
+        model_output = {k: torch.nested.nested_tensor_from_jagged(v.detach(), offsets)
+                        for k, v in values.items()}
+        keep = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output",
+                                                      default=False)
+        out = {"loss": float(loss.detach()), "metrics": metrics,
+               "sizes": (tree_rows, int(lengths.sum()))}
+        if keep:
+            out["model_output"] = model_output
+        collected = _collect([out], [np.arange(len(sequences))])
+        if forward_only:
+            self._log_prob_token_ratio = metrics["treepack/token_ratio"]
+        elif getattr(self, "_log_prob_token_ratio", None) is not None:
+            collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
+        return collected
+
+    def _parts_backward(self, sequences, grads: dict, budget: int, temperature, entropy):
+        """The parts' forwards and backwards with ``sum(grad * value)`` as their loss."""
+        def surrogate(out, mask):
+            total = (out.logprobs * grads["log_probs"]).where(mask, 0).sum()
+            if "entropy" in grads:
+                total = total + (out.entropy * grads["entropy"]).where(mask, 0).sum()
+            return total
+
+        with self._autocast():
+            hf.backward_in_parts(self.module, sequences, surrogate, max_tokens=budget,
+                                 temperature=temperature, entropy=entropy, align="prediction")
 
     def _tree_step(self, micro_batch, sequences, loss_function, forward_only):
         """One packed forward over ``micro_batch``, whose token ids ``sequences`` are on the
@@ -297,6 +414,22 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
     out = from_logits(pack, logits, temperature=temperature, entropy=entropy_too,
                       align="prediction", what="verl_log_probs")
     return out.logprobs, out.entropy
+
+
+class _Flat:
+    """verl's flat layout of ``[N, L]`` values: flat position ``offset_s + p`` is ``[s, p]``."""
+
+    def __init__(self, lengths: np.ndarray, device):
+        seq = np.repeat(np.arange(len(lengths)), lengths)
+        pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        self.seq, self.pos = (torch.from_numpy(a).to(device) for a in (seq, pos))
+        self.shape = (len(lengths), int(lengths.max(initial=1)))
+
+    def flat(self, dense: Tensor) -> Tensor:
+        return dense[self.seq, self.pos]
+
+    def dense(self, flat: Tensor) -> Tensor:
+        return flat.new_zeros(self.shape).index_put((self.seq, self.pos), flat)
 
 
 def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:

@@ -29,7 +29,7 @@ from treepack.core import checks
 from treepack.core.softmax import Head, Logits, normalise, to_device
 from treepack.core.tree import TreePack, derived_from_pack
 
-__all__ = ["TokenLogprobs", "RowLogprobs", "token_outputs", "from_logits", "row_outputs",
+__all__ = ["check_align", "TokenLogprobs", "RowLogprobs", "token_outputs", "from_logits", "row_outputs",
            "take_columns", "per_sequence_temperature", "ALIGNMENTS"]
 
 ALIGNMENTS = ("label", "prediction")
@@ -84,7 +84,7 @@ class RowLogprobs(NamedTuple):
             ValueError: row values whose length is not the pack's row count, or another
                 ``align``.
         """
-        _check_align(align)
+        check_align(align)
         if self.logprobs.shape != (pack.num_rows,):
             raise ValueError(f"{tuple(self.logprobs.shape)} row values for a pack of "
                              f"{pack.num_rows} rows: use the pack they were computed on")
@@ -124,7 +124,7 @@ def token_outputs(pack: TreePack, source: Logits | Head, *, temperature=1.0,
         ValueError: a temperature that is not finite and > 0, or not one per sequence; an
             ``align`` that is neither.
     """
-    _check_align(align)
+    check_align(align)
     temps = per_sequence_temperature(temperature, pack.num_sequences)
     distinct, seq_temp = np.unique(temps, return_inverse=True)
     plan = _normalised_rows(pack, tuple(seq_temp.tolist()) if len(distinct) > 1 else None,
@@ -248,7 +248,8 @@ def per_sequence_temperature(temperature, n: int) -> np.ndarray:
 # ---------------------------------------------------------------------- index plans
 
 
-def _check_align(align: str) -> None:
+def check_align(align: str) -> None:
+    """Refuse an ``align`` that is not one of :data:`ALIGNMENTS`."""
     if align not in ALIGNMENTS:
         raise ValueError(f"align={align!r} must be one of {ALIGNMENTS}: 'label' puts the "
                          "log-prob of token p at p, 'prediction' at p - 1")

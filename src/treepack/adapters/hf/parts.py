@@ -31,7 +31,7 @@ from treepack.adapters.hf.routing import (HYBRIDS, TREE_FORWARD_KWARG, TreeForwa
                                           tree_forward)
 from treepack.attention.chains import Chains, subset_chains
 from treepack.attention.segment import attend_groups, chain_groups
-from treepack.core.outputs import TokenLogprobs
+from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.softmax import Head, normalise
 from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
@@ -50,8 +50,8 @@ class PartsResult:
     rows: int  # rows they computed: the tree's, each once
 
 
-def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature: float = 1.0,
-                      entropy: bool = False) -> PartsResult:
+def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature=1.0,
+                      entropy: bool = False, align: str = "label") -> PartsResult:
     """One step's forward and backward over a tree too large for one forward.
 
     Args:
@@ -68,8 +68,11 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
             where they are. The step's loss is the sum over parts, so the loss must be a
             sum over predictions (a token mean divides by the step's token count).
         max_tokens: the most rows one forward computes.
-        temperature: logits are divided by it.
+        temperature: logits are divided by it: a number, or one per sequence.
         entropy: also pass (and return) the entropies.
+        align: ``"label"`` (``[s, p]`` of token p) or ``"prediction"`` (verl's: at p, of
+            token p + 1, and the entropy at every position; the mask then holds every
+            position of the part's rows, a sequence's last with its entropy only).
 
     Returns:
         :class:`PartsResult`; the gradients are accumulated into the parameters, as
@@ -83,7 +86,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
     core = _check(model)
     with _fsdp_unsharded(model):
         run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
-                   train=True, loss_fn=loss_fn)
+                   train=True, loss_fn=loss_fn, align=align)
         run.all()
     if _local(model) is not model:
         _average_gradients(model)
@@ -92,8 +95,8 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
                        len(run.parts.parts), run.parts.rows_computed)
 
 
-def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature: float = 1.0,
-                      entropy: bool = False) -> TokenLogprobs:
+def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature=1.0,
+                      entropy: bool = False, align: str = "label") -> TokenLogprobs:
     """Every next-token log-prob of ``sequences`` without gradients (old and reference
     log-probs, scoring), each row of their tree computed once, in forwards of at most
     ``max_tokens`` rows.
@@ -107,9 +110,9 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature: float =
     core = _check(model)
     with _fsdp_unsharded(model, train=False), torch.no_grad():
         run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
-                   train=False)
+                   train=False, align=align)
         run.all()
-    return TokenLogprobs(run.logprobs, run.entropy)
+    return TokenLogprobs(run.logprobs, run.entropy, align)
 
 
 def _check(model):
@@ -211,14 +214,16 @@ class _Run:
     children's."""
 
     def __init__(self, model, core, sequences, max_tokens, temperature, entropy, *, train,
-                 loss_fn=None):
+                 loss_fn=None, align="label"):
+        check_align(align)
         self.model, self.core, self.train, self.loss_fn = model, core, train, loss_fn
-        self.temperature, self.want_entropy = float(temperature), entropy
+        self.want_entropy, self.align = entropy, align
         device = compute_device(model)
         pack = TreePack.from_sequences(sequences, device=device)
+        self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
         self.parts = split(pack, max_tokens)
         self.kv = _KeysValues(self.parts, train)
-        self.predictions = _predictions(self.parts)
+        self.predictions = _predictions(self.parts, align)
         shape = tuple(pack.rows.shape)
         dtype = torch.promote_types(core.dtype, torch.float32)  # as normalise computes
         self.logprobs = torch.zeros(shape, dtype=dtype, device=device)
@@ -252,14 +257,20 @@ class _Run:
         self.kv.release(i)
 
     def outputs(self, i: int, hidden: Tensor) -> Tensor | None:
-        where, source, token = self.predictions[i]
+        where, seq, source, token, real = self.predictions[i]
         if source.shape[0] == 0:
             return None
-        rows, pick = np.unique(source, return_inverse=True)
+        # one normalised row per (source row, temperature), rows ascending
+        normalised, pick = np.unique(np.stack((source, self.temperature[seq])), axis=1,
+                                     return_inverse=True)
+        pick = pick.reshape(-1)
         head = lm_head(self.model)
         logp, ent = normalise(Head(hidden, head["weight"], head.get("bias"),
                                    scale=head.get("scale", 1.0), softcap=head.get("softcap")),
-                              rows, self.temperature, pick, token, entropy=self.want_entropy)
+                              normalised[0].astype(np.int64), normalised[1], pick, token,
+                              entropy=self.want_entropy)
+        if real is not None:  # a sequence's last row: its entropy only
+            logp = logp.where(real, 0)
         mask = torch.zeros(self.logprobs.shape, dtype=torch.bool, device=hidden.device)
         mask[where] = True
         logprobs = torch.zeros(self.logprobs.shape, dtype=logp.dtype, device=hidden.device)
@@ -273,24 +284,33 @@ class _Run:
             self.entropy[where] = entropy[where].detach().to(self.entropy.dtype)
         if self.loss_fn is None:
             return None
-        loss = self.loss_fn(TokenLogprobs(logprobs, entropy), mask)
+        loss = self.loss_fn(TokenLogprobs(logprobs, entropy, self.align), mask)
         self.loss = self.loss + loss.detach()
         return loss
 
 
-def _predictions(parts: Parts) -> list[tuple[tuple[Tensor, Tensor], np.ndarray, Tensor]]:
-    """Per part: where its predictions go in ``[N, L]``, their source rows among the part's
-    rows (ascending) and their target tokens."""
+def _predictions(parts: Parts, align: str) -> list[tuple]:
+    """Per part: where its predictions go in ``[N, L]``, their sequences and source rows
+    among the part's rows (host), their target tokens, and which of them predict a token
+    (``"prediction"`` alignment also normalises each sequence's last row, for its entropy)."""
     pack = parts.pack
     h = pack.host
-    s, p = np.nonzero(h.prediction_mask)
-    source = h.rows[s, p - 1]
-    token = h.input_ids[h.rows[s, p]]
+    if align == "label":
+        s, p = np.nonzero(h.prediction_mask)
+        source = h.rows[s, p - 1]
+        real = np.ones(s.shape[0], dtype=bool)
+        token = h.input_ids[h.rows[s, p]]
+    else:
+        s, p = np.nonzero(h.rows >= 0)
+        source = h.rows[s, p]
+        real = p + 1 < h.lengths[s]
+        token = np.where(real, h.input_ids[h.rows[s, np.minimum(p + 1, h.rows.shape[1] - 1)]], 0)
     local = parts.local[source]
     order = np.lexsort((local, parts.part_of[source]))  # by part, then source row
     counts = np.bincount(parts.part_of[source], minlength=len(parts.parts))
     move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(pack.device)  # noqa: E731
-    return [((move(s[sel]), move(p[sel])), local[sel], move(token[sel]))
+    return [((move(s[sel]), move(p[sel])), s[sel], local[sel], move(token[sel]),
+             None if real[sel].all() else move(real[sel]))
             for sel in np.split(order, np.cumsum(counts)[:-1])]
 
 
