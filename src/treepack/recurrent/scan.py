@@ -21,6 +21,7 @@ class Level(NamedTuple):
     rows: Tensor  # [B, L] packed row of each position; T' (a sink row) where padded
     real: Tensor  # [B, L] bool: a real row
     parent: Tensor | None  # [B] each segment's parent among the previous level's, None at 0
+    real_index: Tensor  # [R] the real positions of ``rows.reshape(-1)``, in order
 
 
 class Levels(NamedTuple):
@@ -73,7 +74,8 @@ def levels(pack: TreePack) -> Levels:
         parent_of = None if previous is None else torch.from_numpy(
             np.searchsorted(previous, up[chains])).to(pack.device)
         out.append(Level(torch.from_numpy(rows).to(pack.device),
-                         torch.from_numpy(real).to(pack.device), parent_of))
+                         torch.from_numpy(real).to(pack.device), parent_of,
+                         torch.from_numpy(np.flatnonzero(real)).to(pack.device)))
         all_rows.append(ragged_arange(start[chains], length))
         previous = chains
     flat = np.concatenate(all_rows) if all_rows else np.zeros(0, dtype=np.int64)
@@ -105,11 +107,15 @@ def level_scan(pack: TreePack, kernel: Kernel, inputs: dict[str, Tensor]) -> Ten
     plan = levels(pack)
     padded = {k: torch.cat([v, v.new_zeros((1, *v.shape[1:]))]) for k, v in inputs.items()}
     values, states = [], None
+    # index_select, not advanced indexing: its backward is an index_add, where indexing's
+    # is an accumulating index_put, 11x slower on a CPU (measured at [2k, 1k] float32)
     for level in plan.levels:
-        batch = {k: v[level.rows] for k, v in padded.items()}
-        initial = None if level.parent is None else states[level.parent]
+        shape = tuple(level.rows.shape)
+        batch = {k: v.index_select(0, level.rows.reshape(-1)).view(*shape, *v.shape[1:])
+                 for k, v in padded.items()}
+        initial = None if level.parent is None else states.index_select(0, level.parent)
         out, states = kernel(batch, initial)
-        values.append(out[level.real])
+        values.append(out.reshape(-1, *out.shape[2:]).index_select(0, level.real_index))
     first = next(iter(inputs.values()))
     if not values:
         return first.new_zeros((pack.num_rows, *first.shape[1:]))
