@@ -167,3 +167,15 @@ def test_short_paths_are_the_same_modules():
             importlib.import_module(f"treepack.{place}"), short
     from treepack.hf import compat
     assert compat is importlib.import_module("treepack.hf_compat")
+
+
+def test_tests_mirror_the_package():
+    """tests/<part>/ holds the tests of src/treepack/<part>/; what spans the parts (the
+    layering, the docs, the README, the examples, bad input everywhere) and the shared
+    helpers stay in tests/."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert folders <= set(PARTS), folders - set(PARTS)
+    for folder in folders:
+        assert (SRC / folder).is_dir(), folder
+        assert any(tests.joinpath(folder).glob("test_*.py")), folder

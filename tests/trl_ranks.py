@@ -1,5 +1,5 @@
 """One TRL GRPO run on every process of an ``accelerate launch`` (CPU, gloo), for
-tests/test_trl.py: stock ``GRPOTrainer`` or ``TreepackGRPOTrainer`` from the same checkpoint
+tests/adapters/test_trl.py: stock ``GRPOTrainer`` or ``TreepackGRPOTrainer`` from the same checkpoint
 and seed. Rank 0 saves the weights after training, the training history and, per process,
 the prompts of every training micro-batch (to OUT.0, OUT.1, ...).
 

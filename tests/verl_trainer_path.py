@@ -1,4 +1,4 @@
-"""verl's worker driven as ``main_ppo`` drives it, for tests/test_verl.py.
+"""verl's worker driven as ``main_ppo`` drives it, for tests/adapters/test_verl.py.
 
 Two halves, each in its own processes:
 

@@ -1,4 +1,4 @@
-"""verl's real FSDP language-model engine on CPU, for tests/test_verl.py (spawned ranks import
+"""verl's real FSDP language-model engine on CPU, for tests/adapters/test_verl.py (spawned ranks import
 this module).
 
 verl 0.9.1 knows only GPU and NPU platforms. The test-only adjustments, none of which changes

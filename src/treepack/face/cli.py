@@ -15,7 +15,7 @@ import sys
 PROGRESS_MIN_BYTES = 8 << 20  # files at least this large show a progress bar
 
 # Building the parser imports no torch: treepack.zoo is torch-free at import, and the backend
-# names are listed here (tests/test_cli.py checks them against treepack.attention.CHOICES).
+# names are listed here (tests/face/test_cli.py checks them against treepack.attention.CHOICES).
 BACKEND_CHOICES = ("auto", "segment", "varlen", "flex", "dense")
 
 BUILTIN_DESCRIPTION = (

@@ -25,7 +25,7 @@ from verl.trainer.ppo.v1 import PPOTrainer  # noqa: E402
 
 from treepack import verl_trainer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("verl_balance", ROOT / "bench" / "verl_balance.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # the benchmark's batches, trainer and counting, one copy

@@ -25,17 +25,22 @@ def test_global_denominators_sum_every_pack_of_every_rank():
     spawn(dist_workers.global_denominators_worker)
 
 
-@pytest.mark.parametrize("worker", ["ddp_worker", "fsdp_worker"])
-def test_one_step_over_a_plan_equals_the_unpacked_batch(worker, tmp_path):
+def rank_zero_grads_equal(worker, reference, tmp_path):
+    """Run ``worker`` on 2 ranks; rank 0's gradients equal ``reference()``'s, to float32
+    rounding of the reductions."""
     pytest.importorskip("transformers")
     out = tmp_path / "grads.pt"
     spawn(getattr(dist_workers, worker), str(out))
     got = torch.load(out)
-    expect = dist_workers.reference_grads()
+    expect = reference()
     assert got.keys() == expect.keys()
     for k, g in expect.items():
-        # float32 model: gradients agree to float32 rounding of the reductions
-        torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item())
+        torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item(), msg=k)
+
+
+@pytest.mark.parametrize("worker", ["ddp_worker", "fsdp_worker"])
+def test_one_step_over_a_plan_equals_the_unpacked_batch(worker, tmp_path):
+    rank_zero_grads_equal(worker, dist_workers.reference_grads, tmp_path)
 
 
 @pytest.mark.parametrize("worker", ["ddp_parts_worker", "fsdp_parts_worker"])
@@ -43,11 +48,4 @@ def test_parts_under_ddp_and_fsdp2_equal_every_sequence_alone(worker, tmp_path):
     """Two ranks, each its own trees run in parts (more than one forward each, different
     counts), under DDP and FSDP2: the averaged gradients equal one process running every
     sequence alone."""
-    pytest.importorskip("transformers")
-    out = tmp_path / "grads.pt"
-    spawn(getattr(dist_workers, worker), str(out))
-    got = torch.load(out)
-    expect = dist_workers.parts_reference_grads()
-    assert got.keys() == expect.keys()
-    for k, g in expect.items():
-        torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item())
+    rank_zero_grads_equal(worker, dist_workers.parts_reference_grads, tmp_path)

@@ -255,7 +255,7 @@ def launch(mode, model_dir, out, per_device, accumulation):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("trl_ranks.py")
+    script = Path(__file__).resolve().parents[1] / "trl_ranks.py"
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
          "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
