@@ -253,3 +253,22 @@ def test_parts_under_activation_checkpointing_equal_one_forward(monkeypatch):
     assert len(calls) > 2 * got.parts  # 2 layers a forward, and recomputed in backward
     torch.testing.assert_close(got.logprobs, want.logprobs.detach(), rtol=0, atol=1e-12)
     assert relative({k: p.grad for k, p in model.named_parameters()}, want_grads) <= 1e-12
+
+
+_WINDOWED = {}  # one model for every example
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(vocab=4, max_sequences=8, max_len=16), st.integers(1, 24))
+def test_any_forest_at_any_budget_equals_one_forward(seqs, max_rows):
+    """Random forests (forks, prefixes, duplicates, several trees) at random budgets, on a
+    model with a sliding window of 6 on one layer: parts' log-probs and entropies equal one
+    forward over the whole tree."""
+    if not _WINDOWED:
+        _WINDOWED["model"] = model_of("qwen2")
+    model = _WINDOWED["model"]
+    seqs = [[t + 3 for t in s] for s in seqs]
+    want = hf.logprobs(model, TreePack.from_sequences(seqs), entropy=True, head="hidden")
+    got = hf.logprobs_in_parts(model, seqs, max_tokens=max_rows, entropy=True)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-12)
