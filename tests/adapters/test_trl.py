@@ -83,6 +83,35 @@ def test_seam_equals_the_stock_seam(tokenizer, tmp_path, model_dir, max_tokens):
         torch.testing.assert_close(grads[0][k], g, rtol=0, atol=1e-5 * g.abs().max().item())
 
 
+def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path, model_dir,
+                                                           monkeypatch):
+    """TRL's old / reference log-prob passes (no grad) at a budget that splits the batch's
+    tree: every row once, in parts, equal to the stock seam; the training pass plans packs."""
+    from treepack.adapters.hf import parts
+
+    trainer = make_trainer(tokenizer, tmp_path, model_dir)
+    model = trainer.model
+    ids, mask = trl_batch()
+    with torch.no_grad():
+        stock = trainer._get_per_token_logps_and_entropies(model, ids, mask, 4,
+                                                           compute_entropy=True)
+    treepack.trl.patch(trainer, max_tokens=8)  # the 11-row tree of rows 0, 1, 3 splits
+    runs = []
+    real = parts._Run.all
+    monkeypatch.setattr(parts._Run, "all", lambda self: runs.append(len(self.parts.parts))
+                        or real(self))
+    with torch.no_grad():
+        ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, 4,
+                                                          compute_entropy=True)
+    assert runs and runs[0] > 1  # in parts
+    completion = mask[:, -4:].bool()
+    for a, b in zip(ours[:2], stock[:2]):
+        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=1e-5)
+        assert (a[~completion] == 0).all()
+    trainer._get_per_token_logps_and_entropies(model, ids, mask, 4)  # with grad: packs
+    assert len(runs) == 1
+
+
 class GradientsAtStep(TrainerCallback):
     """The gradients the optimizer is about to apply."""
 
@@ -212,12 +241,15 @@ def test_shuffle_whole_groups_draws_what_trl_draws_and_keeps_groups_together():
 
 def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, model_dir,
                                                         monkeypatch):
-    """TRL scores old and reference log-probs in chunks of batch_size rows; each pack then
-    holds at most batch_size x the padded width, the tokens of one of those chunks."""
+    """TRL scores old and reference log-probs in chunks of batch_size rows; each forward then
+    computes at most batch_size x the padded width rows, the tokens of one of those chunks
+    (here the 11-row tree does not fit 1 x 9: it runs in parts)."""
+    from treepack.adapters.hf import parts
+
     trainer = treepack.trl.patch(make_trainer(tokenizer, tmp_path, model_dir))
     ids, mask = trl_batch()
-    packs = []
-    real = treepack.trl._packed_forwards
+    packs, forwards = [], []
+    real, real_all = treepack.trl._packed_forwards, parts._Run.all
 
     def recording(*args, **kw):
         out = real(*args, **kw)
@@ -225,12 +257,14 @@ def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, mod
         return out
 
     monkeypatch.setattr(treepack.trl, "_packed_forwards", recording)
+    monkeypatch.setattr(parts._Run, "all", lambda self: forwards.extend(
+        p.rows.shape[0] for p in self.parts.parts) or real_all(self))
     with torch.no_grad():
         chunked = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4,
                                                              batch_size=1)
         whole = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)
-    *chunks, one = packs  # chunks of at most 1 x 9 rows, then the whole batch in one pack
-    assert len(chunks) > 1 and all(p.num_rows <= ids.shape[1] for p in chunks), chunks
+    assert len(forwards) > 1 and max(forwards) <= ids.shape[1], forwards
+    (one,) = packs  # without chunks: the whole batch in one pack
     assert one.num_sequences == len(ids)
     torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=1e-6)
 

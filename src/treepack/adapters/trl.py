@@ -14,7 +14,9 @@ log-probs (and entropies) aligned with its completion mask. Here the padding is 
 the rows (whose prompts repeat ``num_generations`` times) are merged into one prefix forest —
 or, with ``max_tokens``, planned into several packs — and log-probs come from
 :func:`treepack.hf.logprobs` (the lean head inside the model's forward where it applies, so no
-``[T', V]`` logits), with TRL's temperature. Everything else in the trainer is TRL's own.
+``[T', V]`` logits), with TRL's temperature. A no-grad pass (old and reference log-probs)
+whose tree the plan would split runs in parts instead, every row once
+(:func:`treepack.hf.logprobs_in_parts`). Everything else in the trainer is TRL's own.
 """
 
 from __future__ import annotations
@@ -92,8 +94,20 @@ def per_token_logps_and_entropies(
 def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temperature,
                      compute_entropy, compute_aux_loss, backend, max_tokens, pad_to_multiple_of,
                      cast_lm_head_to_fp32):
-    """:func:`per_token_logps_and_entropies`, and the packs it ran."""
+    """:func:`per_token_logps_and_entropies`, and the packs it ran (none when it ran the
+    batch in parts)."""
     mask = attention_mask.bool()
+    S = mask.shape[1]
+    # TRL's column c of row b holds the row's (number of real tokens before c)-th token
+    columns = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:]
+    keep = mask[:, S - logits_to_keep:]
+    parts = _in_parts(model, input_ids, mask, max_tokens, compute_aux_loss,
+                      pad_to_multiple_of, cast_lm_head_to_fp32)
+    if parts is not None:
+        out = hf.logprobs_in_parts(model, parts, max_tokens=max_tokens, temperature=temperature,
+                                   entropy=compute_entropy)
+        return (take_columns(out.logprobs, columns, keep),
+                take_columns(out.entropy, columns, keep) if compute_entropy else None, None, [])
     packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of, hf.pair_cost(model))
     width = int(mask.sum(-1).max())
     logps, entropies, router, seq_ids = [], [], [], []
@@ -109,15 +123,31 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
         router.append(out.router_logits)
         seq_ids.append(pack.seq_ids)
     order = torch.cat(seq_ids).argsort()  # back to the trainer's row order
-    # TRL's column c of row b holds the row's (number of real tokens before c)-th token
-    S = mask.shape[1]
-    columns = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:]
-    keep = mask[:, S - logits_to_keep:]
     out_logps = take_columns(torch.cat(logps)[order], columns, keep)
     out_ent = (take_columns(torch.cat(entropies)[order], columns, keep)
                if compute_entropy else None)
     aux_loss = hf.batch_router_aux_loss(model, packs, router) if compute_aux_loss else None
     return out_logps, out_ent, aux_loss, packs
+
+
+def _in_parts(model, input_ids: Tensor, mask: Tensor, max_tokens, aux: bool,
+              pad_to_multiple_of, fp32_head: bool) -> list[Tensor] | None:
+    """The batch's sequences when a no-grad pass should run them in parts (a tree larger
+    than ``max_tokens``, which the plan would split and repeat), else None.
+
+    Only the no-grad passes (old and reference log-probs): the training pass's loss is
+    TRL's, computed on the whole batch at once."""
+    if max_tokens is None or torch.is_grad_enabled() or aux or pad_to_multiple_of or fp32_head:
+        return None
+    try:
+        hf.parts.check_model(model)
+    except hf.UnsupportedModel:
+        return None
+    sequences = [ids[m] for ids, m in zip(input_ids, mask)]
+    if max(len(q) for q in sequences) > max_tokens:
+        return sequences  # the plan refuses a sequence over the budget; parts do not
+    split = plan(sequences, max_tokens=max_tokens, pair_cost=hf.pair_cost(model))
+    return sequences if split.packed_rows > split.min_rows else None  # else: no repeats
 
 
 def _packs(input_ids: Tensor, mask: Tensor, max_tokens, pad_to_multiple_of,

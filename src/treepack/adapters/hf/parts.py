@@ -36,7 +36,7 @@ from treepack.core.softmax import Head, normalise
 from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
 
-__all__ = ["backward_in_parts", "logprobs_in_parts", "PartsResult"]
+__all__ = ["backward_in_parts", "logprobs_in_parts", "PartsResult", "check_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
             yet), reentrant activation checkpointing, or an FSDP1-wrapped model.
         ValueError: an unprepared model, bad sequences or ``max_tokens``.
     """
-    core = _check(model)
+    core = check_model(model)
     with _fsdp_unsharded(model):
         run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
                    train=True, loss_fn=loss_fn, align=align)
@@ -107,7 +107,7 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature=1.0,
     Raises:
         As :func:`backward_in_parts`.
     """
-    core = _check(model)
+    core = check_model(model)
     with _fsdp_unsharded(model, train=False), torch.no_grad():
         run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
                    train=False, align=align)
@@ -115,7 +115,13 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature=1.0,
     return TokenLogprobs(run.logprobs, run.entropy, align)
 
 
-def _check(model):
+def check_model(model):
+    """The transformers model inside ``model`` if its trees can run in parts.
+
+    Raises:
+        UnsupportedModel: FSDP1 or a hybrid model (the reason in the message).
+        ValueError: an unprepared model.
+    """
     _refuse_distributed(model)
     core = unwrap(model)
     if not is_prepared(core):
