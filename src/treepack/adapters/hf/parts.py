@@ -44,7 +44,7 @@ class PartsResult:
     """What :func:`backward_in_parts` returns (its gradients are in the parameters)."""
 
     loss: Tensor  # the step's loss: the sum of the parts' (detached)
-    logprobs: Tensor  # [N, L] label-aligned, every prediction (detached)
+    logprobs: Tensor  # [N, L] in the ``align`` layout, every prediction (detached)
     entropy: Tensor | None  # the same shape, when asked for
     parts: int  # forwards run
     rows: int  # rows they computed: the tree's, each once
@@ -101,8 +101,12 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature=1.0,
     log-probs, scoring), each row of their tree computed once, in forwards of at most
     ``max_tokens`` rows.
 
+    Args:
+        model, sequences, max_tokens, temperature, entropy, align: as
+            :func:`backward_in_parts`.
+
     Returns:
-        :class:`~treepack.TokenLogprobs`: ``[N, L]`` label-aligned.
+        :class:`~treepack.TokenLogprobs`: ``[N, L]`` in the ``align`` layout.
 
     Raises:
         As :func:`backward_in_parts`.
