@@ -6,6 +6,7 @@ No sorting, no LCP, no intervals: every prefix is a dict path, ancestors are par
 from __future__ import annotations
 
 import math
+import sys
 
 
 class NaiveTrie:
@@ -99,3 +100,29 @@ def naive_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
         state = state + k[:, t, ..., None] * delta[..., None, :]
         out.append((state * q[:, t, ..., None]).sum(-2))
     return torch.stack(out, 1), (state if output_final_state else None)
+
+
+def block_tables(bm):
+    """(partial, full) key-side and (partial, full) query-side tables as dense [nb, nb]."""
+    import torch
+
+    nb = bm.kv_indices.shape[-1]
+
+    def dense(num, idx):  # row i lists its first num[i] block columns in idx[i]
+        num, idx = num[0, 0], idx[0, 0]
+        listed = torch.arange(idx.shape[-1]) < num[:, None]
+        rows = torch.arange(len(num))[:, None].expand_as(idx)
+        out = torch.zeros(len(num), nb, dtype=torch.bool)
+        out[rows[listed], idx[listed].long()] = True
+        return out
+
+    return (dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices),
+            dense(bm.q_num_blocks, bm.q_indices), dense(bm.full_q_num_blocks, bm.full_q_indices))
+
+
+def exact_kernel(monkeypatch, model):
+    """The model's gated-delta-rule kernel in its own dtype (transformers' casts to float32),
+    so float64 runs compare exactly."""
+    module = sys.modules[type(model.model.layers[0]).__module__]
+    if hasattr(module, "torch_chunk_gated_delta_rule"):
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", naive_gated_delta_rule)

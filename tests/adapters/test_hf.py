@@ -37,7 +37,7 @@ def packed_flat(pack, logps):
 def test_every_family_equals_each_sequence_alone_float64(family, monkeypatch):
     model = zoo.tiny_model(family, dtype=torch.float64)
     if family in zoo.HYBRIDS:  # transformers' scan computes in float32: a float64 one here
-        from test_hybrid import exact_kernel
+        from reference import exact_kernel
 
         exact_kernel(monkeypatch, model)
     hf.prepare(model)

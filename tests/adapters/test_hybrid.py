@@ -8,7 +8,7 @@ import torch
 
 from treepack import TreePack, hf, zoo
 
-from reference import naive_gated_delta_rule
+from reference import exact_kernel, naive_gated_delta_rule
 
 GDN = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid"]
 MAMBA2 = ["bamba", "nemotron_h", "falcon_h1"]
@@ -36,14 +36,6 @@ def alone(model, seq):
     logits = model(input_ids=ids).logits[0]  # float32 at least, as treepack normalises them
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
     return logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].double()
-
-
-def exact_kernel(monkeypatch, model):
-    """The model's gated-delta-rule kernel in its own dtype (transformers' casts to float32),
-    so float64 runs compare exactly."""
-    module = sys.modules[type(model.model.layers[0]).__module__]
-    if hasattr(module, "torch_chunk_gated_delta_rule"):
-        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", naive_gated_delta_rule)
 
 
 def packed_values(out, pack, s, n):

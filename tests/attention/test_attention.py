@@ -191,7 +191,7 @@ def test_flex_refuses_cpu_backward_and_dropout():
 
 
 def test_window_block_mask_lists_every_visible_block():
-    from test_mask import block_tables
+    from reference import block_tables
 
     seqs = [[1] * 30 + [2] * i + [3] * 25 for i in range(0, 40, 7)] + [[4] * 50]
     pack = TreePack.from_sequences(seqs, pad_to_multiple_of=8)

@@ -8,23 +8,8 @@ from hypothesis import strategies as st
 
 from treepack import TreePack
 
+from reference import block_tables
 from strategies import forests
-
-
-def block_tables(bm):
-    """(partial, full) key-side and (partial, full) query-side tables as dense [nb, nb]."""
-    nb = bm.kv_indices.shape[-1]
-
-    def dense(num, idx):  # row i lists its first num[i] block columns in idx[i]
-        num, idx = num[0, 0], idx[0, 0]
-        listed = torch.arange(idx.shape[-1]) < num[:, None]
-        rows = torch.arange(len(num))[:, None].expand_as(idx)
-        out = torch.zeros(len(num), nb, dtype=torch.bool)
-        out[rows[listed], idx[listed].long()] = True
-        return out
-
-    return (dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices),
-            dense(bm.q_num_blocks, bm.q_indices), dense(bm.full_q_num_blocks, bm.full_q_indices))
 
 
 def pooled(mask: torch.Tensor, block: int):

@@ -66,33 +66,12 @@ def chains(pack: TreePack, window: int | None = None) -> Chains:
 
     Host work, O(T' + K) numpy: no per-row Python.
     """
-    h = pack.host
-    rows = np.arange(pack.num_rows)
-    first = (h.parent_row != rows - 1) | (rows == 0)
-    start = np.flatnonzero(first)
-    length = np.diff(np.append(start, pack.num_rows))
-    depth = h.position_ids[start]  # padding rows have depth 0: no context
-    lo = np.zeros_like(depth) if window is None else np.maximum(depth - window + 1, 0)
-    context = depth - lo
-    # A chain starts a compressed segment, and any sequence through that segment passes
-    # through the chain's ancestors: its rows at depths lo .. depth - 1 are the context.
-    real = start < pack.num_packed_rows
-    seq = np.zeros_like(start)
-    seq[real] = h.segment_sequence[np.searchsorted(h.segment_start, start[real])]
-    # where sequence `seq`'s rows start in the flattened rows table ([N, L] or flat)
-    first = h.offsets[seq] if h.rows.ndim == 1 else seq * (h.rows.shape[1] if h.rows.size else 0)
-    context_rows = h.rows.reshape(-1)[ragged_arange(first + lo, context)]
-    key_length = context + length
-    key_start = np.cumsum(key_length) - key_length
-    key_rows = np.empty(int(key_length.sum()), dtype=np.int64)
-    key_rows[ragged_arange(key_start, context)] = context_rows
-    key_rows[ragged_arange(key_start + context, length)] = rows
-    return Chains(start, length, context, key_rows)
+    return subset_chains(pack, np.arange(pack.num_rows), window)
 
 
 def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None) -> Chains:
-    """The chains of a subset of the pack's rows run as one forward (a part of a tree too
-    large for one, :mod:`treepack.planning.parts`).
+    """The chains of a subset of the pack's rows run as one forward (all of them:
+    :func:`chains`; a part of a tree too large for one forward: :mod:`treepack.hf.parts`).
 
     ``rows`` (ascending) are the forward's query rows; its chains are cut where a row's parent
     is not the row before it in the subset. ``start`` counts in the subset (0 .. len(rows));
@@ -106,11 +85,16 @@ def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None) -
     start = np.flatnonzero(first)
     length = np.diff(np.append(start, rows.shape[0]))
     head = rows[start]
-    depth = h.position_ids[head]
+    depth = h.position_ids[head]  # padding rows have depth 0: no context
     lo = np.zeros_like(depth) if window is None else np.maximum(depth - window + 1, 0)
     context = depth - lo
-    # the segment holding a chain's first row: any sequence through it has its ancestors
-    seq = h.segment_sequence[np.searchsorted(h.segment_start, head, side="right") - 1]
+    # Any sequence through the segment holding a chain's first row passes through the
+    # chain's ancestors: its rows at depths lo .. depth - 1 are the context.
+    real = head < pack.num_packed_rows
+    seq = np.zeros_like(head)
+    seq[real] = h.segment_sequence[np.searchsorted(h.segment_start, head[real],
+                                                   side="right") - 1]
+    # where sequence `seq`'s rows start in the flattened rows table ([N, L] or flat)
     base = h.offsets[seq] if h.rows.ndim == 1 else seq * (h.rows.shape[1] if h.rows.size else 0)
     context_rows = h.rows.reshape(-1)[ragged_arange(base + lo, context)]
     key_length = context + length
