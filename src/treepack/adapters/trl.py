@@ -101,14 +101,22 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     # TRL's column c of row b holds the row's (number of real tokens before c)-th token
     columns = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:]
     keep = mask[:, S - logits_to_keep:]
-    parts = _in_parts(model, input_ids, mask, max_tokens, compute_aux_loss,
-                      pad_to_multiple_of, cast_lm_head_to_fp32)
-    if parts is not None:
-        out = hf.logprobs_in_parts(model, parts, max_tokens=max_tokens, temperature=temperature,
-                                   entropy=compute_entropy)
+    sequences = [ids[m] for ids, m in zip(input_ids, mask)]
+    oversize = max_tokens is not None and max(len(q) for q in sequences) > max_tokens
+    planned = None if max_tokens is None or oversize else plan(
+        sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
+        pair_cost=hf.pair_cost(model), device=input_ids.device)
+    if _in_parts(model, planned, oversize, compute_aux_loss, pad_to_multiple_of,
+                 cast_lm_head_to_fp32):
+        out = hf.logprobs_in_parts(model, sequences, max_tokens=max_tokens,
+                                   temperature=temperature, entropy=compute_entropy)
         return (take_columns(out.logprobs, columns, keep),
                 take_columns(out.entropy, columns, keep) if compute_entropy else None, None, [])
-    packs = _packs(input_ids, mask, max_tokens, pad_to_multiple_of, hf.pair_cost(model))
+    if max_tokens is None:
+        packs = [TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
+                                         device=input_ids.device)]
+    else:  # with a sequence over the budget, plan refuses it and says so
+        packs = (planned or plan(sequences, max_tokens=max_tokens)).packs(0)
     width = int(mask.sum(-1).max())
     logps, entropies, router, seq_ids = [], [], [], []
     for pack in packs:
@@ -130,36 +138,22 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     return out_logps, out_ent, aux_loss, packs
 
 
-def _in_parts(model, input_ids: Tensor, mask: Tensor, max_tokens, aux: bool,
-              pad_to_multiple_of, fp32_head: bool) -> list[Tensor] | None:
-    """The batch's sequences when a no-grad pass should run them in parts (a tree larger
-    than ``max_tokens``, which the plan would split and repeat), else None.
+def _in_parts(model, planned, oversize: bool, aux: bool, pad_to_multiple_of,
+              fp32_head: bool) -> bool:
+    """Whether a no-grad pass runs the batch in parts: a tree larger than the budget, which
+    the plan (``planned``) splits and repeats, or a sequence longer than it (``oversize``).
 
     Only the no-grad passes (old and reference log-probs): the training pass's loss is
     TRL's, computed on the whole batch at once."""
-    if max_tokens is None or torch.is_grad_enabled() or aux or pad_to_multiple_of or fp32_head:
-        return None
+    if not (oversize or planned is not None and planned.packed_rows > planned.min_rows):
+        return False
+    if torch.is_grad_enabled() or aux or pad_to_multiple_of or fp32_head:
+        return False
     try:
         hf.parts.check_model(model)
     except hf.UnsupportedModel:
-        return None
-    sequences = [ids[m] for ids, m in zip(input_ids, mask)]
-    if max(len(q) for q in sequences) > max_tokens:
-        return sequences  # the plan refuses a sequence over the budget; parts do not
-    split = plan(sequences, max_tokens=max_tokens, pair_cost=hf.pair_cost(model))
-    return sequences if split.packed_rows > split.min_rows else None  # else: no repeats
-
-
-def _packs(input_ids: Tensor, mask: Tensor, max_tokens, pad_to_multiple_of,
-           pair_cost: float) -> list[TreePack]:
-    """The batch's rows, padding stripped, as one pack or planned into several."""
-    sequences = [ids[m] for ids, m in zip(input_ids, mask)]
-    if max_tokens is None:
-        return [TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
-                                        device=input_ids.device)]
-    return plan(sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
-                pair_cost=pair_cost,
-                device=input_ids.device).packs(0)
+        return False
+    return True
 
 
 class _Settings(NamedTuple):

@@ -64,7 +64,6 @@ from torch import Tensor
 
 from treepack.adapters import hf, verl_trainer
 from treepack.adapters.hf.forwarding import inside_refusal
-from treepack.adapters.hf.routing import HYBRIDS
 from treepack.adapters.verl_trainer import say_once
 from treepack.core import deprecation
 from treepack.core.outputs import from_logits, per_sequence_temperature
@@ -123,14 +122,16 @@ class TreepackEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
                              dp_size=self.get_data_parallel_size())
         sequences = _host_sequences(data)
-        if self._in_parts(data, sequences, group):
+        planned = self._plan(data, sequences)
+        if self._in_parts(planned, group):
             return self._parts_step(data, sequences, loss_function, forward_only)
-        micro = self._micro_batches(data, sequences)
+        micro = _micro_batches(planned)
         count = torch.tensor([len(micro)], device=_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
         count = int(count.item())
         if len(micro) < count:  # as many real micro-batches as every other rank: verl
-            micro = self._micro_batches(data, sequences, count)  # aggregates metrics per index
+            # aggregates metrics per micro-batch index
+            micro = _micro_batches(self._plan(data, sequences, count))
         keep_outputs = forward_only or tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False)  # verl drops them in training
         grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
@@ -199,23 +200,20 @@ class TreepackEngine(FSDPEngineWithLMHead):
         longest = int(data["input_ids"].offsets().diff().max())
         return int(data["micro_batch_size_per_gpu"]) * longest
 
-    def _micro_batches(self, data, sequences: list[np.ndarray], count: int = 1
-                       ) -> list[np.ndarray]:
-        """The sequences of each micro-batch: one pack each, trees kept together, at least
-        ``count`` of them where there are that many sequences."""
-        specs = plan(sequences, max_tokens=self._budget(data), min_packs=count,
-                     pair_cost=hf.pair_cost(self.module)).specs[0]
-        return [spec.seq_ids for spec in specs if len(spec.seq_ids)]
+    def _plan(self, data, sequences: list[np.ndarray], count: int = 1):
+        """The rank's packs: one per micro-batch, trees kept together, at least ``count`` of
+        them where there are that many sequences (None for no sequences)."""
+        if not sequences:
+            return None
+        return plan(sequences, max_tokens=self._budget(data), min_packs=count,
+                    pair_cost=hf.pair_cost(self.module))
 
     # ------------------------------------------------------------ trees over budget
 
-    def _in_parts(self, data, sequences: list[np.ndarray], group) -> bool:
+    def _in_parts(self, planned, group) -> bool:
         """Whether this batch runs in parts (every row once, :mod:`treepack.hf.parts`): some
         rank's plan repeats rows (a tree larger than the budget), and every rank can."""
-        wants = False
-        if sequences:
-            p = plan(sequences, max_tokens=self._budget(data), pair_cost=hf.pair_cost(self.module))
-            wants = p.packed_rows > p.min_rows
+        wants = planned is not None and planned.packed_rows > planned.min_rows
         cannot = self._parts_refusal()
         flags = torch.tensor([int(wants), int(cannot is not None)], device=_device())
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -233,8 +231,10 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return "a gradient scaler (float16) is on"
         if not isinstance(self.module, FSDPModule):
             return "parts run under FSDP2 (strategy=fsdp2); this engine is not"
-        if getattr(hf.unwrap(self.module).config, "model_type", None) in HYBRIDS:
-            return "the model has recurrent layers"
+        try:
+            hf.parts.check_model(self.module)
+        except hf.UnsupportedModel as e:
+            return str(e)
         return None
 
     def _parts_step(self, data, sequences, loss_function, forward_only):
@@ -430,6 +430,12 @@ class _Flat:
 
     def dense(self, flat: Tensor) -> Tensor:
         return flat.new_zeros(self.shape).index_put((self.seq, self.pos), flat)
+
+
+def _micro_batches(planned) -> list[np.ndarray]:
+    """The sequences of each of the rank's non-empty packs."""
+    return [] if planned is None else [spec.seq_ids for spec in planned.specs[0]
+                                        if len(spec.seq_ids)]
 
 
 def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:

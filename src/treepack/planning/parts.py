@@ -48,10 +48,6 @@ class Parts(NamedTuple):
     part_of: np.ndarray  # [T'] the part computing each row
     local: np.ndarray  # [T'] the row's index among its part's rows
 
-    def children(self, i: int) -> list[int]:
-        """The parts whose top rows hang off part ``i``'s rows (-1: the tree roots')."""
-        return [j for j, p in enumerate(self.parts) if p.parent == i]
-
     @property
     def rows_computed(self) -> int:
         """Rows all parts compute together: the tree's rows, each once."""

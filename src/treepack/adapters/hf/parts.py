@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from treepack.adapters.hf.forwarding import forward
 from treepack.adapters.hf.head import lm_head
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
 from treepack.adapters.hf.routing import (HYBRIDS, TREE_FORWARD_KWARG, TreeForward,
@@ -171,24 +172,16 @@ def _fsdp_unsharded(model, train: bool = True):
     try:
         yield
     finally:
-        if not train:
-            for m in sharded:
-                m.set_reshard_after_forward(True, recurse=False)
-                m.set_reshard_after_backward(True, recurse=False)
-                m.set_requires_gradient_sync(True, recurse=False)
-                m.reshard()
-            return
         for m in sharded:
             m.set_requires_gradient_sync(True, recurse=False)
             m.set_reshard_after_forward(True, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
-        device = compute_device(model)
-        with tree_forward():
-            out = model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device),
-                        position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                        use_cache=False, **{TREE_FORWARD_KWARG: TreeForward(
-                            TreePack.empty(1, device=device), "segment")})
-        (out.logits.sum() * 0.0).backward()
+        if train:  # reduce-scatters what the parts accumulated, and reshards
+            empty = TreePack.empty(1, device=compute_device(model))
+            (forward(model, empty).logits.sum() * 0.0).backward()
+        else:
+            for m in sharded:
+                m.reshard()
 
 
 def _refuse_distributed(model) -> None:
@@ -232,6 +225,9 @@ class _Run:
         pack = TreePack.from_sequences(sequences, device=device)
         self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
         self.parts = split(pack, max_tokens)
+        self.children = collections.defaultdict(list)  # part -> the parts hanging off it
+        for j, part in enumerate(self.parts.parts):
+            self.children[part.parent].append(j)
         self.kv = _KeysValues(self.parts, train)
         self.predictions = _predictions(self.parts, align)
         shape = tuple(pack.rows.shape)
@@ -241,7 +237,7 @@ class _Run:
         self.loss = torch.zeros((), dtype=dtype, device=device)
 
     def all(self) -> None:
-        for i in self.parts.children(-1):
+        for i in self.children[-1]:
             self.part(i)
 
     def part(self, i: int) -> None:
@@ -256,7 +252,7 @@ class _Run:
                              **{TREE_FORWARD_KWARG: tree})
         check_calls(self.core, tree)
         loss = self.outputs(i, out.hidden_states[-1][0])
-        for child in self.parts.children(i):
+        for child in self.children[i]:
             self.part(child)
         if self.train:
             tensors, grads = self.kv.backward_inputs(i)
@@ -285,13 +281,12 @@ class _Run:
         mask[where] = True
         logprobs = torch.zeros(self.logprobs.shape, dtype=logp.dtype, device=hidden.device)
         logprobs = logprobs.index_put(where, logp)
+        self.logprobs[where] = logp.detach().to(self.logprobs.dtype)
         entropy = None
         if ent is not None:
-            entropy = torch.zeros_like(logprobs).index_put(where, ent[torch.from_numpy(pick)
-                                                                     .to(ent.device)])
-        self.logprobs[where] = logp.detach().to(self.logprobs.dtype)
-        if entropy is not None:
-            self.entropy[where] = entropy[where].detach().to(self.entropy.dtype)
+            ent = ent[torch.from_numpy(pick).to(ent.device)]  # per prediction
+            entropy = torch.zeros_like(logprobs).index_put(where, ent)
+            self.entropy[where] = ent.detach().to(self.entropy.dtype)
         if self.loss_fn is None:
             return None
         loss = self.loss_fn(TokenLogprobs(logprobs, entropy, self.align), mask)
