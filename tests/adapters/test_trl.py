@@ -123,12 +123,24 @@ class GradientsAtStep(TrainerCallback):
                       if p.grad is not None}
 
 
-def test_one_training_step_equals_the_stock_trainer(tokenizer, tmp_path, model_dir):
+@pytest.mark.parametrize("max_tokens", [None, 16])
+def test_one_training_step_equals_the_stock_trainer(tokenizer, tmp_path, model_dir, max_tokens,
+                                                    monkeypatch):
+    """trainer.train(), packed and stock. At 16 rows a forward a prompt's group does not fit:
+    the training pass plans packs, the reference model's no-grad pass runs in parts."""
+    from treepack.adapters.hf import parts
+
+    forwards = []
+    real_all = parts._Run.all
+    monkeypatch.setattr(parts._Run, "all", lambda self: forwards.append(len(self.parts.parts))
+                        or real_all(self))
     model = zoo.tiny_model("qwen2")  # the saved weights
     runs = {}
     for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
         probe = GradientsAtStep()
-        trainer = make_trainer(tokenizer, tmp_path / name, model_dir, cls=cls, callbacks=[probe])
+        extra = {"treepack_max_tokens": max_tokens} if name == "packed" else {}
+        trainer = make_trainer(tokenizer, tmp_path / name, model_dir, cls=cls, callbacks=[probe],
+                               **extra)
         torch.manual_seed(0)
         trainer.train()  # same seed: the same completions, rewards and advantages
         runs[name] = (trainer, probe.grads)
@@ -140,6 +152,7 @@ def test_one_training_step_equals_the_stock_trainer(tokenizer, tmp_path, model_d
                                    atol=1e-5 * g.abs().max().item(), msg=k)
     for (name, a), b in zip(packed.model.named_parameters(), stock.model.parameters()):
         assert (a - model.get_parameter(name)).abs().max() > 0  # both took the step
+    assert bool(forwards) == (max_tokens is not None) and all(n > 1 for n in forwards), forwards
 
 
 def test_patch_refuses_multimodal_inputs_and_other_trainers(tokenizer, tmp_path, model_dir):
