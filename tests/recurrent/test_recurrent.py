@@ -1,13 +1,14 @@
 """treepack.recurrent: the short causal convolution and the level-by-level scan on a tree,
 against each sequence run alone."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treepack import TreePack
-from treepack.recurrent import level_scan, levels, tree_conv1d
+from treepack.recurrent import level_scan, levels, row_levels, scan_levels, tree_conv1d
 
 from reference import naive_gated_delta_rule
 from strategies import forests
@@ -88,6 +89,35 @@ def test_level_scan_equals_the_scan_of_each_sequence(sequences, layout):
         for v in values:
             torch.testing.assert_close(got[r], v, rtol=0, atol=1e-12)
     assert not got[pack.num_packed_rows:].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(forests(vocab=4), st.data())
+def test_row_levels_cut_anywhere_scan_alike_and_end_chains_at_the_cuts(sequences, data):
+    """Chains built row by row, cut after any rows: the same outputs as the pack's own
+    levels, and every cut row the last row of a chain, whose final state is the state after
+    that row (the scan of the row's sequence alone up to it)."""
+    pack = TreePack.from_sequences(sequences)
+    n = pack.num_rows
+    cut = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    table = gated_delta_inputs(pack, torch.Generator().manual_seed(n))
+
+    def kernel(batch, state):
+        return naive_gated_delta_rule(batch["q"], batch["k"], batch["v"], batch["g"],
+                                      batch["b"], initial_state=state, output_final_state=True)
+
+    inputs = {k: t[pack.input_ids] for k, t in table.items()}
+    plan = row_levels(pack.host.parent_row, cut, pack.device)
+    got, finals = scan_levels(plan, kernel, inputs)
+    torch.testing.assert_close(got, level_scan(pack, kernel, inputs), rtol=0, atol=1e-12)
+    for row in np.flatnonzero(cut):
+        (d, b), = [(d, b) for d, lv in enumerate(plan.levels)
+                   for b in np.flatnonzero(lv.last == row)]
+        s, p = map(int, np.argwhere(pack.host.rows == row)[0])
+        ids = torch.tensor(sequences[s][:p + 1])
+        want = naive_gated_delta_rule(*(table[k][ids][None] for k in "qkvgb"),
+                                      output_final_state=True)[1][0]
+        torch.testing.assert_close(finals[d][b], want, rtol=0, atol=1e-12)
 
 
 def test_level_scan_gradients_reach_every_ancestor_once_per_descendant():

@@ -10,7 +10,8 @@ and gradients flow into each parent's final state once per child. A GRPO tree is
 an agent trajectory without forks one per step it extends.
 """
 
-from treepack.recurrent.conv import ancestors, tree_conv1d
-from treepack.recurrent.scan import Levels, level_scan, levels
+from treepack.recurrent.conv import ancestor_table, ancestors, path_conv1d, tree_conv1d
+from treepack.recurrent.scan import Levels, level_scan, levels, row_levels, scan_levels
 
-__all__ = ["ancestors", "tree_conv1d", "Levels", "levels", "level_scan"]
+__all__ = ["ancestors", "ancestor_table", "tree_conv1d", "path_conv1d", "Levels", "levels", "row_levels",
+           "level_scan", "scan_levels"]

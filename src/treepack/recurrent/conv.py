@@ -8,7 +8,7 @@ from torch import Tensor
 
 from treepack.core.tree import TreePack, derived_from_pack
 
-__all__ = ["ancestors", "tree_conv1d"]
+__all__ = ["ancestors", "ancestor_table", "tree_conv1d", "path_conv1d"]
 
 
 @derived_from_pack
@@ -23,14 +23,26 @@ def ancestors(pack: TreePack, taps: int) -> Tensor:
     Returns:
         An int64 tensor on the pack's device (cached per pack and ``taps``).
     """
-    parent = pack.host.parent_row
-    rows = pack.num_rows
+    return torch.from_numpy(ancestor_table(pack.host.parent_row, taps)).to(pack.device)
+
+
+def ancestor_table(parent: np.ndarray, taps: int) -> np.ndarray:
+    """:func:`ancestors` on the host from a parent array: ``[taps, n]``, ``n`` past a root.
+
+    Args:
+        parent: ``[n]`` each row's parent row, -1 at roots.
+        taps: how many steps.
+
+    Returns:
+        An int64 array.
+    """
+    rows = parent.shape[0]
     out = np.empty((taps, rows), dtype=np.int64)
     out[0] = np.arange(rows)
     up = np.append(np.where(parent >= 0, parent, rows), rows)  # rows -> rows (a sink)
     for m in range(1, taps):  # one vectorised step per tap (K is 2 to 4)
         out[m] = up[out[m - 1]]
-    return torch.from_numpy(out).to(pack.device)
+    return out
 
 
 def tree_conv1d(pack: TreePack, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -55,11 +67,28 @@ def tree_conv1d(pack: TreePack, x: Tensor, weight: Tensor, bias: Tensor | None =
         raise ValueError(f"x must be [T'={pack.num_rows}, C], got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight must be [C={x.shape[1]}, K], got {tuple(weight.shape)}")
+    return path_conv1d(x, ancestors(pack, weight.shape[1]), weight, bias)
+
+
+def path_conv1d(x: Tensor, index: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``y[j] = bias + sum_m weight[:, K - 1 - m] * x[index[m, j]]``, ``x[n]`` reading zeros:
+    :func:`tree_conv1d` over any rows given their paths (one part of a tree reads the inputs
+    of ancestors another part computed).
+
+    Args:
+        x: [n, C] inputs.
+        index: [K, J] the row of ``x`` ``m`` steps up each output's path, ``n`` past its
+            start (:func:`ancestors`).
+        weight: [C, K] the depthwise kernel.
+        bias: [C] or None.
+
+    Returns:
+        [J, C], as :func:`tree_conv1d`.
+    """
     taps = weight.shape[1]
-    index = ancestors(pack, taps)
     dtype = torch.promote_types(x.dtype, weight.dtype)
     work = torch.promote_types(dtype, torch.float32)  # one rounding, as conv1d's accumulator
-    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(work)  # row T': zeros before a path
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]).to(work)  # row n: zeros before a path
     w = weight.to(work)
     out = padded.index_select(0, index[0]) * w[:, taps - 1]  # backward: index_add, not
     # indexing's accumulating index_put (11x slower on a CPU)

@@ -1,13 +1,15 @@
 """A tree larger than one forward, run in parts that each compute their rows once.
 
 :func:`treepack.planning.parts.split` cuts the tree into parts of at most ``max_tokens``
-rows. A part's forward runs its own rows only; each attention layer reads the keys and
-values of the part's ancestor rows (its context) from the parts that computed them, kept
-per layer, and adds its own. In training a part's keys and values go to the parts below it
-as detached leaves: each of those parts' backward adds its gradient into them, and the
-part's own backward runs once, after all of them, with its loss and those gradients. So the
-loss and every gradient are those of one forward over the whole tree (and of every sequence
-alone), while each forward holds one part's activations.
+rows. A part's forward runs its own rows only; each layer reads what it needs of the
+part's ancestor rows (its context) from the parts that computed them, kept per layer: an
+attention layer their keys and values, a short convolution the inputs of the K - 1 rows
+above each path's cut, a recurrent scan its state after the row a root chain continues
+from (a part's scan chains end at every such row). In training what a part keeps goes to
+the parts below it as detached leaves: each of those parts' backward adds its gradient
+into them, and the part's own backward runs once, after all of them, with its loss and
+those gradients. So the loss and every gradient are those of one forward over the whole
+tree (and of every sequence alone), while each forward holds one part's activations.
 
 The loss must be a sum over predictions, as for gradient accumulation: ``loss_fn`` is
 called once per part with that part's log-probs (0 elsewhere) and the mask of the
@@ -27,15 +29,15 @@ from torch import Tensor
 from treepack.adapters.hf.forwarding import forward
 from treepack.adapters.hf.head import lm_head
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
-from treepack.adapters.hf.routing import (HYBRIDS, TREE_FORWARD_KWARG, TreeForward,
-                                          UnsupportedModel, check_calls, text_config,
-                                          tree_forward)
+from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, UnsupportedModel,
+                                          check_calls, tree_forward)
 from treepack.attention.chains import Chains, subset_chains
 from treepack.attention.segment import attend_groups, chain_groups
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.softmax import Head, normalise
 from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
+from treepack.recurrent import ancestor_table, path_conv1d, row_levels, scan_levels
 
 __all__ = ["backward_in_parts", "logprobs_in_parts", "PartsResult", "check_model"]
 
@@ -56,7 +58,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
     """One step's forward and backward over a tree too large for one forward.
 
     Args:
-        model: a prepared transformers causal LM (attention layers only; activation
+        model: a prepared transformers causal LM (hybrids included; activation
             checkpointing non-reentrant, transformers' default), or a DDP
             wrapper of one: each rank runs its own trees' parts and the gradients are
             averaged over the ranks once, at the end; or an FSDP2 (``fully_shard``) one:
@@ -80,8 +82,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
         ``loss.backward()`` would.
 
     Raises:
-        UnsupportedModel: a hybrid model (its recurrent state at each cut is not carried
-            yet), reentrant activation checkpointing, or an FSDP1-wrapped model.
+        UnsupportedModel: reentrant activation checkpointing, or an FSDP1-wrapped model.
         ValueError: an unprepared model, bad sequences or ``max_tokens``.
     """
     core = check_model(model)
@@ -124,7 +125,7 @@ def check_model(model):
     """The transformers model inside ``model`` if its trees can run in parts.
 
     Raises:
-        UnsupportedModel: FSDP1 or a hybrid model (the reason in the message).
+        UnsupportedModel: FSDP1 (the reason in the message).
         ValueError: an unprepared model.
     """
     _refuse_distributed(model)
@@ -132,11 +133,6 @@ def check_model(model):
     if not is_prepared(core):
         raise ValueError(f"{type(core).__name__} is not prepared: call "
                          "treepack.hf.prepare(model) first")
-    if getattr(text_config(core), "model_type", None) in HYBRIDS:
-        raise UnsupportedModel(
-            f"{type(core).__name__} has recurrent layers: a part would need each layer's "
-            "convolution tail and scan state at its cut, which treepack does not carry yet; "
-            "plan this model's trees to fit one forward (treepack.plan)")
     return core
 
 
@@ -228,7 +224,7 @@ class _Run:
         self.children = collections.defaultdict(list)  # part -> the parts hanging off it
         for j, part in enumerate(self.parts.parts):
             self.children[part.parent].append(j)
-        self.kv = _KeysValues(self.parts, train)
+        self.carried = _Carried(self.parts, train)
         self.predictions = _predictions(self.parts, align)
         shape = tuple(pack.rows.shape)
         dtype = torch.promote_types(core.dtype, torch.float32)  # as normalise computes
@@ -243,7 +239,7 @@ class _Run:
     def part(self, i: int) -> None:
         rows = self.parts.parts[i].rows
         pack = self.parts.pack
-        tree = _PartForward(pack, self.kv, i)
+        tree = _PartForward(pack, self.carried, i)
         index = torch.from_numpy(rows).to(pack.device)
         with tree_forward():
             out = self.model(input_ids=pack.input_ids[index][None],
@@ -255,12 +251,12 @@ class _Run:
         for child in self.children[i]:
             self.part(child)
         if self.train:
-            tensors, grads = self.kv.backward_inputs(i)
+            tensors, grads = self.carried.backward_inputs(i)
             if loss is not None and loss.requires_grad:
                 tensors, grads = [loss, *tensors], [torch.ones_like(loss), *grads]
             if tensors:
                 torch.autograd.backward(tensors, grads)
-        self.kv.release(i)
+        self.carried.release(i)
 
     def outputs(self, i: int, hidden: Tensor) -> Tensor | None:
         where, seq, source, token, real = self.predictions[i]
@@ -319,18 +315,27 @@ def _predictions(parts: Parts, align: str) -> list[tuple]:
             for sel in np.split(order, np.cumsum(counts)[:-1])]
 
 
-class _KeysValues:
-    """Every attention layer's keys and values of the parts run so far, and the attention
-    plan of each part (its chains over its context and own rows)."""
+class _Carried:
+    """What the parts run so far carry to the parts below them, per layer: every attention
+    layer's keys and values, every short convolution's inputs, every recurrent scan's state
+    after the rows other parts continue from; and each part's plans (its attention chains,
+    convolution paths and scan chains over its context and own rows)."""
 
     def __init__(self, parts: Parts, train: bool):
         self.parts, self.train = parts, train
-        self.leaves: dict = collections.defaultdict(dict)  # part -> module -> (k, v) leaves
-        self.own: dict = collections.defaultdict(dict)  # part -> module -> (k, v) with graph
+        self.leaves: dict = collections.defaultdict(dict)  # part -> layer key -> leaves
+        self.own: dict = collections.defaultdict(dict)  # part -> layer key -> with graph
         self.plans: dict = {}
+        h, n = parts.pack.host, parts.pack.num_rows
+        parent = h.parent_row[:n]
+        handed = (parent >= 0) & (parts.part_of[np.maximum(parent, 0)] != parts.part_of)
+        self.exported = np.zeros(n, dtype=bool)  # rows other parts continue a scan from
+        self.exported[parent[handed]] = True
 
-    def put(self, i: int, module, key: Tensor, value: Tensor) -> None:
-        if module in self.own[i]:
+    def put(self, i: int, key, *tensors: Tensor) -> None:
+        """Part ``i``'s tensors for the layer ``key`` (an attention module, or a
+        convolution's / scan's key), kept for the parts below it."""
+        if key in self.own[i]:
             return  # an activation-checkpointing recompute: the forward's are kept
         if self.train and not torch.is_grad_enabled():
             raise UnsupportedModel(
@@ -339,35 +344,51 @@ class _KeysValues:
                 "gradients the parts below add to this part's keys and values. Use "
                 "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                 "{'use_reentrant': False})")
-        self.own[i][module] = (key, value)
+        self.own[i][key] = tensors
         if self.train:
-            key, value = (t.detach().requires_grad_() for t in (key, value))
-        self.leaves[i][module] = (key, value)
+            tensors = tuple(t.detach().requires_grad_() for t in tensors)
+        self.leaves[i][key] = tensors
+
+    def gather(self, key, grouped: list[tuple[int, Tensor]], dim: int) -> list[Tensor] | None:
+        """The tensors of ``key`` at the rows ``grouped`` (``(part, its rows)``), concatenated
+        along ``dim`` in that order; None without rows."""
+        if not grouped:
+            return None
+        pieces = zip(*[[t.index_select(dim, rows) for t in self.leaves[j][key]]
+                       for j, rows in grouped])
+        return [torch.cat(p, dim) for p in pieces]
 
     def context(self, i: int, module, window) -> tuple[Tensor, Tensor]:
         """The part's context keys and values for ``module``: ``[1, Hkv, C, D]`` each."""
-        keys, values = [], []
-        for j, local in self.chains(i, window)[1]:
-            k, v = self.leaves[j][module]
-            keys.append(k.index_select(2, local))
-            values.append(v.index_select(2, local))
-        return (torch.cat(keys, 2), torch.cat(values, 2)) if keys else (None, None)
+        got = self.gather(module, self.chains(i, window)[1], 2)
+        return (None, None) if got is None else tuple(got)
+
+    def _grouped(self, ctx: np.ndarray) -> list[tuple[int, Tensor]]:
+        """Rows of other parts, ordered by part then row, as ``(part, its local rows)``."""
+        parts, device = self.parts, self.parts.pack.device
+        return [(int(j), torch.from_numpy(parts.local[ctx[parts.part_of[ctx] == j]]).to(device))
+                for j in np.unique(parts.part_of[ctx])]
+
+    def _outside(self, i: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, list]:
+        """For ``rows`` (the tree's): which lie in other parts, each one's index among its
+        part's rows (own) or among those other rows (ordered by part, then row), how many
+        other rows there are, and them grouped by part (:meth:`_grouped`)."""
+        parts = self.parts
+        outside = parts.part_of[rows] != i
+        ctx = np.unique(rows[outside])
+        ctx = ctx[np.lexsort((parts.local[ctx], parts.part_of[ctx]))]  # part, then row
+        where = np.empty(rows.shape[0], dtype=np.int64)
+        where[~outside] = parts.local[rows[~outside]]
+        where[outside] = _positions(ctx, rows[outside])
+        return outside, where, ctx.shape[0], self._grouped(ctx)
 
     def chains(self, i: int, window) -> tuple[Chains, list[tuple[int, Tensor]]]:
         """Part ``i``'s chains, their keys as slots of (context, then own rows), and its
         context rows: ``(part, rows of that part)`` in slot order."""
         if (i, window) not in self.plans:
-            parts = self.parts
-            c = subset_chains(parts.pack, parts.parts[i].rows, window)
-            outside = parts.part_of[c.key_rows] != i
-            ctx = np.unique(c.key_rows[outside])
-            ctx = ctx[np.lexsort((parts.local[ctx], parts.part_of[ctx]))]  # part, then row
-            slot = np.empty(c.key_rows.shape[0], dtype=np.int64)
-            slot[~outside] = ctx.shape[0] + parts.local[c.key_rows[~outside]]
-            slot[outside] = _positions(ctx, c.key_rows[outside])
-            device = parts.pack.device
-            grouped = [(int(j), torch.from_numpy(parts.local[ctx[parts.part_of[ctx] == j]])
-                        .to(device)) for j in np.unique(parts.part_of[ctx])]
+            c = subset_chains(self.parts.pack, self.parts.parts[i].rows, window)
+            outside, slot, context, grouped = self._outside(i, c.key_rows)
+            slot[~outside] += context
             self.plans[i, window] = (Chains(c.start, c.length, c.context, slot), grouped)
         return self.plans[i, window]
 
@@ -379,11 +400,67 @@ class _KeysValues:
                 chains, self.parts.parts[i].rows.shape[0], self.parts.pack.device, width)
         return self.plans[i, window, width]
 
+    def conv_paths(self, i: int, taps: int) -> tuple[Tensor, list[tuple[int, Tensor]]]:
+        """Part ``i``'s convolution paths: ``[taps, n]`` slots of (own rows, then the
+        ancestors of other parts they reach, grouped by part), the sink past them."""
+        if ("conv", i, taps) not in self.plans:
+            parts = self.parts
+            rows = parts.parts[i].rows
+            n = parts.pack.num_rows
+            table = ancestor_table(parts.pack.host.parent_row[:n], taps)[:, rows]
+            real = table < n
+            outside, slot, context, grouped = self._outside(i, table[real])
+            slot[outside] += rows.shape[0]
+            index = np.full(table.shape, rows.shape[0] + context, dtype=np.int64)  # the sink
+            index[real] = slot
+            self.plans["conv", i, taps] = (torch.from_numpy(index).to(parts.pack.device),
+                                           grouped)
+        return self.plans["conv", i, taps]
+
+    def scan_plan(self, i: int):
+        """Part ``i``'s scan chains (cut after every row a part below continues from), where
+        each root chain's state comes from (``(part, its exported rows' positions)`` and
+        which root chains), and where its own exported rows' states are."""
+        if ("scan", i) not in self.plans:
+            parts = self.parts
+            rows = parts.parts[i].rows
+            device = parts.pack.device
+            parent = parts.pack.host.parent_row[rows]
+            inside = (parent >= 0) & (parts.part_of[np.maximum(parent, 0)] == i)
+            local_parent = np.where(inside, parts.local[np.maximum(parent, 0)], -1)
+            plan = row_levels(local_parent, self.exported[rows], device)
+            # root chains start, in order, at the rows whose parent is not in this part
+            above = parent[local_parent < 0]
+            carried = np.flatnonzero(above >= 0)
+            grouped = []
+            for j in np.unique(parts.part_of[above[carried]]):
+                sel = carried[parts.part_of[above[carried]] == j]
+                position = np.searchsorted(self._exports(int(j)), above[sel])
+                grouped.append((int(j), torch.from_numpy(position).to(device),
+                                torch.from_numpy(sel).to(device)))
+            # this part's exported rows: the level and chain whose last row each one is
+            exports = parts.local[self._exports(i)]
+            picks, order = [], []
+            for d, level in enumerate(plan.levels):
+                hit = np.flatnonzero(np.isin(level.last, exports))
+                if hit.shape[0]:
+                    picks.append((d, torch.from_numpy(hit).to(device)))
+                    order.append(level.last[hit])
+            reorder = (torch.from_numpy(np.argsort(np.concatenate(order), kind="stable"))
+                       .to(device) if order else None)
+            self.plans["scan", i] = (plan, grouped, len(above), picks, reorder)
+        return self.plans["scan", i]
+
+    def _exports(self, i: int) -> np.ndarray:
+        """The tree rows of part ``i`` that parts below it continue a scan from, ascending."""
+        rows = self.parts.parts[i].rows
+        return rows[self.exported[rows]]
+
     def backward_inputs(self, i: int) -> tuple[list[Tensor], list[Tensor]]:
-        """The part's keys and values whose leaves got gradients from parts below it."""
+        """The part's carried tensors whose leaves got gradients from parts below it."""
         tensors, grads = [], []
-        for module, own in self.own[i].items():
-            for t, leaf in zip(own, self.leaves[i][module]):
+        for key, own in self.own[i].items():
+            for t, leaf in zip(own, self.leaves[i][key]):
                 if leaf.grad is not None and t.requires_grad:  # frozen below (LoRA): none
                     tensors.append(t)
                     grads.append(leaf.grad)
@@ -401,20 +478,52 @@ def _positions(sorted_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 class _PartForward(TreeForward):
-    """The per-forward object of one part: attention over the part's context and own rows."""
+    """The per-forward object of one part: every token mixer over the part's context and
+    own rows."""
 
-    def __init__(self, pack: TreePack, kv: _KeysValues, index: int):
+    def __init__(self, pack: TreePack, carried: _Carried, index: int):
         self.pack = pack
-        self.kv, self.index = kv, index
+        self.carried, self.index = carried, index
         self.calls = 0
         self.windowed = 0
         self.mixer_calls: collections.Counter = collections.Counter()
+        self.layer = None  # the recurrent layer under way: its convolution's weight
 
     def attend(self, module, query, key, value, *, scale, softcap, window, dropout):
-        self.kv.put(self.index, module, key, value)
-        groups = self.kv.groups(self.index, window, query.shape[1] * query.shape[3])
-        k_ctx, v_ctx = self.kv.context(self.index, module, window)
+        carried = self.carried
+        carried.put(self.index, module, key, value)
+        groups = carried.groups(self.index, window, query.shape[1] * query.shape[3])
+        k_ctx, v_ctx = carried.context(self.index, module, window)
         if k_ctx is not None:
             key, value = torch.cat((k_ctx, key), 2), torch.cat((v_ctx, value), 2)
         return attend_groups(query, key, value, groups, scale=scale, softcap=softcap,
                              window=window, dropout=dropout)
+
+    def conv(self, x, weight, bias):
+        # a layer's convolution weight names it, in every forward and recompute of the step
+        self.layer = ("conv", weight.data_ptr())
+        self.carried.put(self.index, self.layer, x)
+        index, grouped = self.carried.conv_paths(self.index, weight.shape[1])
+        context = self.carried.gather(self.layer, grouped, 0)
+        if context is not None:
+            x = torch.cat((x, *context))
+        return path_conv1d(x, index, weight, bias)
+
+    def scan(self, kernel, inputs):
+        if self.layer is None:
+            raise UnsupportedModel("a recurrent scan ran before its layer's convolution: "
+                                   "treepack cannot tell which layer's state to carry")
+        key = ("scan", self.layer[1])
+        plan, grouped, roots, picks, reorder = self.carried.scan_plan(self.index)
+        initial = None
+        if grouped:  # root chains continuing another part's state; the others from zeros
+            states = [self.carried.leaves[j][key][0].index_select(0, position)
+                      for j, position, _ in grouped]
+            which = torch.cat([chains for _, _, chains in grouped])
+            initial = states[0].new_zeros((roots, *states[0].shape[1:]))
+            initial = initial.index_copy(0, which, torch.cat(states))
+        out, finals = scan_levels(plan, kernel, inputs, initial)
+        if picks:
+            exported = torch.cat([finals[d].index_select(0, hit) for d, hit in picks])
+            self.carried.put(self.index, key, exported.index_select(0, reorder))
+        return out

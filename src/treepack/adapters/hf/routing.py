@@ -15,6 +15,7 @@ import contextvars
 import re
 
 import torch
+from torch import Tensor
 
 from treepack.adapters.hf import compat
 from treepack.attention import TreeAttention
@@ -122,6 +123,14 @@ class TreeForward:
     def attend(self, module, query, key, value, **kwargs):
         """One attention layer (``module``) of the forward, on the tree backend."""
         return self.attention(query, key, value, **kwargs)
+
+    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """One short causal convolution, ``x`` ``[T', C]`` per row, along each row's path."""
+        return tree_conv1d(self.pack, x, weight, bias)
+
+    def scan(self, kernel, inputs: dict[str, Tensor]) -> Tensor:
+        """One recurrent scan (the layer whose convolution ran last) over every path."""
+        return level_scan(self.pack, kernel, inputs)
 
 
 # ---------------------------------------------------------------------- hybrid layers
@@ -295,7 +304,7 @@ def _conv(original):
                                    "(seq_idx was given)")
         tree.mixer_calls["conv"] += 1
         x = hidden_states[0].transpose(0, 1).to(weight.dtype)  # [T', C]
-        out = tree_conv1d(tree.pack, x, weight, bias)
+        out = tree.conv(x, weight, bias)
         if activation is not None:
             out = compat.activation(activation)(out)
         return out.transpose(0, 1)[None].to(hidden_states.dtype)
@@ -324,8 +333,8 @@ def _gated_delta(original):
                             chunk_size=chunk_size, initial_state=state, output_final_state=True,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
 
-        out = level_scan(tree.pack, kernel, {"q": query[0], "k": key[0], "v": value[0],
-                                             "g": g[0], "b": beta[0]})
+        out = tree.scan(kernel, {"q": query[0], "k": key[0], "v": value[0], "g": g[0],
+                                 "b": beta[0]})
         return out[None], None
 
     torch_chunk_gated_delta_rule.treepack_original = original
@@ -361,8 +370,8 @@ def _ssd(original):
                             dt_bias=None, initial_states=state, dt_softplus=False,
                             dt_limit=everything, return_final_states=True, **kwargs)
 
-        out = level_scan(tree.pack, kernel, {"x": hidden_states[0], "dt": dt[0], "B": B[0],
-                                             "C": C[0]})[None]
+        out = tree.scan(kernel, {"x": hidden_states[0], "dt": dt[0], "B": B[0],
+                                 "C": C[0]})[None]
         return (out, None) if return_final_states else out
 
     mamba2_chunk_scan.treepack_original = original
