@@ -85,10 +85,11 @@ def compose_config(model_dir: str, *, treepack: bool, world: int, extra=()):
 
 # ------------------------------------------------------------------------- the trainer's side
 
-def agent_loop_rows(seed: int = 0):
+def agent_loop_rows(seed: int = 0, scale: int = 1):
     """(keys, fields, tags) as ``AgentLoopWorkerTQ._agent_loop_postprocess`` writes them: GRPO
     prompts with ``N`` ragged sessions each, and agent prompts whose sessions emit one output
-    per turn (key index > 0), each turn's prompt the whole history, tool tokens masked."""
+    per turn (key index > 0), each turn's prompt the whole history, tool tokens masked.
+    ``scale`` multiplies the GRPO prompts' and responses' lengths."""
     g = torch.Generator().manual_seed(seed)
 
     def tokens(n):
@@ -124,9 +125,9 @@ def agent_loop_rows(seed: int = 0):
                      "max_global_steps": 1})
 
     for p in range(3):  # GRPO: one prompt, ragged responses
-        uid, prompt = f"g{uuid.UUID(int=p)}", tokens(between(8, 14))
+        uid, prompt = f"g{uuid.UUID(int=p)}", tokens(scale * between(8, 14))
         for session in range(N):
-            response = tokens(between(2, 10)) + [EOS]
+            response = tokens(scale * between(2, 10)) + [EOS]
             emit(uid, session, 0, prompt, response, [1] * len(response), p)
     for p in range(3, 4):  # an agent prompt: each session emits one output per turn
         uid, system = f"a{uuid.UUID(int=p)}", tokens(10)
@@ -206,8 +207,9 @@ def _rank_batches(meta, world: int) -> list:
     return [_meta_to_realdata(chunk) for chunk in BatchData(meta).chunk(chunks=world)]
 
 
-def trainer_batches(model_dir: str, world: int, out_path: str) -> None:
-    """The v1 trainer's three worker calls' batches, per rank, saved to ``out_path``."""
+def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1) -> None:
+    """The v1 trainer's three worker calls' batches, per rank, saved to ``out_path``
+    (``scale``: as :func:`agent_loop_rows`)."""
     import ray
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -222,7 +224,7 @@ def trainer_batches(model_dir: str, world: int, out_path: str) -> None:
         config = compose_config(model_dir, treepack=True, world=world)
         import treepack.verl  # noqa: F401  (what HFModelConfig's external_lib does in the trainer)
 
-        keys, fields, tags = agent_loop_rows()
+        keys, fields, tags = agent_loop_rows(scale=scale)
         tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields),
                         tags=tags)
         batch = KVBatchMeta(keys=keys, tags=tags, partition_id="train")
@@ -346,10 +348,19 @@ def _rows(log_probs) -> list[torch.Tensor]:
     return [t[:-1] for t in gather_rows(log_probs)]
 
 
+def budget_overrides(budget: int) -> list[str]:
+    """Every token budget of the worker at ``budget``."""
+    return [f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+            f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}"]
+
+
 def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_path: str,
-                    out_path: str) -> None:
+                    out_path: str, budget: int | None = None) -> None:
     """Stock verl and treepack through verl's worker on the trainer's batches; rank 0 saves
-    every output of both (rows in global batch order) and the update metrics."""
+    every output of both (rows in global batch order) and the update metrics. ``budget``:
+    the worker's token budgets (stock and treepack only), else :data:`BUDGET`, and verl's
+    PrefixGrouper switch as a third run."""
     import torch.distributed as dist
 
     from verl_workers import captured_log, gather_rows
@@ -366,9 +377,11 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
         # verl's own prefix sharing, switched on as its docs say (actor.use_prefix_grouper),
         # runs on the stock engine: in verl 0.9.1 only the legacy trainer's balancing reads it
         grouper = ["actor_rollout_ref.actor.use_prefix_grouper=true"]
-        for label, engine, extra in (("stock", FSDPEngineWithLMHead, ()),
-                                     ("tree", treepack_verl.TreepackEngine, ()),
-                                     ("prefix_grouper", FSDPEngineWithLMHead, grouper)):
+        runs = [("stock", FSDPEngineWithLMHead, ()), ("tree", treepack_verl.TreepackEngine, ()),
+                ("prefix_grouper", FSDPEngineWithLMHead, grouper)]
+        if budget is not None:
+            runs = [(label, engine, budget_overrides(budget)) for label, engine, _ in runs[:2]]
+        for label, engine, extra in runs:
             config = compose_config(model_dir, treepack=label == "tree", world=world, extra=extra)
             actor, ref = _workers(config, engine)
             result[f"engines_{label}"] = (type(actor.actor.engine).__name__,

@@ -46,12 +46,14 @@ def trainer_batches(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     code = ("import sys, verl_workers, verl_trainer_path as t\n"
             "for world in (1, 2):\n"
-            f"    t.trainer_batches({model_dir!r}, world, f'{root}/batches{{world}}.pt')\n")
+            f"    t.trainer_batches({model_dir!r}, world, f'{root}/batches{{world}}.pt')\n"
+            f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
-    return {world: str(root / f"batches{world}.pt") for world in (1, 2)}
+    return {**{world: str(root / f"batches{world}.pt") for world in (1, 2)},
+            "long": str(root / "long2.pt")}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -77,15 +79,7 @@ def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trai
     assert not any("stock engine path" in m for m in r["messages"]), r["messages"]
     for path in ("v1", "v0"):
         tree, stock = r["tree", path], r["stock", path]
-        for key in ("log_probs", "entropy", "ref_log_probs", "log_probs_after"):
-            error = verl_workers.relative_error(tree[key], stock[key])
-            assert error <= TOLERANCE, (path, key, error)
-        # verl normalises these by global token counts: independent of micro-batching
-        # (pg_clipfrac and ppo_kl are means over micro-batches, which packing changes)
-        for key in ("loss", "grad_norm", "actor/pg_loss", "kl_loss", "actor/entropy_loss"):
-            got, want = (torch.tensor(np.asarray(m["update_metrics"][key], dtype=float))
-                         for m in (tree, stock))
-            assert torch.allclose(got, want, rtol=TOLERANCE, atol=0), (path, key, got, want)
+        assert_worker_equals_stock(tree, stock, path)
         ratios = tree["update_metrics"]["treepack/token_ratio"]
         assert ratios and all(0 < x < 1 for x in ratios), (path, ratios)
         log_prob_ratio = tree["update_metrics"]["treepack/log_prob_token_ratio"]
@@ -96,6 +90,39 @@ def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trai
         grouper = r["prefix_grouper", path]
         for key in ("log_probs", "entropy", "ref_log_probs", "log_probs_after"):
             assert all(torch.equal(a, b) for a, b in zip(grouper[key], stock[key])), (path, key)
+
+
+def assert_worker_equals_stock(tree, stock, path):
+    """compare_workers' outputs and update metrics of one trainer path within TOLERANCE."""
+    for key in ("log_probs", "entropy", "ref_log_probs", "log_probs_after"):
+        error = verl_workers.relative_error(tree[key], stock[key])
+        assert error <= TOLERANCE, (path, key, error)
+    # verl normalises these by global token counts: independent of micro-batching
+    # (pg_clipfrac and ppo_kl are means over micro-batches, which packing changes)
+    for key in ("loss", "grad_norm", "actor/pg_loss", "kl_loss", "actor/entropy_loss"):
+        got, want = (torch.tensor(np.asarray(m["update_metrics"][key], dtype=float))
+                     for m in (tree, stock))
+        assert torch.allclose(got, want, rtol=TOLERANCE, atol=0), (path, key, got, want)
+
+
+def test_verl_worker_runs_trees_over_its_budget_in_parts(model_dir, trainer_batches, tmp_path):
+    """The same worker on the trainer's batches with GRPO prompts and responses 4x as long,
+    at a 128-token budget (the longest row: stock verl refuses a row longer than its budget):
+    the GRPO groups' trees exceed it (about 200 rows), so the worker's log-prob and update
+    calls run each rank's trees in parts, under the docs' strategy=fsdp2; equal to stock
+    verl, which splits them into micro-batches (2 ranks)."""
+    out = tmp_path / "result.pt"
+    spawn(verl_trainer_path.compare_workers, 2, model_dir, trainer_batches["long"], str(out), 128)
+    r = torch.load(out, weights_only=False)
+    assert not any("is split" in m or "stock engine path" in m for m in r["messages"]), \
+        r["messages"]
+    for path in ("v1", "v0"):
+        tree = r["tree", path]
+        assert_worker_equals_stock(tree, r["stock", path], path)
+        parts = tree["update_metrics"]["treepack/parts"]
+        assert parts and max(parts) > 1, (path, parts)  # the update ran in parts
+        parts = np.ravel(tree["log_prob_metrics"]["treepack/parts"])
+        assert parts.size and parts.max() > 1, (path, parts)  # and the log-prob pass
 
 
 def assert_equals_stock(r, grads="grads"):
@@ -145,21 +172,26 @@ def test_verl_engine_runs_trees_over_budget_in_parts(world, strategy, model_dir,
         assert any("parts run under FSDP2" in m for m in r["messages"]), r["messages"]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("world,budget", [(1, None), (2, None), (2, 64)])
+def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, budget, tmp_path_factory,
+                                                             tmp_path):
     """A tiny Qwen3.5 (Gated DeltaNet and attention layers) through TreepackEngine under
     transformers 5.10, whose layers hold their convolution and scan per layer, with
     activation checkpointing on: log-probs, entropies, loss and gradients equal the stock
     engine's on padded batches. (Stock's padding-free path is wrong here: 0.039 off on the
     log-probs, measured, as its CPU scan runs across the sequences it concatenates.) The
     gradients are judged against the model's largest one: transformers' scan computes in
-    float32 and rounds differently with where its chunks start."""
+    float32 and rounds differently with where its chunks start. At a 64-token budget the
+    trees run in parts: each cut carries the convolutions' inputs and the scans' states."""
     model_dir = verl_workers.make_model_dir(str(tmp_path_factory.mktemp("hybrid")), "qwen3_5")
     out = tmp_path / "result.pt"
-    spawn(verl_workers.compare_engines, world, model_dir, "fsdp2", str(out), True)
+    spawn(verl_workers.compare_engines, world, model_dir, "fsdp2", str(out), True, budget)
     r = torch.load(out)
     assert_equals_stock(r, grads="grads_over_model")
-    assert all(0 < ratio < 1 for ratio in r["token_ratio"]), r["token_ratio"]  # packed
+    if budget is None:
+        assert all(0 < ratio < 1 for ratio in r["token_ratio"]), r["token_ratio"]  # packed
+    else:
+        assert r["parts"] and r["parts"][0] > 1 and not r["messages"], r
 
 
 @pytest.mark.parametrize("world,strategy", [(2, "fsdp2"), (2, "fsdp")])
