@@ -10,12 +10,18 @@ Workloads (every length divided by ``--scale``, default 8 on a CPU, 1 on a GPU):
   tokens, at a budget of 16,384 tokens a forward (the prompt is half the budget);
 - ``agent``: an agent trajectory of 8 steps over one 4,096-token prompt, each step adding a
   1,024-token turn (+-30 %) and ending with a 512-token answer, at 8,192 tokens a forward (the
-  last steps are longer than the budget).
+  last steps are longer than the budget);
+- ``long_trajectory``: 16 steps of 1,024-token turns (+-30 %) over a 4,096-token prompt, each
+  ending with a 256-token answer, at 4,096 tokens a forward: a chain of trunk parts, each
+  with its step's answer hanging off it (what ``recompute`` is for).
 
 Steps, each forward + backward of a mean NLL over every original prediction:
 
 - ``whole``: one pack of the whole tree, no budget (the limit: the same rows and pairs);
-- ``parts``: ``treepack.hf.backward_in_parts`` within the budget;
+- ``parts``: ``treepack.hf.backward_in_parts`` within the budget (``recompute="auto"``: a
+  chain of trunk parts runs each one's forward again before its backward);
+- ``parts_kept``: the same, every part's activations kept until its backward
+  (``recompute=False``);
 - ``split``: ``treepack.plan`` within the budget, one pack after another, every pack
   repeating the prefix above its cut (where plan runs: it refuses a sequence longer than
   the budget);
@@ -60,7 +66,12 @@ def workloads(scale: int, seed: int = 0) -> dict:
     for _ in range(8):
         history = history + tokens(1024 * rng.uniform(0.7, 1.3))
         agent.append(history + tokens(512 * rng.uniform(0.7, 1.3)))
-    return {"long_prompt": (grpo, 16384 // scale), "agent": (agent, 8192 // scale)}
+    history, trajectory = tokens(4096), []
+    for _ in range(16):
+        history = history + tokens(1024 * rng.uniform(0.7, 1.3))
+        trajectory.append(history + tokens(256 * rng.uniform(0.7, 1.3)))
+    return {"long_prompt": (grpo, 16384 // scale), "agent": (agent, 8192 // scale),
+            "long_trajectory": (trajectory, 4096 // scale)}
 
 
 def nll(out, mask, count):
@@ -96,13 +107,17 @@ def steps_for(model, seqs, budget):
             return sum(run_pack(p) for p in packs)
         return step
 
-    def parts():
-        model.zero_grad(set_to_none=True)
-        return hf.backward_in_parts(model, seqs, lambda out, mask: nll(out, mask, count),
-                                    max_tokens=budget).loss
+    def parts(recompute):
+        def step():
+            model.zero_grad(set_to_none=True)
+            return hf.backward_in_parts(model, seqs, lambda out, mask: nll(out, mask, count),
+                                        max_tokens=budget, recompute=recompute).loss
+        return step
 
-    steps = {"whole": many([whole]), "parts": parts, "padding_free": many(free)}
+    steps = {"whole": many([whole]), "parts": parts("auto"), "parts_kept": parts(False),
+             "padding_free": many(free)}
     rows = {"whole": whole.num_packed_rows, "parts": whole.num_packed_rows,
+            "parts_kept": whole.num_packed_rows,
             "padding_free": sum(p.num_packed_rows for p in free)}
     if split_packs is not None:
         steps["split"] = many(split_packs)
@@ -135,7 +150,7 @@ def main():
                            around=lambda k: peak_memory(device, peaks[k]))
         work = {"budget": budget, "sequences": len(seqs), "rows": rows, "loss": losses,
                 "peak_mib": {k: min(v) / 2**20 for k, v in peaks.items()}}
-        others = [k for k in ("whole", "split", "padding_free") if k in steps]
+        others = [k for k in ("whole", "parts_kept", "split", "padding_free") if k in steps]
         for other in others:
             work[f"parts/{other}"] = ratio(times, "parts", other)._asdict()
         result["workloads"][name] = work

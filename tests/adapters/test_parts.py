@@ -395,3 +395,94 @@ def test_hybrid_parts_fail_without_what_cuts_carry(broken, monkeypatch):
         monkeypatch.setattr(parts._Carried, "put", states_without_graph)
     with pytest.raises(AssertionError):
         test_hybrid_parts_equal_one_forward_over_the_tree("qwen3_5", 7, monkeypatch)
+
+
+# ------------------------------------------------------------------------ recompute
+
+def trajectory(steps=8, seed=7):
+    """An agent trajectory whose steps extend each other: at 12 rows a part, a chain of trunk
+    parts, each with the step's answer hanging off it."""
+    g = np.random.default_rng(seed)
+    history, out = g.integers(3, 90, 6).tolist(), []
+    for _ in range(steps):
+        history = history + g.integers(3, 90, 9).tolist()
+        out.append(history + g.integers(3, 90, 3).tolist())
+    return out
+
+
+class SavedBytes:
+    """The bytes autograd holds for backward, alive at once: their peak over a call."""
+
+    def __init__(self):
+        self.alive = self.peak = 0
+
+    def __enter__(self):
+        meter = self
+
+        class Held:
+            def __init__(self, t):
+                self.t, self.size = t, t.numel() * t.element_size()
+                meter.alive += self.size
+                meter.peak = max(meter.peak, meter.alive)
+
+            def __del__(self):
+                meter.alive -= self.size
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
+def test_recomputed_parts_hold_fewer_activations_and_equal_one_forward(family, monkeypatch):
+    """A chain of trunk parts keeps every one's activations until its backward; recomputing
+    the parts with grandchildren ("auto") or all with children (True) holds about two parts'
+    at once and runs one more forward per recomputed part, with the same result."""
+    model = model_of("qwen2") if family == "qwen2" else hybrid_of("qwen3_5", monkeypatch)
+    seqs = trajectory()
+    weights = torch.randn(TreePack.from_sequences(seqs).rows.shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(8))
+    _, want_loss, want_grads = whole_tree(model, seqs, weights)
+    forwards, peaks = {}, {}
+    real_forward = model.forward
+    for recompute in (False, "auto", True):
+        calls = []
+        monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1) or
+                            real_forward(*a, **k))
+        model.zero_grad()
+        with SavedBytes() as saved:
+            got = hf.backward_in_parts(model, seqs, loss_of(weights), max_tokens=12,
+                                       entropy=True, recompute=recompute)
+        forwards[recompute], peaks[recompute] = len(calls), saved.peak
+        torch.testing.assert_close(got.loss, want_loss, rtol=1e-12, atol=0)
+        check_hybrid_gradients(family, model, want_grads)
+    trunks = sum(1 for p in split(TreePack.from_sequences(seqs), 12).parts
+                 if p.rows.shape[0] == 12)
+    assert trunks >= 6 and forwards[False] == got.parts
+    assert forwards[False] < forwards["auto"] < forwards[True] <= 2 * got.parts
+    assert peaks["auto"] < peaks[False] / 2 and peaks[True] <= peaks["auto"], peaks
+
+
+def test_recomputed_parts_draw_the_same_dropout_masks():
+    """Dropout on: a recomputed part's second forward replays the first's masks, so every
+    gradient equals the run that keeps its activations."""
+    model = hf.prepare(zoo.tiny_model("qwen2", layers=2, attention_dropout=0.3).double())
+    model.train()
+    seqs = trajectory()
+    grads = {}
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model.zero_grad()
+        hf.backward_in_parts(model, seqs, lambda o, m: o.logprobs.where(m, 0).sum(),
+                             max_tokens=12, recompute=recompute)
+        grads[recompute] = {k: p.grad.clone() for k, p in model.named_parameters()}
+    assert relative(grads[True], grads[False]) == 0
+
+
+def test_recompute_names_its_choices():
+    with pytest.raises(ValueError, match="recompute='always'"):
+        hf.backward_in_parts(model_of("llama"), [[1, 2, 3]], lambda o, m: o.logprobs.sum(),
+                             max_tokens=2, recompute="always")

@@ -54,7 +54,8 @@ class PartsResult:
 
 
 def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature=1.0,
-                      entropy: bool = False, align: str = "label") -> PartsResult:
+                      entropy: bool = False, align: str = "label",
+                      recompute: bool | str = "auto") -> PartsResult:
     """One step's forward and backward over a tree too large for one forward.
 
     Args:
@@ -88,7 +89,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
     core = check_model(model)
     with _fsdp_unsharded(model):
         run = _Run(_local(model), core, sequences, max_tokens, temperature, entropy,
-                   train=True, loss_fn=loss_fn, align=align)
+                   train=True, loss_fn=loss_fn, align=align, recompute=recompute)
         run.all()
     if _local(model) is not model:
         _average_gradients(model)
@@ -213,8 +214,10 @@ class _Run:
     children's."""
 
     def __init__(self, model, core, sequences, max_tokens, temperature, entropy, *, train,
-                 loss_fn=None, align="label"):
+                 loss_fn=None, align="label", recompute=False):
         check_align(align)
+        if recompute not in (True, False, "auto"):
+            raise ValueError(f"recompute={recompute!r}: use 'auto', True or False")
         self.model, self.core, self.train, self.loss_fn = model, core, train, loss_fn
         self.want_entropy, self.align = entropy, align
         device = compute_device(model)
@@ -225,6 +228,11 @@ class _Run:
         for j, part in enumerate(self.parts.parts):
             self.children[part.parent].append(j)
         self.carried = _Carried(self.parts, train)
+        self.recomputed = set()
+        if train and recompute:
+            below = {j for j in self.children if j >= 0}  # parts with parts below them
+            self.recomputed = below if recompute is True else {
+                j for j in below if any(c in below for c in self.children[j])}
         self.predictions = _predictions(self.parts, align)
         shape = tuple(pack.rows.shape)
         dtype = torch.promote_types(core.dtype, torch.float32)  # as normalise computes
@@ -237,6 +245,30 @@ class _Run:
             self.part(i)
 
     def part(self, i: int) -> None:
+        if i in self.recomputed:  # a first forward for the parts below only: no graph kept
+            rng = _rng_state(self.parts.pack.device)
+            with torch.no_grad(), self.carried.first_of_two(i):
+                self.forward(i)
+        else:
+            loss = self.outputs(i, self.forward(i))
+        for child in self.children[i]:
+            self.part(child)
+        if i in self.recomputed:  # again, with the same dropout masks, for the backward
+            after = _rng_state(self.parts.pack.device)
+            _set_rng_state(rng)
+            with self.carried.second_of_two(i):
+                loss = self.outputs(i, self.forward(i))
+            _set_rng_state(after)
+        if self.train:
+            tensors, grads = self.carried.backward_inputs(i)
+            if loss is not None and loss.requires_grad:
+                tensors, grads = [loss, *tensors], [torch.ones_like(loss), *grads]
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        self.carried.release(i)
+
+    def forward(self, i: int) -> Tensor:
+        """Part ``i``'s forward: its rows' last hidden states ``[n, H]``."""
         rows = self.parts.parts[i].rows
         pack = self.parts.pack
         tree = _PartForward(pack, self.carried, i)
@@ -247,16 +279,7 @@ class _Run:
                              logits_to_keep=1, output_hidden_states=True,
                              **{TREE_FORWARD_KWARG: tree})
         check_calls(self.core, tree)
-        loss = self.outputs(i, out.hidden_states[-1][0])
-        for child in self.children[i]:
-            self.part(child)
-        if self.train:
-            tensors, grads = self.carried.backward_inputs(i)
-            if loss is not None and loss.requires_grad:
-                tensors, grads = [loss, *tensors], [torch.ones_like(loss), *grads]
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-        self.carried.release(i)
+        return out.hidden_states[-1][0]
 
     def outputs(self, i: int, hidden: Tensor) -> Tensor | None:
         where, seq, source, token, real = self.predictions[i]
@@ -326,18 +349,40 @@ class _Carried:
         self.leaves: dict = collections.defaultdict(dict)  # part -> layer key -> leaves
         self.own: dict = collections.defaultdict(dict)  # part -> layer key -> with graph
         self.plans: dict = {}
+        self.first = self.second = None  # the part in its first / second of two forwards
         h, n = parts.pack.host, parts.pack.num_rows
         parent = h.parent_row[:n]
         handed = (parent >= 0) & (parts.part_of[np.maximum(parent, 0)] != parts.part_of)
         self.exported = np.zeros(n, dtype=bool)  # rows other parts continue a scan from
         self.exported[parent[handed]] = True
 
+    @contextlib.contextmanager
+    def first_of_two(self, i: int):
+        """Part ``i``'s forward without gradients: what it hands below, and no graph."""
+        self.first = i
+        try:
+            yield
+        finally:
+            self.first = None
+
+    @contextlib.contextmanager
+    def second_of_two(self, i: int):
+        """Part ``i``'s forward again, with gradients: its tensors replace the first's (the
+        same values) as what the leaves' gradients flow back through; the leaves stay."""
+        self.second = i
+        try:
+            yield
+        finally:
+            self.second = None
+
     def put(self, i: int, key, *tensors: Tensor) -> None:
         """Part ``i``'s tensors for the layer ``key`` (an attention module, or a
         convolution's / scan's key), kept for the parts below it."""
         if key in self.own[i]:
+            if i == self.second and not self.own[i][key][0].requires_grad:
+                self.own[i][key] = tensors
             return  # an activation-checkpointing recompute: the forward's are kept
-        if self.train and not torch.is_grad_enabled():
+        if self.train and not torch.is_grad_enabled() and i != self.first:
             raise UnsupportedModel(
                 "a layer ran its forward without gradients during a training step: "
                 "reentrant activation checkpointing, whose backward would not see the "
@@ -469,6 +514,18 @@ class _Carried:
     def release(self, i: int) -> None:
         self.leaves.pop(i, None)
         self.own.pop(i, None)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The random generators a forward draws dropout from: the CPU's, and the device's."""
+    cuda = device.type == "cuda"
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None, device
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], state[2])
 
 
 def _positions(sorted_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
