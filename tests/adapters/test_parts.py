@@ -486,3 +486,55 @@ def test_recompute_names_its_choices():
     with pytest.raises(ValueError, match="recompute='always'"):
         hf.backward_in_parts(model_of("llama"), [[1, 2, 3]], lambda o, m: o.logprobs.sum(),
                              max_tokens=2, recompute="always")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_collate_keeps_trees_whole_and_its_batches_run_in_parts(mode):
+    """The documented loop for custom trainers: collate(parts=True) at a budget smaller than
+    every GRPO group keeps each group in one batch, and hf.step_in_parts on each batch's pack
+    with the clipped policy loss (the step's denominators) gives the gradients of one forward
+    per batch at an unlimited budget; so does hf.backward_in_parts for a token mean (a sum
+    over predictions), masked to each part's."""
+    import treepack
+    from treepack import losses
+
+    g = np.random.default_rng(9)
+    rollouts = []
+    for group in range(3):
+        prompt = g.integers(3, 90, 20)
+        for _ in range(4):
+            n = int(g.integers(3, 9))
+            rollouts.append({"prompt": prompt, "completion": g.integers(3, 90, n),
+                             "group": group, "old_logps": -g.random(n) * 3,
+                             "loss_mask": (g.random(n) < 0.8).astype(np.int64),
+                             "advantage": float(g.normal())})
+    model = model_of("qwen2")
+
+    def run(step, how):
+        den = step.denominators()
+        model.zero_grad()
+        for batch in step.batches():
+            def loss_fn(out, mask=True):
+                return losses.policy_loss(out.logprobs, batch.fields["old_logps"],
+                                          batch.fields["advantage"], batch.mask & mask,
+                                          mode=mode, denominators=den).loss
+            if how == "backward_in_parts":  # the loss as a sum over each part's predictions
+                hf.backward_in_parts(model, batch.pack, loss_fn, max_tokens=16)
+            elif how == "step_in_parts":  # the loss of the whole batch
+                hf.step_in_parts(model, batch.pack, loss_fn, max_tokens=16)
+            else:
+                loss_fn(hf.logprobs(model, batch.pack, head="hidden")).backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    step = treepack.collate(rollouts, max_tokens=16, parts=True)
+    assert len(step.batches()) < 3 or all(len(set(b.groups)) == 1 for b in step.batches())
+    assert sorted(len(set(b.groups) & {gr}) for b in step.batches() for gr in range(3)
+                  if gr in b.groups) == [1, 1, 1]  # every group in exactly one batch
+    want = run(treepack.collate(rollouts, max_tokens=10_000), "one forward")
+    assert relative(run(step, "step_in_parts"), want) <= 1e-12
+    # a per-sequence mean is not a sum over each part's predictions: a part would divide by
+    # its own share of the sequence's tokens (the reason step_in_parts exists)
+    error = relative(run(step, "backward_in_parts"), want)
+    assert error <= 1e-12 if mode == "token-mean" else error > 1e-3
+    with pytest.raises(ValueError, match="pad_to_multiple_of=8 with parts=True"):
+        treepack.collate(rollouts, max_tokens=16, parts=True, pad_to_multiple_of=8)

@@ -300,14 +300,9 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _parts_backward(self, sequences, grads: dict, budget: int, temperature, entropy):
         """The parts' forwards and backwards with ``sum(grad * value)`` as their loss."""
-        def surrogate(out, mask):
-            total = (out.logprobs * grads["log_probs"]).where(mask, 0).sum()
-            if "entropy" in grads:
-                total = total + (out.entropy * grads["entropy"]).where(mask, 0).sum()
-            return total
-
+        loss_fn = hf.parts.surrogate(grads["log_probs"], grads.get("entropy"))
         with self._autocast():
-            hf.backward_in_parts(self.module, sequences, surrogate, max_tokens=budget,
+            hf.backward_in_parts(self.module, sequences, loss_fn, max_tokens=budget,
                                  temperature=temperature, entropy=entropy, align="prediction")
 
     def _tree_step(self, micro_batch, sequences, loss_function, forward_only):

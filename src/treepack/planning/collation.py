@@ -140,7 +140,7 @@ def _ids(x, what: str) -> np.ndarray:
 
 def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1,
             pad_to_multiple_of: int | None = None,
-            device: torch.device | str | None = None) -> Collated:
+            device: torch.device | str | None = None, parts: bool = False) -> Collated:
     """Plan ``rollouts`` (see the module doc) into packs over ranks.
 
     Args:
@@ -151,6 +151,11 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
         world_size: data-parallel ranks.
         pad_to_multiple_of: pad each pack's rows to a multiple of this.
         device: where each batch's tensors go.
+        parts: never split a tree (a GRPO group, a trajectory) over batches: a tree larger
+            than ``max_tokens`` stays whole in one batch, to run in parts of at most
+            ``max_tokens`` rows (``hf.backward_in_parts(model, batch.pack, ...,
+            max_tokens=max_tokens)``), each row once; without, :func:`treepack.plan` splits
+            it and every batch repeats the prefix above its cut.
 
     Returns:
         :class:`Collated`: ``batches(rank)`` gives each rank its :class:`Batch` list and
@@ -203,12 +208,25 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
         plen.append(prompt.size)
         clen.append(completion.size)
         groups.append(r.get("group"))
+    if parts:  # a budget every tree fits, so that plan keeps each one whole
+        if pad_to_multiple_of:
+            raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} with parts=True: parts "
+                             "build their own forwards from the whole tree; leave it unset")
+        max_tokens = max(max_tokens, _largest_tree(sequences))
     p = plan(sequences, max_tokens=max_tokens, world_size=world_size,
              pad_to_multiple_of=pad_to_multiple_of, device=device)
     dtypes = {k: np.result_type(*v) for k, v in per_token.items()}
     return Collated(p, np.array(plen, dtype=np.int64), np.array(clen, dtype=np.int64),
                     per_token, {k: np.stack(v) for k, v in per_sequence.items()}, dtypes,
                     groups, device)
+
+
+def _largest_tree(sequences) -> int:
+    """Rows of the largest tree of the forest ``sequences`` make."""
+    forest = TreePack.from_sequences(sequences)
+    h, n = forest.host, forest.num_packed_rows
+    roots = np.flatnonzero(h.parent_row[:n] < 0)
+    return int((h.subtree_end[roots] - roots).max())
 
 
 def _field(value, i: int, name: str) -> np.ndarray:

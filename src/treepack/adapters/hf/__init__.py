@@ -12,8 +12,8 @@ from its hidden states and LM head, or from the head inside the forward (:mod:`.
 
 What would be silently wrong is refused with :class:`UnsupportedModel` (a ``ValueError`` and a
 ``NotImplementedError``), naming the fix: a model whose layers do not all go through
-transformers' attention interface (custom attention code, recurrent or linear-attention
-layers), a model that ignores ``position_ids``, attention sinks, and rotary scalings that read
+transformers' attention interface (custom attention code, recurrent layers it does not
+route), a model that ignores ``position_ids``, attention sinks, and rotary scalings that read
 the longest position. Keyword arguments that would break the tree (caches, ``labels``,
 attention masks, flash "padding-free" boundaries) raise ``ValueError``. An MoE router
 auxiliary loss is recomputed with each packed row weighted by the number of original tokens it
@@ -21,13 +21,15 @@ stands for, so it equals the unpacked one (:mod:`.moe`). Every transformers inte
 touches is in :mod:`.compat`.
 
 A tree larger than one forward runs in parts that each compute their rows once
-(:func:`backward_in_parts`, :func:`logprobs_in_parts`; :mod:`.parts`).
+(:func:`backward_in_parts`, :func:`step_in_parts` for losses of whole sequences,
+:func:`logprobs_in_parts`; :mod:`.parts`).
 """
 
 from treepack.adapters.hf.forwarding import (HEADS, HiddenOutput, forward, forward_hidden,
                                           forward_lean, logprobs)
 from treepack.adapters.hf.head import lm_head
-from treepack.adapters.hf.parts import PartsResult, backward_in_parts, logprobs_in_parts
+from treepack.adapters.hf.parts import (PartsResult, backward_in_parts, logprobs_in_parts,
+                                        step_in_parts)
 from treepack.adapters.hf.moe import batch_router_aux_loss, router_aux_loss, row_multiplicity
 from treepack.adapters.hf.prepare import (compute_device, is_prepared, original_attention,
                                           pair_cost, prepare, prepared, restore, unprepare,
@@ -38,4 +40,4 @@ __all__ = ["logprobs", "HEADS", "pair_cost", "forward", "forward_hidden", "Hidde
            "prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention", "unwrap",
            "lm_head", "row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
            "UnsupportedModel", "compute_device", "forward_lean", "backward_in_parts",
-           "logprobs_in_parts", "PartsResult"]
+           "logprobs_in_parts", "step_in_parts", "PartsResult"]

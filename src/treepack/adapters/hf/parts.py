@@ -39,7 +39,8 @@ from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
 from treepack.recurrent import ancestor_table, path_conv1d, row_levels, scan_levels
 
-__all__ = ["backward_in_parts", "logprobs_in_parts", "PartsResult", "check_model"]
+__all__ = ["backward_in_parts", "step_in_parts", "logprobs_in_parts", "PartsResult",
+           "check_model", "surrogate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,10 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
             averaged over the ranks once, at the end; or an FSDP2 (``fully_shard``) one:
             its parameters are gathered once for the step, the gradients reduce-scattered
             once at the end (every rank must call this, as any FSDP step).
-        sequences: the step's token sequences (lists, arrays or 1-D tensors).
+        sequences: the step's token sequences (lists, arrays or 1-D tensors), or a
+            :class:`~treepack.TreePack` of them (its sequences in its order: a
+            ``treepack.collate(..., parts=True)`` batch's ``batch.pack``, whose ``[N, L]``
+            fields then line up with the outputs).
         loss_fn: ``loss_fn(outputs, mask) -> scalar``: ``outputs`` a
             :class:`~treepack.TokenLogprobs` with ``[N, L]`` label-aligned log-probs (and
             entropies) of one part's predictions, 0 elsewhere; ``mask`` ``[N, L]`` bool,
@@ -96,6 +100,65 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
     return PartsResult(run.loss.detach(), run.logprobs.detach(),
                        None if run.entropy is None else run.entropy.detach(),
                        len(run.parts.parts), run.parts.rows_computed)
+
+
+def step_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature=1.0,
+                  entropy: bool = False, align: str = "label",
+                  recompute: bool | str = "auto") -> PartsResult:
+    """:func:`backward_in_parts` for any loss of the whole batch's outputs: a per-sequence
+    mean (``seq-mean-token-mean``), GSPO's sequence ratio, anything a part holding some of a
+    sequence's tokens cannot compute by itself.
+
+    Two passes: every log-prob (and entropy) without gradients, in parts; ``loss_fn`` on
+    them as leaves, whose backward gives the loss's gradient with respect to each of them;
+    then the parts' forwards and backwards with ``sum(gradient * value)`` as their loss. The
+    chain rule makes that the loss's gradient, for one more forward over the tree's rows
+    (each once).
+
+    Args:
+        model, sequences, max_tokens, temperature, entropy, align, recompute: as
+            :func:`backward_in_parts`.
+        loss_fn: ``loss_fn(outputs) -> scalar``, ``outputs`` a
+            :class:`~treepack.TokenLogprobs` of every ``[N, L]`` log-prob (and entropy) of
+            the batch, as one forward over it would give.
+
+    Returns:
+        :class:`PartsResult`: the loss ``loss_fn`` returned; the gradients are accumulated
+        into the parameters.
+
+    Raises:
+        As :func:`backward_in_parts`.
+    """
+    first = logprobs_in_parts(model, sequences, max_tokens=max_tokens,
+                              temperature=temperature, entropy=entropy, align=align)
+    leaves = TokenLogprobs(first.logprobs.requires_grad_(),
+                           None if first.entropy is None else first.entropy.requires_grad_(),
+                           align)
+    loss = loss_fn(leaves)
+    loss.backward()
+    step = backward_in_parts(model, sequences, surrogate(leaves.logprobs.grad,
+                                                         None if first.entropy is None
+                                                         else leaves.entropy.grad),
+                             max_tokens=max_tokens, temperature=temperature, entropy=entropy,
+                             align=align, recompute=recompute)
+    return PartsResult(loss.detach(), first.logprobs.detach(),
+                       None if first.entropy is None else first.entropy.detach(),
+                       step.parts, step.rows)
+
+
+def surrogate(grad_logprobs: Tensor | None, grad_entropy: Tensor | None = None):
+    """A part's loss whose gradient is a whole-batch loss's: ``sum(grad * value)`` over the
+    part's predictions, given that loss's ``[N, L]`` gradients with respect to every
+    log-prob and entropy (None: it does not depend on them)."""
+    def loss_fn(out: TokenLogprobs, mask: Tensor) -> Tensor:
+        total = out.logprobs.new_zeros(())
+        if grad_logprobs is not None:
+            total = total + (out.logprobs * grad_logprobs).where(mask, 0).sum()
+        if grad_entropy is not None:
+            total = total + (out.entropy * grad_entropy).where(mask, 0).sum()
+        return total
+
+    return loss_fn
 
 
 def logprobs_in_parts(model, sequences, *, max_tokens: int, temperature=1.0,
@@ -221,7 +284,7 @@ class _Run:
         self.model, self.core, self.train, self.loss_fn = model, core, train, loss_fn
         self.want_entropy, self.align = entropy, align
         device = compute_device(model)
-        pack = TreePack.from_sequences(sequences, device=device)
+        pack = TreePack.from_sequences(_sequences(sequences), device=device)
         self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
         self.parts = split(pack, max_tokens)
         self.children = collections.defaultdict(list)  # part -> the parts hanging off it
@@ -311,6 +374,16 @@ class _Run:
         loss = self.loss_fn(TokenLogprobs(logprobs, entropy, self.align), mask)
         self.loss = self.loss + loss.detach()
         return loss
+
+
+def _sequences(sequences):
+    """The token sequences to run: ``sequences``, or a pack's, in its order."""
+    if not isinstance(sequences, TreePack):
+        return sequences
+    h = sequences.host
+    if sequences.layout == "flat":
+        return [h.input_ids[h.rows[a:b]] for a, b in zip(h.offsets[:-1], h.offsets[1:])]
+    return [h.input_ids[h.rows[s, :n]] for s, n in enumerate(h.lengths)]
 
 
 def _predictions(parts: Parts, align: str) -> list[tuple]:
