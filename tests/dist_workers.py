@@ -252,3 +252,40 @@ def fsdp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
         model = None
     finally:
         shutdown()
+
+
+def average_gradients_worker(rank: int, world: int, port: int) -> None:
+    """The DDP parts path's gradient averaging in small buckets, over parameters of two
+    dtypes, one frozen and one without a gradient on this rank: every gradient the mean of
+    the ranks'."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from treepack.adapters.hf.parts import _average_gradients
+
+    init(rank, world, port)
+    try:
+        module = torch.nn.Module()
+        module.a = torch.nn.Parameter(torch.zeros(5, 3))
+        module.b = torch.nn.Parameter(torch.zeros(7, dtype=torch.float64))
+        module.frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+        module.c = torch.nn.Parameter(torch.zeros(4, 2))
+        module.forward = lambda: None
+        model = DDP(module)
+
+        def grads(r):
+            g = torch.Generator().manual_seed(r)
+            return {"a": torch.randn(5, 3, generator=g),
+                    "b": torch.randn(7, generator=g, dtype=torch.float64),
+                    "c": torch.randn(4, 2, generator=g) if r == 0 else None}
+
+        for name, grad in grads(rank).items():
+            getattr(module, name).grad = grad
+        _average_gradients(model, bucket_bytes=40)  # a bucket a parameter or two
+        for name in ("a", "b", "c"):
+            each = [grads(r)[name] for r in range(world)]
+            want = sum(torch.zeros_like(each[0]) if g is None else g for g in each) / world
+            torch.testing.assert_close(getattr(module, name).grad, want, rtol=0, atol=1e-6)
+        assert module.frozen.grad is None
+        model = module = None
+    finally:
+        shutdown()

@@ -25,6 +25,10 @@ def test_global_denominators_sum_every_pack_of_every_rank():
     spawn(dist_workers.global_denominators_worker)
 
 
+def test_parts_average_gradients_in_buckets_as_ddp_would():
+    spawn(dist_workers.average_gradients_worker)
+
+
 def rank_zero_grads_equal(worker, reference, tmp_path):
     """Run ``worker`` on 2 ranks; rank 0's gradients equal ``reference()``'s, to float32
     rounding of the reductions."""

@@ -255,21 +255,37 @@ def _refuse_distributed(model) -> None:
             "are supported, or plan trees that fit one forward (treepack.plan)")
 
 
-def _average_gradients(model) -> None:
+def _average_gradients(model, bucket_bytes: int = 25 * 2**20) -> None:
     """What DDP's reducer does once per step: every gradient averaged over its process
-    group. A parameter without a gradient on this rank adds zeros (the ranks' parameter
-    lists must line up)."""
+    group, in flat buckets of about ``bucket_bytes`` (DDP's default size: a few collectives,
+    not one per parameter). A parameter without a gradient on this rank adds zeros (the
+    ranks' parameter lists must line up)."""
     import torch.distributed as dist
 
     group = model.process_group
     world = dist.get_world_size(group)
+    grads = []
     for p in model.module.parameters():
         if not p.requires_grad:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
-        p.grad /= world
+        grads.append(p.grad)
+    buckets: list[list[Tensor]] = []
+    size = 0
+    for g in grads:  # consecutive runs of one dtype and device, up to the size
+        fits = buckets and buckets[-1][0].dtype == g.dtype and buckets[-1][0].device == g.device
+        if not fits or size + g.numel() * g.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.numel() * g.element_size()
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
 
 
 class _Run:
