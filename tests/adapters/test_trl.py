@@ -70,7 +70,8 @@ def test_seam_equals_the_stock_seam(tokenizer, tmp_path, model_dir, max_tokens):
     completion = mask[:, -keep:].bool()
     for a, b in zip(ours[:2], stock[:2]):
         assert a.shape == b.shape == (4, keep)
-        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=1e-5)
+        # measured 1.4e-6 at most (float32); a scan state lost at a cut is 1.1e-5 off
+        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=4e-6)
         assert (a[~completion] == 0).all()
     # gradients too: the loss the trainer builds on them
     w = torch.randn(4, keep)
@@ -83,12 +84,17 @@ def test_seam_equals_the_stock_seam(tokenizer, tmp_path, model_dir, max_tokens):
         torch.testing.assert_close(grads[0][k], g, rtol=0, atol=1e-5 * g.abs().max().item())
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
 def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path, model_dir,
-                                                           monkeypatch):
+                                                           monkeypatch, family):
     """TRL's old / reference log-prob passes (no grad) at a budget that splits the batch's
-    tree: every row once, in parts, equal to the stock seam; the training pass plans packs."""
+    tree: every row once, in parts, equal to the stock seam; the training pass plans packs.
+    On Qwen3.5 each cut carries the convolutions' inputs and the scans' states."""
     from treepack.adapters.hf import parts
 
+    if family != "qwen2":
+        model_dir = str(tmp_path / family)
+        zoo.tiny_model(family, layers=4).save_pretrained(model_dir)
     trainer = make_trainer(tokenizer, tmp_path, model_dir)
     model = trainer.model
     ids, mask = trl_batch()
@@ -106,7 +112,8 @@ def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path,
     assert runs and runs[0] > 1  # in parts
     completion = mask[:, -4:].bool()
     for a, b in zip(ours[:2], stock[:2]):
-        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=1e-5)
+        # measured 1.4e-6 at most (float32); a scan state lost at a cut is 1.1e-5 off
+        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=4e-6)
         assert (a[~completion] == 0).all()
     trainer._get_per_token_logps_and_entropies(model, ids, mask, 4)  # with grad: packs
     assert len(runs) == 1
@@ -336,22 +343,33 @@ def test_two_processes_keep_groups_whole_and_equal_stock(tokenizer, model_dir, t
     assert "per_device_train_batch_size=4" in said
 
 
-def test_a_hybrid_qwen3_5_trains_through_the_trainer_as_stock(tokenizer, tmp_path):
+@pytest.mark.parametrize("max_tokens", [None, 16])
+def test_a_hybrid_qwen3_5_trains_through_the_trainer_as_stock(tokenizer, tmp_path, max_tokens,
+                                                              monkeypatch):
     """Qwen3.5 (Gated DeltaNet + attention layers): one GRPO step through trainer.train(),
     packed and stock, apply the same gradients. Judged against the largest gradient of the
     model: the scan runs in float32 inside transformers, whose rounding differs with where a
     chunk starts (``treepack verify`` measures the same between its chunked and token-by-token
-    forms)."""
+    forms). At 16 rows a forward the reference pass runs in parts through the trainer (the
+    values at each cut are checked closely by the no-grad seam test above)."""
+    from treepack.adapters.hf import parts
+
+    forwards = []
+    real_all = parts._Run.all
+    monkeypatch.setattr(parts._Run, "all", lambda self: forwards.append(len(self.parts.parts))
+                        or real_all(self))
     path = tmp_path / "tiny-qwen3_5"
     zoo.tiny_model("qwen3_5", layers=2).save_pretrained(path)
     runs = {}
     for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
         probe = GradientsAtStep()
+        extra = {"treepack_max_tokens": max_tokens} if name == "packed" else {}
         trainer = make_trainer(tokenizer, tmp_path / name, str(path), cls=cls,
-                               callbacks=[probe])
+                               callbacks=[probe], **extra)
         torch.manual_seed(0)
         trainer.train()
         runs[name] = probe.grads
     scale = max(g.abs().max().item() for g in runs["stock"].values())
     for k, g in runs["stock"].items():
         torch.testing.assert_close(runs["packed"][k], g, rtol=0, atol=1e-5 * scale, msg=k)
+    assert bool(forwards) == (max_tokens is not None) and all(n > 1 for n in forwards), forwards
