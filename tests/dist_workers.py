@@ -224,29 +224,61 @@ def ddp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
         shutdown()
 
 
-def fsdp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
-    """The same under FSDP2 (fully_shard per layer and at the root): its gradients are
-    averaged over ranks too."""
+def sharded_parts_steps(model, rank: int, world: int) -> None:
+    """Two steps of this rank's trees in parts (12 + rank rows a forward; twice: the module
+    is left as FSDP expects, sharded and synced), then the no-grad pass at another budget."""
     import numpy as np
 
     import treepack
     from treepack import hf
 
+    seqs, mask, old_shift, adv = step_batch()
+    plan = treepack.plan(seqs, max_tokens=60, world_size=world)
+    mine = np.concatenate([p.seq_ids for p in plan.specs[rank]])
+    loss = parts_loss(mask, old_shift, adv)(torch.from_numpy(mine))
+    for _ in range(2):
+        model.zero_grad()
+        step = hf.backward_in_parts(model, [seqs[i] for i in mine],
+                                    lambda o, m: loss(o, m) * world, max_tokens=12 + rank)
+    assert step.parts > 1
+    old = hf.logprobs_in_parts(model, [seqs[i] for i in mine], max_tokens=9 + rank)
+    torch.testing.assert_close(old.logprobs, step.logprobs, rtol=0, atol=1e-5)
+
+
+def fsdp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The same under FSDP2 (fully_shard per layer and at the root): its gradients are
+    averaged over ranks too."""
     init(rank, world, port)
     try:
         model = sharded_model()
-        seqs, mask, old_shift, adv = step_batch()
-        plan = treepack.plan(seqs, max_tokens=60, world_size=world)
-        mine = np.concatenate([p.seq_ids for p in plan.specs[rank]])
-        loss = parts_loss(mask, old_shift, adv)(torch.from_numpy(mine))
-        for _ in range(2):  # twice: the module is left as FSDP expects (sharded, synced)
-            model.zero_grad()
-            step = hf.backward_in_parts(model, [seqs[i] for i in mine],
-                                        lambda o, m: loss(o, m) * world, max_tokens=12 + rank)
-        assert step.parts > 1
-        old = hf.logprobs_in_parts(model, [seqs[i] for i in mine], max_tokens=9 + rank)
-        torch.testing.assert_close(old.logprobs, step.logprobs, rtol=0, atol=1e-5)
+        sharded_parts_steps(model, rank, world)
         grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(grads, out)
+        model = None
+    finally:
+        shutdown()
+
+
+def fsdp1_parts_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The same under FSDP1 (FullyShardedDataParallel, each layer then the root, flat
+    parameters, use_orig_params=True here, False in the verl tests): its handles are
+    gathered once for the step, then reduce-scattered."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from treepack import hf, zoo
+
+    init(rank, world, port)
+    try:
+        model = FSDP(hf.prepare(zoo.tiny_model("llama", seed=1)),
+                     auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                     device_id=torch.device("cpu"), use_orig_params=True)
+        sharded_parts_steps(model, rank, world)
+        with FSDP.summon_full_params(model, with_grads=True):
+            grads = {k.replace("_fsdp_wrapped_module.", ""): p.grad.clone()
+                     for k, p in model.named_parameters()}
         if rank == 0:
             torch.save(grads, out)
         model = None

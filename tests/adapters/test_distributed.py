@@ -47,7 +47,8 @@ def test_one_step_over_a_plan_equals_the_unpacked_batch(worker, tmp_path):
     rank_zero_grads_equal(worker, dist_workers.reference_grads, tmp_path)
 
 
-@pytest.mark.parametrize("worker", ["ddp_parts_worker", "fsdp_parts_worker"])
+@pytest.mark.parametrize("worker", ["ddp_parts_worker", "fsdp_parts_worker",
+                                    "fsdp1_parts_worker"])
 def test_parts_under_ddp_and_fsdp2_equal_every_sequence_alone(worker, tmp_path):
     """Two ranks, each its own trees run in parts (more than one forward each, different
     counts), under DDP and FSDP2: the averaged gradients equal one process running every

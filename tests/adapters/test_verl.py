@@ -156,20 +156,15 @@ def test_verl_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
 
 @pytest.mark.parametrize("world,strategy", [(1, "fsdp2"), (2, "fsdp2"), (2, "fsdp")])
 def test_verl_engine_runs_trees_over_budget_in_parts(world, strategy, model_dir, tmp_path):
-    """A budget of 64 tokens splits the 9-rollout GRPO group: under FSDP2 the engine runs
-    every rank's trees in parts (each row once; log-probs, then verl's loss on them, then
-    the parts' backward with its gradient), equal to the stock engine; FSDP1 splits and
-    repeats, and says why."""
+    """A budget of 64 tokens splits the 9-rollout GRPO group: under FSDP2 and FSDP1 the
+    engine runs every rank's trees in parts (each row once; log-probs, then verl's loss on
+    them, then the parts' backward with its gradient), equal to the stock engine."""
     out = tmp_path / "result.pt"
     spawn(verl_workers.compare_engines, world, model_dir, strategy, str(out), False, 64)
     r = torch.load(out)
     assert_equals_stock(r)
-    if strategy == "fsdp2":
-        assert r["parts"] and r["parts"][0] > 1 and not r["messages"], r
-        assert r["micro_batches"] == [(1, 1)] * world  # one micro-batch a rank, in parts
-    else:
-        assert r["parts"] is None
-        assert any("parts run under FSDP2" in m for m in r["messages"]), r["messages"]
+    assert r["parts"] and r["parts"][0] > 1 and not r["messages"], r
+    assert r["micro_batches"] == [(1, 1)] * world  # one micro-batch a rank, in parts
 
 
 @pytest.mark.parametrize("world,budget", [(1, None), (2, None), (2, 64)])

@@ -39,15 +39,15 @@ What changes, and what does not:
   log-prob passes, so an update also reports the engine's last log-prob pass (this rank's
   packed rows / tokens over the pass) as ``treepack/log_prob_token_ratio``.
 - **Trees larger than the budget run in parts** (:mod:`treepack.hf.parts`) where the plan
-  would split one and repeat its prefix, under FSDP2: the rank's batch is one micro-batch
+  would split one and repeat its prefix, under FSDP or FSDP2: the rank's batch is one micro-batch
   whose trees run in forwards of at most the budget, every row once. A log-prob pass is
   those forwards. An update takes two passes, since verl's losses normalise per sequence
   (``seq-mean-token-mean``), which a part holding some of a sequence's tokens cannot: the
   log-probs without gradients, verl's ``loss_function`` on them (its value, metrics and
   gradient with respect to each log-prob and entropy), then the parts' forwards and
   backwards with that gradient; one more forward over the tree's rows than a pack would
-  take, against repeating every split prefix. FSDP1 and a float16 gradient scaler keep the
-  split (said once). ``treepack/parts`` reports the forwards.
+  take, against repeating every split prefix. A float16 gradient scaler keeps the split
+  (said once). ``treepack/parts`` reports the forwards.
 - ``use_remove_padding=false`` changes nothing (a pack never holds padding); said once.
 - **Groups stay on one rank.** Importing this module also makes verl's trainers keep each
   group (``uid``) on one data-parallel rank when they balance a batch
@@ -225,12 +225,12 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _parts_refusal(self) -> str | None:
         """Why this engine cannot run trees in parts, or None."""
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
         if getattr(self, "scaler", None) is not None:
             return "a gradient scaler (float16) is on"
-        if not isinstance(self.module, FSDPModule):
-            return "parts run under FSDP2 (strategy=fsdp2); this engine is not"
+        if not isinstance(self.module, (FSDPModule, FullyShardedDataParallel)):
+            return "parts run under FSDP (strategy=fsdp or fsdp2); this engine is not"
         try:
             hf.parts.check_model(self.module)
         except hf.UnsupportedModel as e:

@@ -63,9 +63,10 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
         model: a prepared transformers causal LM (hybrids included; activation
             checkpointing non-reentrant, transformers' default), or a DDP
             wrapper of one: each rank runs its own trees' parts and the gradients are
-            averaged over the ranks once, at the end; or an FSDP2 (``fully_shard``) one:
-            its parameters are gathered once for the step, the gradients reduce-scattered
-            once at the end (every rank must call this, as any FSDP step).
+            averaged over the ranks once, at the end; or an FSDP2 (``fully_shard``) or FSDP1
+            (``FullyShardedDataParallel``) one: its parameters are gathered once for the
+            step, the gradients reduce-scattered once at the end (every rank must call
+            this, as any FSDP step).
         sequences: the step's token sequences (lists, arrays or 1-D tensors), or a
             :class:`~treepack.TreePack` of them (its sequences in its order: a
             ``treepack.collate(..., parts=True)`` batch's ``batch.pack``, whose ``[N, L]``
@@ -87,7 +88,7 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int, temperature
         ``loss.backward()`` would.
 
     Raises:
-        UnsupportedModel: reentrant activation checkpointing, or an FSDP1-wrapped model.
+        UnsupportedModel: reentrant activation checkpointing.
         ValueError: an unprepared model, bad sequences or ``max_tokens``.
     """
     core = check_model(model)
@@ -189,10 +190,8 @@ def check_model(model):
     """The transformers model inside ``model`` if its trees can run in parts.
 
     Raises:
-        UnsupportedModel: FSDP1 (the reason in the message).
         ValueError: an unprepared model.
     """
-    _refuse_distributed(model)
     core = unwrap(model)
     if not is_prepared(core):
         raise ValueError(f"{type(core).__name__} is not prepared: call "
@@ -219,6 +218,10 @@ def _fsdp_unsharded(model, train: bool = True):
     per module) line up across ranks."""
     from torch.distributed.fsdp import FSDPModule
 
+    if _fsdp1_root(model) is not None:
+        with _fsdp1_unsharded(model, train):
+            yield
+        return
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         yield
@@ -244,15 +247,55 @@ def _fsdp_unsharded(model, train: bool = True):
                 m.reshard()
 
 
-def _refuse_distributed(model) -> None:
-    """FSDP1 gathers parameters with collectives in every forward and backward, in an order
-    the parts of each rank's trees would not keep the same across ranks."""
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-        raise UnsupportedModel(
-            f"{type(model).__name__} is wrapped with FSDP1 (FullyShardedDataParallel): its "
-            "forwards and backwards gather parameters collectively, and each rank's parts "
-            "would run a different sequence of them. Use FSDP2 (fully_shard) or DDP, which "
-            "are supported, or plan trees that fit one forward (treepack.plan)")
+def _fsdp1_root(model):
+    """The outermost FSDP1 (``FullyShardedDataParallel``) module in ``model``, or None."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
+
+
+@contextlib.contextmanager
+def _fsdp1_unsharded(model, train: bool):
+    """FSDP1, as FSDP2 above: every handle's flat parameter gathered once, up front (in
+    handle order on every rank), then kept while the parts run: FSDP1 skips its all-gather
+    when the unsharded parameter is still allocated, and it frees it only for the
+    reshard-after-forward strategies or when syncing gradients, so the handles run as
+    ``SHARD_GRAD_OP`` with gradient sync off (``no_sync``'s flag; gradients accumulate
+    unsharded). Then, strategies and sync back, one empty forward and backward on every rank
+    reduce-scatters the accumulated gradients and reshards (without ``train``: every handle
+    reshards). These are FSDP1's internals (torch.distributed.fsdp._runtime_utils,
+    _traversal_utils), as of torch 2.11-2.13."""
+    from torch.distributed.fsdp import _runtime_utils, _traversal_utils
+    from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+
+    root = _fsdp1_root(model)
+    _runtime_utils._lazy_init(root, root)
+    states = _traversal_utils._get_fsdp_states(root)
+    strategies = []
+    for state in states:
+        handle = state._handle
+        state._sync_gradients = False
+        if handle is None:
+            continue
+        _runtime_utils._unshard(state, handle, state._unshard_stream,
+                                state._pre_unshard_stream)
+        strategies.append((handle, handle._sharding_strategy))
+        if handle.uses_sharded_strategy:
+            handle._sharding_strategy = HandleShardingStrategy.SHARD_GRAD_OP
+    try:
+        yield
+    finally:
+        for handle, strategy in strategies:
+            handle._sharding_strategy = strategy
+        for state in states:
+            state._sync_gradients = True
+        if train:  # reduce-scatters what the parts accumulated, and reshards
+            empty = TreePack.empty(1, device=compute_device(model))
+            (forward(model, empty).logits.sum() * 0.0).backward()
+        else:
+            for state in states:
+                if state._handle is not None:
+                    _runtime_utils._reshard(state, state._handle, True)
 
 
 def _average_gradients(model, bucket_bytes: int = 25 * 2**20) -> None:
@@ -307,6 +350,7 @@ class _Run:
         for j, part in enumerate(self.parts.parts):
             self.children[part.parent].append(j)
         self.carried = _Carried(self.parts, train)
+        lm_head(model)  # checked once per model, by a forward of its own
         self.recomputed = set()
         if train and recompute:
             below = {j for j in self.children if j >= 0}  # parts with parts below them
@@ -352,12 +396,21 @@ class _Run:
         pack = self.parts.pack
         tree = _PartForward(pack, self.carried, i)
         index = torch.from_numpy(rows).to(pack.device)
-        with tree_forward():
-            out = self.model(input_ids=pack.input_ids[index][None],
-                             position_ids=pack.position_ids[index][None], use_cache=False,
-                             logits_to_keep=1, output_hidden_states=True,
-                             **{TREE_FORWARD_KWARG: tree})
+        # the LM head as the forward sees it: FSDP1's root points its parameters back at
+        # their shards when its forward returns
+        heads = []
+        hook = self.core.register_forward_hook(
+            lambda module, args, output: heads.append(lm_head(self.model, check=False)))
+        try:
+            with tree_forward():
+                out = self.model(input_ids=pack.input_ids[index][None],
+                                 position_ids=pack.position_ids[index][None], use_cache=False,
+                                 logits_to_keep=1, output_hidden_states=True,
+                                 **{TREE_FORWARD_KWARG: tree})
+        finally:
+            hook.remove()
         check_calls(self.core, tree)
+        self.head = heads[-1]
         return out.hidden_states[-1][0]
 
     def outputs(self, i: int, hidden: Tensor) -> Tensor | None:
@@ -368,7 +421,7 @@ class _Run:
         normalised, pick = np.unique(np.stack((source, self.temperature[seq])), axis=1,
                                      return_inverse=True)
         pick = pick.reshape(-1)
-        head = lm_head(self.model)
+        head = self.head
         logp, ent = normalise(Head(hidden, head["weight"], head.get("bias"),
                                    scale=head.get("scale", 1.0), softcap=head.get("softcap")),
                               normalised[0].astype(np.int64), normalised[1], pick, token,
