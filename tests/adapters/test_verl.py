@@ -167,9 +167,10 @@ def test_verl_engine_runs_trees_over_budget_in_parts(world, strategy, model_dir,
     assert r["micro_batches"] == [(1, 1)] * world  # one micro-batch a rank, in parts
 
 
-@pytest.mark.parametrize("world,budget", [(1, None), (2, None), (2, 64)])
-def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, budget, tmp_path_factory,
-                                                             tmp_path):
+@pytest.mark.parametrize("world,budget,strategy", [(1, None, "fsdp2"), (2, None, "fsdp2"),
+                                                   (2, 64, "fsdp2"), (2, 64, "fsdp")])
+def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, budget, strategy,
+                                                             tmp_path_factory, tmp_path):
     """A tiny Qwen3.5 (Gated DeltaNet and attention layers) through TreepackEngine under
     transformers 5.10, whose layers hold their convolution and scan per layer, with
     activation checkpointing on: log-probs, entropies, loss and gradients equal the stock
@@ -177,10 +178,12 @@ def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, budget, tmp_
     log-probs, measured, as its CPU scan runs across the sequences it concatenates.) The
     gradients are judged against the model's largest one: transformers' scan computes in
     float32 and rounds differently with where its chunks start. At a 64-token budget the
-    trees run in parts: each cut carries the convolutions' inputs and the scans' states."""
+    trees run in parts: each cut carries the convolutions' inputs and the scans' states
+    (under FSDP1 too, whose flat parameters hold the convolution weights that name the
+    layers)."""
     model_dir = verl_workers.make_model_dir(str(tmp_path_factory.mktemp("hybrid")), "qwen3_5")
     out = tmp_path / "result.pt"
-    spawn(verl_workers.compare_engines, world, model_dir, "fsdp2", str(out), True, budget)
+    spawn(verl_workers.compare_engines, world, model_dir, strategy, str(out), True, budget)
     r = torch.load(out)
     assert_equals_stock(r, grads="grads_over_model")
     if budget is None:
