@@ -106,8 +106,7 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     planned = None if max_tokens is None or oversize else plan(
         sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
         pair_cost=hf.pair_cost(model), device=input_ids.device)
-    if _in_parts(model, planned, oversize, compute_aux_loss, pad_to_multiple_of,
-                 cast_lm_head_to_fp32):
+    if _in_parts(planned, oversize, compute_aux_loss, pad_to_multiple_of, cast_lm_head_to_fp32):
         out = hf.logprobs_in_parts(model, sequences, max_tokens=max_tokens,
                                    temperature=temperature, entropy=compute_entropy)
         return (take_columns(out.logprobs, columns, keep),
@@ -138,8 +137,7 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     return out_logps, out_ent, aux_loss, packs
 
 
-def _in_parts(model, planned, oversize: bool, aux: bool, pad_to_multiple_of,
-              fp32_head: bool) -> bool:
+def _in_parts(planned, oversize: bool, aux: bool, pad_to_multiple_of, fp32_head: bool) -> bool:
     """Whether a no-grad pass runs the batch in parts: a tree larger than the budget, which
     the plan (``planned``) splits and repeats, or a sequence longer than it (``oversize``).
 
@@ -147,13 +145,7 @@ def _in_parts(model, planned, oversize: bool, aux: bool, pad_to_multiple_of,
     TRL's, computed on the whole batch at once."""
     if not (oversize or planned is not None and planned.packed_rows > planned.min_rows):
         return False
-    if torch.is_grad_enabled() or aux or pad_to_multiple_of or fp32_head:
-        return False
-    try:
-        hf.parts.check_model(model)
-    except hf.UnsupportedModel:
-        return False
-    return True
+    return not (torch.is_grad_enabled() or aux or pad_to_multiple_of or fp32_head)
 
 
 class _Settings(NamedTuple):

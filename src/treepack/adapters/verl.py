@@ -231,10 +231,6 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return "a gradient scaler (float16) is on"
         if not isinstance(self.module, (FSDPModule, FullyShardedDataParallel)):
             return "parts run under FSDP (strategy=fsdp or fsdp2); this engine is not"
-        try:
-            hf.parts.check_model(self.module)
-        except hf.UnsupportedModel as e:
-            return str(e)
         return None
 
     def _parts_step(self, data, sequences, loss_function, forward_only):

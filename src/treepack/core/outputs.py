@@ -29,8 +29,8 @@ from treepack.core import checks
 from treepack.core.softmax import Head, Logits, normalise, to_device
 from treepack.core.tree import TreePack, derived_from_pack
 
-__all__ = ["check_align", "TokenLogprobs", "RowLogprobs", "token_outputs", "from_logits", "row_outputs",
-           "take_columns", "per_sequence_temperature", "ALIGNMENTS"]
+__all__ = ["check_align", "TokenLogprobs", "RowLogprobs", "token_outputs", "from_logits",
+           "row_outputs", "take_columns", "per_sequence_temperature", "ALIGNMENTS"]
 
 ALIGNMENTS = ("label", "prediction")
 

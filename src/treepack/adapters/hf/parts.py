@@ -213,9 +213,9 @@ def _fsdp_unsharded(model, train: bool = True):
     """FSDP2: every module's parameters gathered once, up front, and kept while the parts
     run, their gradients accumulated unsharded without reduction; then one empty forward
     and backward on every rank reduce-scatters them and reshards (without ``train``: the
-    parameters are resharded). So each rank runs its own
-    sequence of parts, while the collectives (one all-gather per module, one reduce-scatter
-    per module) line up across ranks."""
+    parameters are resharded). So each rank runs its own sequence of parts, while the
+    collectives (one all-gather per module, one reduce-scatter per module) line up across
+    ranks. FSDP1: :func:`_fsdp1_unsharded`."""
     from torch.distributed.fsdp import FSDPModule
 
     if _fsdp1_root(model) is not None:
@@ -239,12 +239,18 @@ def _fsdp_unsharded(model, train: bool = True):
             m.set_requires_gradient_sync(True, recurse=False)
             m.set_reshard_after_forward(True, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
-        if train:  # reduce-scatters what the parts accumulated, and reshards
-            empty = TreePack.empty(1, device=compute_device(model))
-            (forward(model, empty).logits.sum() * 0.0).backward()
+        if train:
+            _sync_step(model)
         else:
             for m in sharded:
                 m.reshard()
+
+
+def _sync_step(model) -> None:
+    """One empty forward and backward, the same on every rank: with FSDP's gradient sync
+    back on, it reduce-scatters what the parts accumulated unsharded, and reshards."""
+    empty = TreePack.empty(1, device=compute_device(model))
+    (forward(model, empty).logits.sum() * 0.0).backward()
 
 
 def _fsdp1_root(model):
@@ -289,9 +295,8 @@ def _fsdp1_unsharded(model, train: bool):
             handle._sharding_strategy = strategy
         for state in states:
             state._sync_gradients = True
-        if train:  # reduce-scatters what the parts accumulated, and reshards
-            empty = TreePack.empty(1, device=compute_device(model))
-            (forward(model, empty).logits.sum() * 0.0).backward()
+        if train:
+            _sync_step(model)
         else:
             for state in states:
                 if state._handle is not None:
@@ -370,7 +375,7 @@ class _Run:
     def part(self, i: int) -> None:
         if i in self.recomputed:  # a first forward for the parts below only: no graph kept
             rng = _rng_state(self.parts.pack.device)
-            with torch.no_grad(), self.carried.first_of_two(i):
+            with torch.no_grad(), self.carried.recomputed(i, "first"):
                 self.forward(i)
         else:
             loss = self.outputs(i, self.forward(i))
@@ -379,7 +384,7 @@ class _Run:
         if i in self.recomputed:  # again, with the same dropout masks, for the backward
             after = _rng_state(self.parts.pack.device)
             _set_rng_state(rng)
-            with self.carried.second_of_two(i):
+            with self.carried.recomputed(i, "second"):
                 loss = self.outputs(i, self.forward(i))
             _set_rng_state(after)
         if self.train:
@@ -499,23 +504,15 @@ class _Carried:
         self.exported[parent[handed]] = True
 
     @contextlib.contextmanager
-    def first_of_two(self, i: int):
-        """Part ``i``'s forward without gradients: what it hands below, and no graph."""
-        self.first = i
-        try:
-            yield
-        finally:
-            self.first = None
-
-    @contextlib.contextmanager
-    def second_of_two(self, i: int):
-        """Part ``i``'s forward again, with gradients: its tensors replace the first's (the
+    def recomputed(self, i: int, which: str):
+        """Part ``i``'s ``"first"`` forward, without gradients (what it hands below, no
+        graph), or its ``"second"``, with gradients: its tensors replace the first's (the
         same values) as what the leaves' gradients flow back through; the leaves stay."""
-        self.second = i
+        setattr(self, which, i)
         try:
             yield
         finally:
-            self.second = None
+            setattr(self, which, None)
 
     def put(self, i: int, key, *tensors: Tensor) -> None:
         """Part ``i``'s tensors for the layer ``key`` (an attention module, or a
