@@ -179,3 +179,48 @@ def test_tests_mirror_the_package():
     for folder in folders:
         assert (SRC / folder).is_dir(), folder
         assert any(tests.joinpath(folder).glob("test_*.py")), folder
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every treepack module -> the treepack modules it names (the package root left out:
+    its re-exports are lazy)."""
+    names = {name for name, _ in modules()}
+    graph = {}
+    for module, path in modules():
+        targets = set()
+        for target, _ in imports(path, module):
+            while target not in names and "." in target:
+                target = target.rsplit(".", 1)[0]  # `from a.b import name` names a.b
+            if target in names and target not in ("treepack", module):
+                targets.add(target)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph``, one path each (depth-first, white/grey/black)."""
+    found, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "grey":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "black"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph()) == []
+
+
+def test_the_circle_test_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]

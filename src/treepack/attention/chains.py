@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from treepack.core.forest import ragged_arange
-from treepack.core.tree import TreePack, derived_from_pack
+from treepack.core.derived import derived_from_pack
+from treepack.core.tree import TreePack
 
 __all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
 

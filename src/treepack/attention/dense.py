@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treepack.core.tree import derived_from_pack
+from treepack.core.derived import derived_from_pack
 
 
 def window_mask(pos_q: Tensor, pos_kv: Tensor, window: int | None) -> Tensor | None:

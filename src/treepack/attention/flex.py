@@ -19,7 +19,7 @@ from torch import Tensor
 
 from treepack.core import mask as _mask
 from treepack.attention.chains import geometric_bucket
-from treepack.core.tree import derived_from_pack
+from treepack.core.derived import derived_from_pack
 
 RECOMPILE_LIMIT = 32  # flex compiles one process may make (per bucket length, dtype, head
 # layout, window, soft-cap and grad mode)

@@ -34,7 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from treepack.attention.chains import Chains, chains, gather_rows, geometric_bucket
 from treepack.attention.dense import sdpa
-from treepack.core.tree import derived_from_pack
+from treepack.core.derived import derived_from_pack
 
 CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
 # The fixed cost of one attention call (forward + backward) in scores, at heads x head_dim =

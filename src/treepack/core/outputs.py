@@ -27,7 +27,7 @@ from torch import Tensor
 
 from treepack.core import checks
 from treepack.core.softmax import Head, Logits, normalise, to_device
-from treepack.core.tree import TreePack, derived_from_pack
+from treepack.core.derived import derived_from_pack
 
 __all__ = ["check_align", "TokenLogprobs", "RowLogprobs", "token_outputs", "from_logits",
            "row_outputs", "take_columns", "per_sequence_temperature", "ALIGNMENTS"]

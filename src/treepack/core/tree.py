@@ -16,10 +16,8 @@ sequences; ``rows[s, p]`` is the packed row of token ``p`` of sequence ``s``.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,13 +25,13 @@ from torch import Tensor
 
 from treepack.core import checks, deprecation
 from treepack.core import mask as _mask
+from treepack.core import outputs
 from treepack.core.checks import floating, positive_int
+from treepack.core.derived import derived_from_pack
 from treepack.core.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
            "validate_sequences", "derived_from_pack", "MAX_PAD_MULTIPLE"]
-
-R = TypeVar("R")
 
 MAX_PAD_MULTIPLE = 1 << 20  # rows: far beyond any block or compile bucket
 
@@ -493,9 +491,7 @@ class TreePack:
             )
 
     def _outputs(self, logits: Tensor, temperature: float, what: str, *, entropy: bool):
-        from treepack.core.outputs import from_logits  # it imports this module
-
-        return from_logits(self, logits, temperature=temperature, entropy=entropy, what=what)
+        return outputs.from_logits(self, logits, temperature=temperature, entropy=entropy, what=what)
 
     def completion_mask(self, prompt_lengths) -> Tensor:
         """BoolTensor [N, L]: the predictions of completion tokens, for a loss on them only.
@@ -561,28 +557,6 @@ class TreePack:
         valid = self.rows >= 0
         out = x[self.rows.clamp(min=0)]
         return out.masked_fill(~valid.view(*valid.shape, *([1] * (x.dim() - 1))), 0)
-
-
-def derived_from_pack(build: Callable[..., R]) -> Callable[..., R]:
-    """Decorator: ``build(pack, *args)`` runs once per pack, device and ``args``; later calls
-    return the same object.
-
-    Every structure derived from a pack (attention plans, block masks, edge lists) is one
-    such function, its only accessor: the cache key is the function itself plus its
-    arguments, never a tuple spelled out elsewhere. :meth:`TreePack.to` starts a new cache.
-    """
-
-    signature = inspect.signature(build)
-
-    @functools.wraps(build)
-    def cached(pack: TreePack, *args, **kwargs):
-        bound = signature.bind(pack, *args, **kwargs)
-        bound.apply_defaults()  # one key however the arguments were spelled
-        values = tuple(bound.arguments.values())[1:]
-        return pack.derived((build.__module__, build.__qualname__, *values),
-                            lambda: build(pack, *values))
-
-    return cached
 
 
 # ---------------------------------------------------------------------- input checking

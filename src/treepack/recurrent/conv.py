@@ -6,7 +6,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.core.tree import TreePack, derived_from_pack
+from treepack.core.derived import derived_from_pack
+from treepack.core.tree import TreePack
 
 __all__ = ["ancestors", "ancestor_table", "tree_conv1d", "path_conv1d"]
 

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from treepack.core.forest import ragged_arange
-from treepack.core.tree import TreePack, derived_from_pack
+from treepack.core.derived import derived_from_pack
+from treepack.core.tree import TreePack
 
 __all__ = ["Level", "Levels", "levels", "row_levels", "level_scan", "scan_levels"]
 
