@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from treepack import TreePack
-from treepack.core.outputs import from_logits, take_columns
+from treepack.core.outputs import from_logits, per_sequence_temperature, take_columns
 
 
 def sequences_and_logits(seed=0, n=7, vocab=11, layout="flat", pad=None):
@@ -89,6 +89,15 @@ def test_refusals_name_the_value_and_the_fix():
         from_logits(pack, logits, temperature=True)
     with pytest.raises(ValueError, match="align='labels' must be one of"):
         from_logits(pack, logits, align="labels")
+
+
+def test_per_sequence_temperatures_keep_the_callers_precision():
+    """A list of Python floats stays float64 (torch.as_tensor would make it float32: 0.7 ->
+    0.699999988); a float32 tensor keeps its own values."""
+    assert per_sequence_temperature([0.7, 0.3], 2).tolist() == [0.7, 0.3]
+    assert per_sequence_temperature((0.7,), 3).tolist() == [0.7] * 3
+    t32 = torch.tensor([0.7, 0.3])
+    assert per_sequence_temperature(t32, 2).tolist() == t32.double().tolist()
 
 
 def test_take_columns_reads_label_aligned_values_into_columns():

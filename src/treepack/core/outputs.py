@@ -232,7 +232,10 @@ def per_sequence_temperature(temperature, n: int) -> np.ndarray:
     if not isinstance(temperature, (Tensor, np.ndarray, list, tuple)) or (
             isinstance(temperature, Tensor) and temperature.dim() == 0):
         return np.full(n, checks.temperature(temperature))
-    t = torch.as_tensor(temperature).detach().to("cpu", torch.float64).reshape(-1).numpy()
+    if isinstance(temperature, Tensor):  # its own precision, widened exactly
+        t = temperature.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    else:  # numbers as Python has them (torch.as_tensor would round a list to float32)
+        t = np.asarray(temperature, dtype=np.float64).reshape(-1)
     if t.size == 1:
         return np.full(n, checks.temperature(float(t[0])))
     if t.size != n:
