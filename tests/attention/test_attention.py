@@ -329,3 +329,21 @@ def test_flex_refuses_float64_on_cpu_with_its_reason():
     with torch.no_grad(), pytest.raises(RuntimeError, match="backend='flex' cannot run here: "
                                                             ".*does not take float64.*segment"):
         TreeAttention(pack, "flex")(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["segment", "dense"])
+def test_mixed_dtypes_under_cpu_autocast_attend_as_autocast_casts(backend):
+    """What a model's rotary embedding hands over under autocast: float32 queries and keys,
+    bfloat16 values. Chains of one exact shape below a fork take SDPA's bottom-right causal
+    bias, which checks dtypes before autocast casts them; the result is the reference on
+    bfloat16 inputs."""
+    g = np.random.default_rng(0)
+    prompt = g.integers(0, 50, 100).tolist()  # long chains at 16 x 64 wide heads: padding
+    pack = TreePack.from_sequences([prompt + g.integers(0, 50, 100).tolist() for _ in "ab"])
+    assert not any(grp.padding for grp in segment.shape_groups(pack, None, 16 * 64).groups)
+    q, k, v = qkv(pack, heads=16, kv_heads=16, dim=64, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = TreeAttention(pack, backend)(q, k, v.bfloat16(), scale=0.3)
+    assert out.dtype == torch.bfloat16
+    want = reference_attention(*(t.bfloat16().double() for t in (q, k, v)), pack, scale=0.3)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)

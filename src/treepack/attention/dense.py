@@ -35,9 +35,18 @@ def math_attention(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
 
 def sdpa(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
     """SDPA with a boolean mask or attention bias, or the eager formula for soft-capping
-    (which needs a boolean mask)."""
+    (which needs a boolean mask).
+
+    Under autocast the inputs are cast to autocast's dtype here, as autocast casts SDPA's:
+    an attention bias (``causal_lower_right``) checks their dtypes before autocast would,
+    and a model's rotary embedding returns float32 queries and keys beside lower-precision
+    values."""
     if softcap is not None:
         return math_attention(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
+    kind = q.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
