@@ -33,7 +33,7 @@ PATHS = {  # short public path -> the module's place in its part
     "softmax": "core.softmax", "checks": "core.checks", "denominators": "core.denominators",
     "logprobs": "lean.logprobs", "losses": "lean.losses",
     "planner": "planning.planner", "collation": "planning.collation",
-    "groups": "planning.groups", "parts": "planning.parts",
+    "groups": "planning.groups", "parts": "planning.parts", "sharing": "planning.sharing",
     "hf": "adapters.hf", "hf_compat": "adapters.hf.compat", "trl": "adapters.trl",
     "verl": "adapters.verl", "verl_lean": "adapters.verl_lean",
     "verl_trainer": "adapters.verl_trainer", "zoo": "adapters.zoo",

@@ -1,0 +1,587 @@
+"""Where a step's sharing was lost: the rows it computed against the rows it could have.
+
+A step's sequences merged into one prefix forest need ``achievable_rows`` packed rows. The
+step computes ``achieved_rows``: its sequences were dealt to ranks, cut into micro-batches, and
+trees over the budget were cut into packs that each repeat the prefix above the cut. Below the
+one forest lies the ``ideal``: the same forest had every group's prompts been the same tokens.
+The rows between them are attributed to four causes, in this order, each counting the rows
+its cut adds given the ones before it::
+
+    ideal_rows            the one forest, each group's prompts made to agree
+    + false_forks         rollouts of one group whose prompts differ in their tokens
+    = achievable_rows     the one forest of the step's sequences as they are
+    + across_ranks        forests per rank instead of one
+    + across_micro_batches  forests per (rank, micro-batch)
+    + split_and_repeat    forests per (rank, micro-batch, pack)
+    = achieved_rows
+
+So ``achieved_rows == ideal_rows + sum(report.lost)`` holds exactly, and no cause is negative:
+splitting a set of sequences never lowers its forest's rows, and the ideal only ever merges
+rows of the actual forest (below).
+
+How each number is computed, with one sort of the step's sequences (``sort_and_lcp``):
+
+- The rows of any subset of the sorted sequences are their lengths minus each member's LCP
+  with the member before it (in sorted order); that LCP is the least adjacent LCP between
+  the two, a range minimum over the ``lcp`` array. One sparse table of range minima
+  (O(N log N)) answers every level: a cell's members are adjacent after a stable sort by
+  cell, so each level is one vectorised query over N pairs.
+- False forks: each sequence's prompt, keyed by its group, is sorted once more; a group's
+  prompts agree up to the least LCP between its adjacent members (the *divergence depth*).
+  The ideal relabels every row of the actual forest that lies inside a diverging group's
+  prompt from that depth on with the group's label (one label per row: of the groups whose
+  prompts pass through it, the one that appears first), keeps every other row's token, and
+  counts the relabelled sequences' forest. Because the label is a function of the actual row, sequences
+  that shared a row still share it: the ideal merges, never splits. Rows saved are
+  attributed to the group of the first relabelled row on their path.
+
+Host cost: O(total tokens) vectorised numpy, O(N log N) for the sort and the range minima,
+and O(N) Python (the sort's key list, one small array per prompt, one entry per false-fork
+group); no Python loop over tokens, nothing [N, L] or T x T. The false-fork pass builds two flat
+layouts only when some group's prompts differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+from torch import Tensor
+
+from treepack.core.forest import build_layout, ragged_arange, sort_and_lcp
+from treepack.core.tree import validate_sequences
+
+__all__ = ["report", "SharingReport", "Causes", "FalseFork", "Placement", "placement",
+           "rows_from_trl", "rows_from_verl", "CAUSES"]
+
+CAUSES = ("false_forks", "across_ranks", "across_micro_batches", "split_and_repeat")
+
+
+class Causes(NamedTuple):
+    """One value per cause, in the order rows are attributed (:data:`CAUSES`)."""
+
+    false_forks: int | float | bool
+    across_ranks: int | float | bool
+    across_micro_batches: int | float | bool
+    split_and_repeat: int | float | bool
+
+
+class FalseFork(NamedTuple):
+    """A group whose sequences' prompts differ in their tokens."""
+
+    group: object  # the group's key as given (verl's uid, ...)
+    sequences: int  # the group's sequences
+    variants: int  # distinct prompts among them
+    depth: int  # tokens every prompt of the group shares: the first divergence
+    prompt_length: int  # the group's longest prompt
+    shortest_prompt: int  # the group's shortest prompt
+    tokens: tuple[int, int]  # two prompts' tokens at ``depth`` (-1: that prompt ends there)
+    rows: int  # rows the one forest would save were the group's prompts the same
+
+    @property
+    def hint(self) -> str:
+        """The likely cause, and what to change, in one line."""
+        if -1 in self.tokens:
+            return ("one prompt ends where another goes on: a generation prompt, BOS/EOS or "
+                    "trailing newline added to some rollouts' prompts only; render every "
+                    "rollout with the same template flags (add_generation_prompt, "
+                    "add_special_tokens)")
+        if self.depth == 0:
+            return ("the prompts differ from their first token: a BOS token or system prompt "
+                    "that differs between rollouts; render the prompt once per group and reuse "
+                    "its ids")
+        if self.shortest_prompt == self.prompt_length:
+            return ("the prompts have one length but differ inside: a value rendered into the "
+                    "template (a date, a random id, a sampled instruction); keep it fixed "
+                    "within a group")
+        return ("the prompts diverge part-way and differ in length: the history was "
+                "re-rendered or re-tokenized (a chat template that rewrites earlier turns, "
+                "e.g. drops their reasoning, or text tokenized across a turn boundary); extend "
+                "the previous turn's ids instead of re-tokenizing the conversation")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharingReport:
+    """What a step computed against what it could have (module doc: the decomposition)."""
+
+    num_sequences: int
+    original_tokens: int
+    ideal_rows: int  # the one forest, every group's prompts made to agree
+    achievable_rows: int  # the one forest of the sequences as given
+    achieved_rows: int  # summed over the cells of the given placement
+    lost: Causes  # rows each cause adds, in attribution order
+    measured: Causes  # bools: whether the inputs let each cause be measured
+    groups: int | None  # number of groups; None without group keys or prompt lengths
+    groups_hit: Causes  # groups with a false fork, split across ranks, micro-batches, packs
+    false_forks: tuple[FalseFork, ...]  # most rows first
+
+    @property
+    def ideal_ratio(self) -> float:
+        return self.ideal_rows / self.original_tokens
+
+    @property
+    def achievable_ratio(self) -> float:
+        return self.achievable_rows / self.original_tokens
+
+    @property
+    def achieved_ratio(self) -> float:
+        return self.achieved_rows / self.original_tokens
+
+    @property
+    def shares(self) -> Causes:
+        """Each cause's rows as a fraction of all rows lost (``achieved - ideal``); zeros
+        when nothing was lost."""
+        total = self.achieved_rows - self.ideal_rows
+        return Causes(*(rows / total if total else 0.0 for rows in self.lost))
+
+    def as_dict(self) -> dict:
+        """Every number, JSON-ready (what ``treepack stats --json`` prints under
+        ``"sharing"``).
+
+        Returns:
+            A dict of plain ints, floats, strings and lists.
+        """
+        return {
+            "num_sequences": self.num_sequences, "original_tokens": self.original_tokens,
+            "ideal_rows": self.ideal_rows, "achievable_rows": self.achievable_rows,
+            "achieved_rows": self.achieved_rows, "ideal_ratio": self.ideal_ratio,
+            "achievable_ratio": self.achievable_ratio, "achieved_ratio": self.achieved_ratio,
+            "lost": {c: {"rows": int(r), "share": s, "measured": bool(m), "groups": int(g)}
+                     for c, r, s, m, g in zip(CAUSES, self.lost, self.shares, self.measured,
+                                              self.groups_hit)},
+            "groups": self.groups,
+            "false_forks": [{**f._asdict(), "group": _plain(f.group), "tokens": list(f.tokens),
+                             "hint": f.hint} for f in self.false_forks],
+        }
+
+    def metrics(self, prefix: str = "treepack/") -> dict[str, float]:
+        """Flat scalars for a trainer's logger.
+
+        Args:
+            prefix: put before every name.
+
+        Returns:
+            ``{prefix + "achievable_ratio": ..., prefix + "achieved_ratio": ...,
+            prefix + "ideal_ratio": ..., prefix + "lost_rows/<cause>": ...}``.
+        """
+        out = {f"{prefix}{k}_ratio": getattr(self, f"{k}_ratio")
+               for k in ("ideal", "achievable", "achieved")}
+        out.update({f"{prefix}lost_rows/{c}": float(r) for c, r in zip(CAUSES, self.lost)})
+        return out
+
+
+class Placement(NamedTuple):
+    """Where a plan put each sequence: ``ranks`` [N] and ``packs`` [N] (the pack's index on
+    its rank), for :func:`report`."""
+
+    ranks: np.ndarray
+    packs: np.ndarray
+
+
+def placement(plan) -> Placement:
+    """The rank and pack of every sequence of a :class:`treepack.Plan`.
+
+    Args:
+        plan: what :func:`treepack.plan` returned.
+
+    Returns:
+        :class:`Placement`; pass its fields as :func:`report`'s ``ranks`` and ``packs``.
+    """
+    n = sum(len(p.seq_ids) for rank in plan.specs for p in rank)
+    ranks, packs = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for r, specs in enumerate(plan.specs):
+        for j, spec in enumerate(specs):
+            ranks[spec.seq_ids], packs[spec.seq_ids] = r, j
+    return Placement(ranks, packs)
+
+
+def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_batches=None,
+           packs=None) -> SharingReport:
+    """Rows a step computed, rows it could have, and the cause of each row between.
+
+    Args:
+        sequences: the step's token-id sequences (lists, numpy arrays or 1-D tensors), as
+            for :meth:`treepack.TreePack.from_sequences`.
+        groups: ``[N]`` group keys (ints or strings: verl's ``uid``, the index of a TRL
+            prompt): sequences that should share their prompt. Without them, sequences with
+            identical prompts form the groups and no false fork can be seen.
+        prompt_lengths: ``[N]`` prompt tokens at the start of each sequence; needed for false
+            forks (a divergence inside the prompt) and for groups by prompt.
+        ranks: ``[N]`` the data-parallel rank (process) each sequence went to.
+        micro_batches: ``[N]`` the micro-batch on its rank: the rows the trainer hands to
+            packing at once (TRL's gradient-accumulation micro-batch, verl's PPO mini-batch).
+        packs: ``[N]`` the pack (one forward) within its micro-batch; trees cut by the
+            planner repeat their prefix in each pack. A tree run in parts
+            (``hf.backward_in_parts``) computes every row once: give it one pack.
+
+    Returns:
+        :class:`SharingReport`: ``ideal_rows <= achievable_rows <= achieved_rows``, their
+        ratios to ``original_tokens``, ``lost`` (a :class:`Causes` of rows, which sums to
+        ``achieved_rows - ideal_rows``), ``shares``, ``groups_hit`` (groups per cause) and
+        ``false_forks`` (one :class:`FalseFork` per group whose prompts differ, most rows
+        first). Placement not given counts as one cell (no rows lost to it), and
+        ``measured`` says which causes the inputs could show.
+
+    Raises:
+        ValueError / TypeError: bad sequences (as ``TreePack.from_sequences``); a group key,
+            prompt length or placement array whose length is not N; a prompt length outside
+            ``0 .. len``; a placement label or group key that is not an integer or string.
+
+    Example:
+        >>> from treepack.planning.sharing import report
+        >>> seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9, 4], [7, 8]]
+        >>> r = report(seqs, groups=["a", "a", "a", "b"], prompt_lengths=[3, 3, 3, 1],
+        ...            ranks=[0, 0, 1, 1])
+        >>> r.ideal_rows, r.achievable_rows, r.achieved_rows
+        (7, 9, 11)
+        >>> r.lost
+        Causes(false_forks=2, across_ranks=2, across_micro_batches=0, split_and_repeat=0)
+        >>> fork, = r.false_forks
+        >>> fork.group, fork.depth, fork.prompt_length, fork.tokens
+        ('a', 2, 3, (3, 9))
+    """
+    ids = validate_sequences(sequences)
+    n = len(ids)
+    lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
+    plen = None if prompt_lengths is None else _prompt_lengths(prompt_lengths, lengths)
+    keys, gi = (None, None) if groups is None else _labels(groups, n, "groups", _GROUP_HINT)
+    cells = [None if x is None else _labels(x, n, name, _PLACE_HINT)[1]
+             for x, name in ((ranks, "ranks"), (micro_batches, "micro_batches"),
+                             (packs, "packs"))]
+    order, lcp = sort_and_lcp(ids)
+    s_len = lengths[order]
+    achievable = int((s_len - lcp).sum())
+
+    ideal, forks = None, ()
+    if gi is None and plen is not None:
+        gi = _same_prompt(ids, plen)  # groups by identical prompt: splits counted, no forks
+    elif gi is not None and plen is not None:
+        ideal, forks = _false_forks(ids, lengths, plen, keys, gi)
+    ideal = achievable if ideal is None else ideal
+
+    rows, hit = _placed_rows(cells, order, s_len, lcp, gi)
+    return SharingReport(
+        num_sequences=n, original_tokens=int(lengths.sum()), ideal_rows=ideal,
+        achievable_rows=achievable, achieved_rows=rows[-1],
+        lost=Causes(achievable - ideal, *(b - a for a, b in zip(rows, rows[1:]))),
+        measured=Causes(groups is not None and plen is not None,
+                        *(c is not None for c in cells)),
+        groups=None if gi is None else int(gi.max()) + 1,
+        groups_hit=Causes(len(forks), *hit), false_forks=forks)
+
+
+def _placed_rows(cells, order, s_len, lcp, gi) -> tuple[list[int], list[int]]:
+    """Rows at each level of the placement (the one forest first, then per rank, per
+    (rank, micro-batch), per (rank, micro-batch, pack); a level not given adds no cut) and
+    the groups each level's cut splits."""
+    rows, hit = [int((s_len - lcp).sum())], []
+    mins = _RangeMin(lcp) if any(c is not None for c in cells) else None
+    cell = np.zeros(order.shape[0], dtype=np.int64)
+    for labels in cells:
+        if labels is None:
+            rows.append(rows[-1])
+            hit.append(0)
+            continue
+        finer = np.unique(cell * (int(labels.max()) + 1) + labels,
+                          return_inverse=True)[1].reshape(-1)
+        rows.append(_rows_in_cells(finer[order], s_len, lcp, mins))
+        hit.append(0 if gi is None else _groups_split(gi, cell, finer))
+        cell = finer
+    return rows, hit
+
+
+_GROUP_HINT = "one group key per sequence (verl's uid, the index of a TRL prompt)"
+_PLACE_HINT = "one label per sequence (an integer, e.g. the rank or micro-batch index)"
+
+
+def _labels(values, n: int, name: str, hint: str) -> tuple[list, np.ndarray]:
+    """``values`` [n] as (the distinct keys in order of first appearance, index per
+    sequence [n] into them)."""
+    if isinstance(values, Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values) if not isinstance(values, np.ndarray) else values
+    if arr.ndim != 1 or arr.shape[0] != n:
+        shape = f"{arr.shape[0]} values" if arr.ndim == 1 else f"shape {arr.shape}"
+        raise ValueError(f"{name} has {shape} for {n} sequences: give {hint}")
+    if arr.dtype.kind in "iu":
+        uniq, first, index = np.unique(arr, return_index=True, return_inverse=True)
+        rank = np.empty(len(uniq), dtype=np.int64)  # renumber by first appearance
+        rank[np.argsort(first, kind="stable")] = np.arange(len(uniq))
+        return [uniq[i].item() for i in np.argsort(first, kind="stable")], rank[index.reshape(-1)]
+    seen: dict = {}
+    index = np.empty(n, dtype=np.int64)
+    for i, v in enumerate(arr.tolist()):
+        if isinstance(v, bool) or not isinstance(v, (str, bytes, numbers.Integral)):
+            raise TypeError(f"{name}[{i}] is {v!r} ({type(v).__name__}): give {hint}")
+        index[i] = seen.setdefault(v, len(seen))
+    return list(seen), index
+
+
+def _prompt_lengths(values, lengths: np.ndarray) -> np.ndarray:
+    if isinstance(values, Tensor):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    n = lengths.shape[0]
+    if arr.ndim != 1 or arr.shape[0] != n or (n and arr.dtype.kind not in "iu"):
+        raise ValueError(f"prompt_lengths has shape {arr.shape} and dtype {arr.dtype} for {n} "
+                         "sequences: give one integer per sequence, its prompt's tokens")
+    bad = np.flatnonzero((arr < 0) | (arr > lengths))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"prompt_lengths[{i}] = {arr[i]} is outside 0 .. {lengths[i]} (the "
+                         f"length of sequence {i}): a prompt is the start of its sequence")
+    return arr.astype(np.int64)
+
+
+class _RangeMin:
+    """``min(a[lo..hi])`` for many (lo, hi) at once: a sparse table of power-of-two window
+    minima, O(N log N) to build, O(1) numpy per query."""
+
+    def __init__(self, a: np.ndarray):
+        n = a.shape[0]
+        levels = [a]  # levels[j][i] = min(a[i : i + 2**j])
+        while (1 << len(levels)) <= n:
+            h = 1 << (len(levels) - 1)
+            levels.append(np.minimum(levels[-1][:-h], levels[-1][h:]))
+        self.table = np.zeros((len(levels), n), dtype=np.int64)
+        for j, level in enumerate(levels):
+            self.table[j, :level.shape[0]] = level
+
+    def __call__(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        j = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # floor(log2(count)), exact
+        return np.minimum(self.table[j, lo], self.table[j, hi - (1 << j) + 1])
+
+
+def _rows_in_cells(cell_sorted: np.ndarray, s_len: np.ndarray, lcp: np.ndarray,
+                   mins: _RangeMin) -> int:
+    """Summed forest rows of the cells, from the sorted sequences' cells (module doc)."""
+    by_cell = np.argsort(cell_sorted, kind="stable")  # each cell's members, ascending
+    same = cell_sorted[by_cell[1:]] == cell_sorted[by_cell[:-1]]
+    prev, cur = by_cell[:-1][same], by_cell[1:][same]
+    shared = mins(prev + 1, cur) if cur.size else np.zeros(0, dtype=np.int64)
+    return int(s_len.sum() - shared.sum())
+
+
+def _groups_split(gi: np.ndarray, coarse: np.ndarray, fine: np.ndarray) -> int:
+    """Groups that lie in more of the ``fine`` cells than of the ``coarse`` ones."""
+    width = int(fine.max()) + 1
+    count = [np.bincount(np.unique(gi * width + c) // width, minlength=int(gi.max()) + 1)
+             for c in (coarse, fine)]
+    return int((count[1] > count[0]).sum())
+
+
+class _Prompts(NamedTuple):
+    """The prompts sorted behind their group index, as adjacent pairs (``prev``, ``cur``)."""
+
+    order: np.ndarray  # [N] sorted position -> sequence
+    prev: np.ndarray  # [N - 1] sequence indices
+    cur: np.ndarray  # [N - 1]
+    same_group: np.ndarray  # [N - 1] bool
+    common: np.ndarray  # [N - 1] their prompts' LCP
+    equal: np.ndarray  # [N - 1] bool: the two prompts are the same tokens
+
+
+def _prompts(ids, plen: np.ndarray, gi: np.ndarray) -> _Prompts:
+    """Each prompt behind its group's index, sorted: a group's prompts are adjacent and the
+    LCP of two of them is one more than their prompts' LCP (0 across groups)."""
+    keyed = [np.concatenate((gi[i:i + 1], a[:p])) for i, (a, p) in
+             enumerate(zip(ids, plen.tolist()))]
+    order, lcp = sort_and_lcp(keyed)
+    prev, cur = order[:-1], order[1:]
+    common = lcp[1:] - 1
+    return _Prompts(order, prev, cur, lcp[1:] >= 1, common,
+                    (common == plen[prev]) & (plen[prev] == plen[cur]))
+
+
+def _same_prompt(ids, plen: np.ndarray) -> np.ndarray:
+    """A group index per sequence: sequences with equal prompts form one group."""
+    pr = _prompts(ids, plen, np.zeros(len(ids), dtype=np.int64))
+    gi = np.empty(len(ids), dtype=np.int64)
+    gi[pr.order] = np.cumsum(np.append(True, ~pr.equal)) - 1
+    return gi
+
+
+def _false_forks(ids, lengths, plen, keys, gi) -> tuple[int | None, tuple[FalseFork, ...]]:
+    """The ideal rows (None: no group's prompts differ, the ideal is the achievable) and one
+    :class:`FalseFork` per group whose prompts differ."""
+    pr = _prompts(ids, plen, gi)
+    differ = pr.same_group & ~pr.equal
+    if not differ.any():
+        return None, ()
+    n_groups = int(gi.max()) + 1
+    g_pair = gi[pr.cur]
+    # The least LCP over a group's differing pairs is where its prompts first diverge.
+    none = np.iinfo(np.int64).max
+    depth = np.full(n_groups, none)
+    np.minimum.at(depth, g_pair[differ], pr.common[differ])
+    forked = np.flatnonzero(depth < none)
+    variants = 1 + np.bincount(g_pair[differ], minlength=n_groups)
+    at = np.flatnonzero(differ & (pr.common == depth[g_pair]))  # pairs at that depth
+    first = at[np.unique(g_pair[at], return_index=True)[1]]  # each forked group's first
+    ideal, saved = _ideal(ids, lengths, plen, gi, np.where(depth < none, depth, -1))
+    size = np.bincount(gi, minlength=n_groups)
+    longest = np.zeros(n_groups, dtype=np.int64)
+    np.maximum.at(longest, gi, plen)
+    shortest = np.full(n_groups, none)
+    np.minimum.at(shortest, gi, plen)
+    forks = []
+    for g, k in zip(forked.tolist(), first.tolist()):
+        d = int(depth[g])
+        tok = tuple(int(ids[s][d]) if d < plen[s] else -1 for s in (pr.prev[k], pr.cur[k]))
+        forks.append(FalseFork(keys[g], int(size[g]), int(variants[g]), d, int(longest[g]),
+                               int(shortest[g]), tok, int(saved[g])))
+    forks.sort(key=lambda f: (-f.rows, -f.sequences))
+    return ideal, tuple(forks)
+
+
+def _ideal(ids, lengths, plen, gi, depth) -> tuple[int, np.ndarray]:
+    """Rows of the forest with every diverging group's prompt rows (at or below its
+    divergence depth) relabelled by group, and the rows saved per group (module doc)."""
+    actual = build_layout(ids, flat=True)
+    offsets, node = actual.offsets, actual.rows  # [N + 1], [total]: each token's row
+    T = actual.num_packed_rows
+    d = depth[gi]
+    span = np.where(d >= 0, np.maximum(plen - d, 0), 0)  # prompt tokens to relabel
+    pos = ragged_arange(offsets[:-1] + np.maximum(d, 0), span)
+    none = np.iinfo(np.int64).max
+    label = np.full(T, none)  # per actual row: the least group relabelling it
+    np.minimum.at(label, node[pos], np.repeat(gi, span))
+    flat = np.concatenate(ids)
+    per_token = label[node]
+    relabelled = per_token != none
+    flat[relabelled] = int(flat.max()) + 1 + per_token[relabelled]  # past every token id
+    seqs = np.split(flat, offsets[1:-1])
+    ideal = build_layout(seqs, flat=True)
+    # The quotient map: each actual row lies in one ideal row; an ideal row holding k saves
+    # k - 1, credited to the first relabelled row on its path.
+    ideal_of = np.empty(T, dtype=np.int64)
+    ideal_of[node] = ideal.rows
+    saved = np.bincount(ideal_of, minlength=ideal.num_packed_rows) - 1
+    # Every path through a merged ideal row has the same relabelled tokens above it, so any
+    # sequence through it names the same first label (rows nothing merged into save 0).
+    mark = np.where(relabelled, np.arange(flat.shape[0]), np.repeat(offsets[1:] - 1, lengths))
+    first = np.minimum.reduceat(mark, offsets[:-1])  # its first relabelled token, else its last
+    credit = np.empty(ideal.num_packed_rows, dtype=np.int64)
+    credit[ideal.rows] = np.repeat(np.where(relabelled[first], per_token[first], 0), lengths)
+    hit = saved > 0
+    per_group = np.bincount(credit[hit], weights=saved[hit], minlength=int(gi.max()) + 1)
+    return ideal.num_packed_rows, per_group.astype(np.int64)
+
+
+def _plain(v):
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def rows_from_trl(prompt_ids, prompt_mask, completion_ids, completion_mask, *, groups=None,
+                  rank=None, micro_batch=None, pack=None) -> list[dict]:
+    """JSON-lines rows for ``treepack stats`` from TRL's batch columns.
+
+    Args:
+        prompt_ids, prompt_mask: ``[B, P]`` left-padded prompts and their real tokens (TRL's
+            ``inputs["prompt_ids"]`` / ``["prompt_mask"]``).
+        completion_ids, completion_mask: ``[B, C]`` completions and their real tokens.
+        groups: ``[B]`` group keys (e.g. ``(first_row + arange(B)) // num_generations`` on
+            the generation batch); omitted, ``treepack stats`` groups by identical prompts.
+        rank: the process (an int, or ``[B]``).
+        micro_batch: the gradient-accumulation micro-batch (an int, or ``[B]``).
+        pack: ``[B]`` the pack within the micro-batch (:func:`placement` of its plan).
+
+    Returns:
+        One dict per row: ``{"prompt_ids": [...], "completion_ids": [...]}`` plus
+        ``"group"``, ``"rank"``, ``"micro_batch"``, ``"pack"`` where given: write each with
+        ``json.dumps`` on its own line.
+
+    Raises:
+        ValueError: shapes that do not match, or a per-row field whose length is not B.
+    """
+    prompts = _unpadded(prompt_ids, prompt_mask, "prompt_ids", "prompt_mask")
+    completions = _unpadded(completion_ids, completion_mask, "completion_ids",
+                            "completion_mask")
+    if len(prompts) != len(completions):
+        raise ValueError(f"prompt_ids has {len(prompts)} rows and completion_ids "
+                         f"{len(completions)}: give both columns of one batch")
+    rows = [{"prompt_ids": p, "completion_ids": c} for p, c in zip(prompts, completions)]
+    return _with_fields(rows, group=groups, rank=rank, micro_batch=micro_batch, pack=pack)
+
+
+def rows_from_verl(input_ids, uid, *, attention_mask=None, prompt_width=None,
+                   prompt_lengths=None, rank=None, micro_batch=None, pack=None) -> list[dict]:
+    """JSON-lines rows for ``treepack stats`` from verl's batch.
+
+    Args:
+        input_ids: ``[B, S]`` padded (``batch["input_ids"]``, with ``attention_mask``), or
+            B 1-D sequences (a nested tensor or a list) of real tokens only.
+        uid: ``[B]`` group keys (``non_tensor_batch["uid"]``).
+        attention_mask: ``[B, S]`` real tokens of a padded ``input_ids``.
+        prompt_width: the prompt columns of a padded ``input_ids``
+            (``batch["prompts"].shape[1]``): a row's prompt is its real tokens there.
+        prompt_lengths: ``[B]`` prompt tokens of each of the 1-D sequences.
+        rank: the data-parallel rank (an int, or ``[B]``).
+        micro_batch: the PPO mini-batch on the rank (an int, or ``[B]``).
+        pack: ``[B]`` the pack within the mini-batch (:func:`placement` of its plan).
+
+    Returns:
+        One dict per row: ``{"prompt": [...], "completion": [...], "uid": ...}`` where the
+        prompt is known, else ``{"input_ids": [...], "uid": ...}``; plus ``"rank"``,
+        ``"micro_batch"`` and ``"pack"`` where given.
+
+    Raises:
+        ValueError: a padded ``input_ids`` without ``attention_mask`` or with
+            ``prompt_lengths``, 1-D sequences with ``attention_mask`` or ``prompt_width``, or
+            lengths that do not match.
+    """
+    nested = isinstance(input_ids, Tensor) and input_ids.is_nested
+    if not nested and isinstance(input_ids, (Tensor, np.ndarray)) and input_ids.ndim == 2:
+        if attention_mask is None or prompt_lengths is not None:
+            raise ValueError("input_ids is a padded [B, S] array: give its attention_mask "
+                             "(batch['attention_mask']) and, for the prompt, prompt_width "
+                             "(batch['prompts'].shape[1]), not prompt_lengths")
+        seqs = _unpadded(input_ids, attention_mask, "input_ids", "attention_mask")
+        plen = None if prompt_width is None else \
+            _numpy(attention_mask).astype(bool)[:, :int(prompt_width)].sum(1)
+    else:
+        if attention_mask is not None or prompt_width is not None:
+            raise ValueError("input_ids holds 1-D sequences of real tokens: attention_mask and "
+                             "prompt_width read a padded [B, S] array; give prompt_lengths")
+        seqs = [_numpy(s).reshape(-1).tolist() for s in
+                (input_ids.unbind() if nested else input_ids)]
+        plen = None if prompt_lengths is None else _numpy(prompt_lengths).reshape(-1)
+        if plen is not None and len(plen) != len(seqs):
+            raise ValueError(f"prompt_lengths has {len(plen)} values for {len(seqs)} "
+                             "sequences: give one per sequence")
+    if plen is None:
+        rows = [{"input_ids": s} for s in seqs]
+    else:
+        rows = [{"prompt": s[:p], "completion": s[p:]} for s, p in zip(seqs, plen.tolist())]
+    return _with_fields(rows, uid=uid, rank=rank, micro_batch=micro_batch, pack=pack)
+
+
+def _numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
+
+
+def _unpadded(ids, mask, ids_name: str, mask_name: str) -> list[list[int]]:
+    ids, mask = _numpy(ids), _numpy(mask).astype(bool)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"{ids_name} {ids.shape} and {mask_name} {mask.shape} must both be "
+                         "[B, width]")
+    counts = mask.sum(1)
+    return [r.tolist() for r in np.split(ids[mask], np.cumsum(counts)[:-1])]
+
+
+def _with_fields(rows: list[dict], **fields) -> list[dict]:
+    """Per-row fields (a scalar for every row, or one value per row) added to ``rows``."""
+    for name, value in fields.items():
+        if value is None:
+            continue
+        values = _numpy(value)
+        if values.ndim == 0:
+            values = np.full(len(rows), values.item(), dtype=values.dtype)
+        if values.ndim != 1 or values.shape[0] != len(rows):
+            raise ValueError(f"{name} has shape {values.shape} for {len(rows)} rows: give one "
+                             "value, or one per row")
+        for row, v in zip(rows, values.tolist()):
+            row[name] = v
+    return rows
