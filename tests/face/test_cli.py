@@ -1,12 +1,15 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import treepack
 from treepack import cli
 from treepack.synthetic import agentic_batch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv):
@@ -55,6 +58,19 @@ def test_stats_file_lists_and_objects(tmp_path, capsys):
         (['{"ids": [1, 2]}'], 1, ["input_ids"]),
         (['"hello"'], 1, ["list of token ids", "str"]),
         (['[1.5, 2]'], 1, ["integers", "1.5"]),
+        # the fields of groups and placement: named, with the rule and the fix
+        (['{"input_ids": [1], "micro_batches": 0}'], 1, ["'micro_batches'", "did you mean",
+                                                         "'micro_batch'"]),
+        (['{"prompt": [1, 2]}'], 1, ["'prompt'", "'completion'"]),
+        (['{"input_ids": [1], "prompt": [1], "completion": [2]}'], 1, ["one of them"]),
+        (['{"input_ids": [1], "uid": "a", "group": "a"}'], 1, ["both 'uid' and 'group'"]),
+        (['{"input_ids": [1], "uid": [1]}'], 1, ["'uid' is [1]", "string or an integer"]),
+        (['{"input_ids": [1], "rank": -1}'], 1, ["'rank' is -1", "integer >= 0"]),
+        (['{"input_ids": [1], "rank": 0}', '{"input_ids": [2]}'], 2,
+         ["line 1 has 'rank' and line 2 has not", "every line a 'rank', or none"]),
+        (['{"input_ids": [1]}', '{"input_ids": [2], "uid": 1}'], 2,
+         ["line 2 has 'uid' and line 1 has not"]),
+        (['{"prompt_ids": [1], "completion_ids": "x"}'], 1, ["'completion_ids' must be a list"]),
     ],
 )
 def test_stats_bad_line_reports_its_number(tmp_path, capsys, lines, line_no, words):
@@ -64,7 +80,7 @@ def test_stats_bad_line_reports_its_number(tmp_path, capsys, lines, line_no, wor
     assert code == 2 and out == ""
     assert f"{path}:{line_no}:" in err
     for w in words:
-        assert w in err
+        assert w in err, err
 
 
 def test_stats_missing_and_empty_files(tmp_path, capsys):
@@ -307,3 +323,126 @@ def test_bench_on_a_batch_of_two_token_sequences_passes(capsys, tmp_path):
     (work,) = result["workloads"]
     assert code == 0 and work["flop_ratio_limit"] == pytest.approx(1.0)
     assert max(s["grad_max_rel_error"] for s in work["steps"].values()) < 1e-4
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_stats_on_a_trl_dump_reports_what_the_step_lost(tmp_path, capsys):
+    """TRL's columns, dumped with rows_from_trl: the file's numbers are report()'s on the
+    tensors, and every cause the dump can show is measured."""
+    import torch
+
+    from treepack.sharing import report, rows_from_trl
+
+    prompt = torch.tensor([[0, 0, 7, 8, 9]] * 4 + [[3, 4, 5, 6, 2]] * 4)  # 2 prompts x 4
+    prompt_mask = (prompt > 0).long()
+    completion = torch.tensor([[1, 2, 0], [1, 3, 4], [5, 0, 0], [6, 6, 6]] * 2)
+    completion_mask = (completion > 0).long()
+    micro = torch.tensor([0, 1, 0, 1, 0, 0, 1, 1])  # the first prompt's rollouts split
+    rows = rows_from_trl(prompt, prompt_mask, completion, completion_mask, rank=0,
+                         micro_batch=micro)
+    code, out, _ = run(capsys, "stats", write_jsonl(tmp_path / "trl.jsonl", rows), "--json")
+    assert code == 0
+    seqs = [p[pm.bool()].tolist() + c[cm.bool()].tolist()
+            for p, pm, c, cm in zip(prompt, prompt_mask, completion, completion_mask)]
+    expected = report(seqs, prompt_lengths=prompt_mask.sum(1), ranks=[0] * 8,
+                      micro_batches=micro)
+    sharing = json.loads(out)["sharing"]
+    assert sharing == json.loads(json.dumps(expected.as_dict()))
+    assert sharing["groups"] == 2 and sharing["lost"]["across_micro_batches"] == {
+        "rows": 3 + 5 + 1, "share": 1.0, "measured": True, "groups": 2}
+    # each prompt twice, and the first prompt's completions [1, 2] and [1, 3, 4] their "1"
+    assert not sharing["lost"]["false_forks"]["measured"]  # groups by prompt: none to see
+
+
+def test_stats_on_a_verl_dump_finds_the_false_fork_and_says_where(tmp_path, capsys):
+    import numpy as np
+    import torch
+
+    from treepack.sharing import rows_from_verl
+
+    prompt = list(range(100, 140))  # a 40-token prompt; two rollouts re-rendered at 25
+    variant = prompt[:25] + list(range(500, 516))
+    prompts = [prompt, prompt, variant, variant]
+    responses = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    P, R = 41, 2
+    ids, mask = torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, P + R, dtype=torch.long)
+    for b, (p, c) in enumerate(zip(prompts, responses)):
+        ids[b, P - len(p):P + len(c)], mask[b, P - len(p):P + len(c)] = torch.tensor(p + c), 1
+    rows = rows_from_verl(ids, np.array(["u1"] * 4, dtype=object), attention_mask=mask,
+                          prompt_width=P, rank=[0, 1, 0, 1])
+    path = write_jsonl(tmp_path / "verl.jsonl", rows)
+    code, out, _ = run(capsys, "stats", path)
+    assert code == 0
+    assert "in 1 group by 'uid'" in out
+    assert "uid 'u1': 4 sequences, 2 prompts, diverge at token 25 of 40- to 41-token prompts " \
+           "(125 vs 500): 15 rows" in out
+    assert "likely: the prompts diverge part-way and differ in length" in out
+    assert "+ across ranks" in out and "fix: keep each group on one rank" in out
+    code, js, _ = run(capsys, "stats", path, "--json")
+    sharing = json.loads(js)["sharing"]
+    # one forest: 25 + 15 + 16 prompt rows + 8 completion rows; ideal: 25 + 16 + 8
+    assert (sharing["achievable_rows"], sharing["ideal_rows"]) == (64, 49)
+    (fork,), lost = sharing["false_forks"], sharing["lost"]
+    assert (fork["group"], fork["depth"], fork["prompt_length"], fork["rows"]) == ("u1", 25,
+                                                                                   41, 15)
+    assert lost["across_ranks"]["rows"] == 2 * (25 + 15 + 16 + 4) - 64
+    assert sharing["achieved_rows"] == sharing["ideal_rows"] + sum(v["rows"]
+                                                                   for v in lost.values())
+
+
+def test_stats_formats_agree_and_extra_fields_are_ignored(tmp_path, capsys):
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5]]
+    forms = {
+        "lists": [s for s in seqs],
+        "input_ids": [{"input_ids": s, "reward": 1.0} for s in seqs],
+        "prompt": [{"prompt": s[:3], "completion": s[3:], "advantage": 0.5} for s in seqs],
+        "trl": [{"prompt_ids": s[:3], "completion_ids": s[3:], "completion_mask": [1]}
+                for s in seqs],
+    }
+    for name, rows in forms.items():
+        code, out, _ = run(capsys, "stats", write_jsonl(tmp_path / f"{name}.jsonl", rows),
+                           "--json")
+        result = json.loads(out)
+        assert code == 0 and (result["original_tokens"], result["packed_rows"]) == (8, 5), name
+        assert result["sharing"]["groups"] == (None if name in ("lists", "input_ids") else 1)
+
+
+def test_stats_without_groups_or_placement_says_what_it_needs(tmp_path, capsys):
+    code, out, _ = run(capsys, "stats", str(ROOT / "examples" / "sample_rollouts.jsonl"))
+    assert code == 0 and "where sharing was lost: not measured" in out and "'rank'" in out
+
+
+def test_the_example_in_sharing_md_prints_what_the_page_shows(tmp_path, capsys, monkeypatch):
+    """docs/sharing.md's dump runs, and `treepack stats` prints its table to the letter; the
+    page's reading of it (groups kept whole: 0.338, then split-and-repeat) holds too."""
+    import re
+
+    import numpy as np
+
+    import treepack
+    from treepack.sharing import placement, report
+
+    text = (ROOT / "docs" / "sharing.md").read_text()
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+               if b.startswith("# runs as a test")]
+    (shown,) = [b for b in re.findall(r"```text\n(.*?)```", text, flags=re.S)
+                if b.startswith("treepack stats: verl-batch.jsonl")]
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(code, "docs/sharing.md", "exec"), scope)
+    code, out, _ = run(capsys, "stats", "verl-batch.jsonl")
+    assert code == 0 and out == shown
+    seqs = [p + r for p, r in zip(scope["prompts"], scope["responses"])]
+    group = np.arange(len(seqs)) // 8  # each group whole on one rank, in one mini-batch
+    rank, micro, pack = group % 2, group // 2, np.zeros(len(seqs), dtype=int)
+    for g in range(4):
+        mine = np.flatnonzero(group == g)
+        pack[mine] = placement(treepack.plan([seqs[i] for i in mine], max_tokens=1024)).packs
+    whole = report(seqs, groups=scope["uid"], prompt_lengths=[len(p) for p in scope["prompts"]],
+                   ranks=rank, micro_batches=micro, packs=pack)
+    assert f"{whole.achieved_ratio:.3f}" == "0.338" and "0.338" in text
+    assert whole.lost[1:] == (0, 0, 1573) and "1,573 rows of split-and-repeat" in text

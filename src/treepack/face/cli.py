@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import NamedTuple
 
 PROGRESS_MIN_BYTES = 8 << 20  # files at least this large show a progress bar
 
@@ -28,23 +29,31 @@ class InputError(Exception):
     """A problem with the user's input file, reported as ``FILE:LINE: message``."""
 
 
-def _ids_from_line(value, where: str):
+TOKEN_FORMATS = (("input_ids",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
+GROUP_FIELDS = ("uid", "group")  # verl's name, and treepack.collate's
+PLACEMENT_FIELDS = ("rank", "micro_batch", "pack")
+KNOWN_FIELDS = (*(k for f in TOKEN_FORMATS for k in f), *GROUP_FIELDS, *PLACEMENT_FIELDS)
+
+
+class Batch(NamedTuple):
+    """A JSON-lines batch: its sequences and, where every line gives them, their prompt
+    lengths, group keys and placement (None where the lines do not)."""
+
+    sequences: list
+    prompt_lengths: list | None
+    groups: list | None
+    ranks: list | None
+    micro_batches: list | None
+    packs: list | None
+    group_field: str | None  # "uid" or "group", as the file names it
+
+
+def _token_list(ids, name: str, where: str):
     import numpy as np
 
-    if isinstance(value, dict) and "input_ids" not in value and {"prompt", "completion"} <= \
-            value.keys():  # the rollout format treepack.collate takes
-        prompt, completion = value["prompt"], value["completion"]
-        if not isinstance(prompt, list) or not isinstance(completion, list):
-            raise InputError(f"{where}: 'prompt' and 'completion' must be lists of token ids")
-        value = {"input_ids": prompt + completion}
-    ids = value.get("input_ids") if isinstance(value, dict) else value
     if not isinstance(ids, list):
-        got = ("an object without 'input_ids' (or 'prompt' and 'completion')"
-               if isinstance(value, dict) else type(value).__name__)
-        raise InputError(f"{where}: expected a list of token ids or an object with "
-                         f"'input_ids', or 'prompt' and 'completion', got {got}")
-    if not ids:
-        raise InputError(f"{where}: the sequence is empty; every sequence needs a token")
+        raise InputError(f"{where}: {name!r} must be a list of token ids, got "
+                         f"{type(ids).__name__}")
     if any(type(x) is not int for x in ids):
         bad = next(x for x in ids if type(x) is not int)
         raise InputError(f"{where}: token ids must be integers, found {bad!r}")
@@ -52,17 +61,68 @@ def _ids_from_line(value, where: str):
         arr = np.asarray(ids, dtype=np.int64)
     except OverflowError:
         raise InputError(f"{where}: a token id is beyond int64 (max {max(ids)})") from None
-    if arr.min() < 0:
+    if arr.size and arr.min() < 0:
         raise InputError(f"{where}: token ids must be >= 0, found {int(arr.min())}")
     return arr
 
 
-def read_jsonl(path: str) -> list:
-    """Sequences from a JSON-lines file (``-``: standard input): each line a list of ids,
-    ``{"input_ids": [...]}``, or a rollout ``{"prompt": [...], "completion": [...]}`` (the
-    sequence is the prompt, then the completion).
+def _row_from_line(value, where: str):
+    """(ids, prompt length or None, {group / placement field: value}) of one line."""
+    import difflib
 
-    Blank lines are skipped; any other bad line raises :class:`InputError` naming it.
+    import numpy as np
+
+    if isinstance(value, list):
+        value = {"input_ids": value}
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: expected a list of token ids or an object with "
+                         f"'input_ids', 'prompt' and 'completion', or 'prompt_ids' and "
+                         f"'completion_ids', got {type(value).__name__}")
+    for key in value:
+        near = difflib.get_close_matches(key, KNOWN_FIELDS, n=1, cutoff=0.85)
+        if key not in KNOWN_FIELDS and near:
+            raise InputError(f"{where}: unknown field {key!r}: did you mean {near[0]!r}? "
+                             f"(treepack stats reads {', '.join(KNOWN_FIELDS)}; other fields "
+                             "are ignored)")
+    given = [f for f in TOKEN_FORMATS if any(k in value for k in f)]
+    if len(given) != 1 or not all(k in value for k in given[0]):
+        have = sorted(k for f in TOKEN_FORMATS for k in f if k in value) or \
+            sorted(value) or ["no field"]
+        raise InputError(
+            f"{where}: expected 'input_ids', or 'prompt' and 'completion', or 'prompt_ids' and "
+            f"'completion_ids' (one of them), got {', '.join(map(repr, have))}"
+            if have != ["no field"] else f"{where}: an object without 'input_ids' (or "
+            "'prompt' and 'completion', or 'prompt_ids' and 'completion_ids')")
+    parts = [_token_list(value[k], k, where) for k in given[0]]
+    ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    if not ids.size:
+        raise InputError(f"{where}: the sequence is empty; every sequence needs a token")
+    if sum(k in value for k in GROUP_FIELDS) > 1:
+        raise InputError(f"{where}: both 'uid' and 'group': give the group key once")
+    fields = {}
+    for key in (*GROUP_FIELDS, *PLACEMENT_FIELDS):
+        if key not in value:
+            continue
+        v = value[key]
+        if key in GROUP_FIELDS and (isinstance(v, bool) or not isinstance(v, (str, int))):
+            raise InputError(f"{where}: {key!r} is {v!r}: a group key is a string or an "
+                             "integer (verl's uid, a prompt's index)")
+        if key in PLACEMENT_FIELDS and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise InputError(f"{where}: {key!r} is {v!r}: give the {key.replace('_', '-')}'s "
+                             "index, an integer >= 0")
+        fields["group" if key in GROUP_FIELDS else key] = (key, v)
+    return ids, (len(parts[0]) if len(parts) > 1 else None), fields
+
+
+def read_batch(path: str) -> Batch:
+    """A batch from a JSON-lines file (``-``: standard input). Each line: a list of ids,
+    ``{"input_ids": [...]}``, ``{"prompt": [...], "completion": [...]}`` or TRL's
+    ``{"prompt_ids": [...], "completion_ids": [...]}`` (the sequence is the prompt, then the
+    completion); optionally a group key ``uid`` (verl) or ``group`` and a placement
+    ``rank``, ``micro_batch``, ``pack``. Other fields are ignored.
+
+    Blank lines are skipped; any other bad line raises :class:`InputError` naming it, and a
+    group or placement field must be on every line or on none.
     """
     from tqdm import tqdm
 
@@ -74,7 +134,7 @@ def read_jsonl(path: str) -> list:
             f = open(path, "rb")
         except OSError as e:
             raise InputError(f"{path}: cannot read ({e.strerror})") from None
-    out = []
+    seqs, plens, columns, first, first_number = [], [], {}, {}, 0
     with f as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
                  disable=size < PROGRESS_MIN_BYTES, file=sys.stderr) as bar:
         for number, line in enumerate(f, start=1):
@@ -86,21 +146,63 @@ def read_jsonl(path: str) -> list:
                 value = json.loads(line)
             except ValueError as e:
                 raise InputError(f"{where}: not valid JSON ({e})") from None
-            out.append(_ids_from_line(value, where))
-    if not out:
+            ids, plen, fields = _row_from_line(value, where)
+            if not seqs:
+                first, first_number = {k: name for k, (name, _) in fields.items()}, number
+                columns = {k: [] for k in fields}
+            if fields.keys() != first.keys():
+                k = next(iter(sorted(fields.keys() ^ first.keys())))
+                name = first[k] if k in first else fields[k][0]
+                has, lacks = (first_number, number) if k in first else (number, first_number)
+                raise InputError(f"{where}: line {has} has {name!r} and line {lacks} has not: "
+                                 f"give every line a {name!r}, or none")
+            for k, (_, v) in fields.items():
+                columns[k].append(v)
+            seqs.append(ids)
+            plens.append(plen)
+    if not seqs:
         raise InputError(f"{path}: no sequences (the file has no non-blank line)")
-    return out
+    return Batch(seqs, None if None in plens else plens, columns.get("group"),
+                 columns.get("rank"), columns.get("micro_batch"), columns.get("pack"),
+                 first.get("group"))
+
+
+def read_jsonl(path: str) -> list:
+    """Sequences from a JSON-lines file (:func:`read_batch`'s formats)."""
+    return read_batch(path).sequences
+
+
+CAUSE_LABELS = {"false_forks": "false forks", "across_ranks": "across ranks",
+                "across_micro_batches": "across micro-batches",
+                "split_and_repeat": "split-and-repeat packs"}
+CAUSE_FIELD = {"across_ranks": "rank", "across_micro_batches": "micro_batch",
+               "split_and_repeat": "pack"}
+CAUSE_FIX = {  # what to change, one line each (docs/sharing.md says more)
+    "false_forks": "give every rollout of a group the same prompt ids (each group below)",
+    "across_ranks": "keep each group on one rank (verl: external_lib=treepack.verl; TRL: "
+                    "per_device_train_batch_size x steps_per_generation a multiple of "
+                    "num_generations)",
+    "across_micro_batches": "keep each group in one micro-batch (verl: external_lib="
+                            "treepack.verl, actor.shuffle=false; TRL: "
+                            "per_device_train_batch_size a multiple of num_generations)",
+    "split_and_repeat": "raise max_tokens above the largest tree, or run trees over it in "
+                        "parts (hf.backward_in_parts)",
+}
 
 
 def _stats(args) -> int:
-    from treepack.data.synthetic import agentic_batch
     from treepack.core.tree import forest_stats
+    from treepack.data.synthetic import agentic_batch
+    from treepack.planning.sharing import CAUSES, report
 
     if args.file is None:
-        sequences, source = agentic_batch(), BUILTIN_DESCRIPTION
+        batch = Batch(agentic_batch(), None, None, None, None, None, None)
+        source = BUILTIN_DESCRIPTION
     else:
-        sequences, source = read_jsonl(args.file), args.file
-    st = forest_stats(sequences)
+        batch, source = read_batch(args.file), args.file
+    st = forest_stats(batch.sequences)
+    sharing = report(batch.sequences, groups=batch.groups, prompt_lengths=batch.prompt_lengths,
+                     ranks=batch.ranks, micro_batches=batch.micro_batches, packs=batch.packs)
     result = {
         "source": source,
         "num_sequences": st.num_sequences,
@@ -112,13 +214,19 @@ def _stats(args) -> int:
         "packed_attention_pairs": st.packed_attention_pairs,
         "unpacked_attention_pairs": st.unpacked_attention_pairs,
         "trees": st.trees,
+        "sharing": sharing.as_dict(),
     }
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"treepack stats: {source}")
+    if sharing.groups is None:
+        grouped = "no group keys and no prompts: no groups"
+    else:
+        by = "identical prompt" if batch.groups is None else repr(batch.group_field)
+        grouped = f"in {sharing.groups:,} group{'s' * (sharing.groups != 1)} by {by}"
     rows = [
-        ("sequences", f"{st.num_sequences:,}", ""),
+        ("sequences", f"{st.num_sequences:,}", grouped),
         ("original tokens", f"{st.original_tokens:,}", ""),
         ("packed rows", f"{st.packed_rows:,}", f"one per distinct prefix, in {st.trees:,} tree{'s' * (st.trees != 1)}"),
         ("token ratio", f"{st.token_ratio:.3f}",
@@ -127,8 +235,53 @@ def _stats(args) -> int:
          "visible query-key pairs, packed / unpacked"),
     ]
     for name, value, note in rows:
-        print(f"  {name:<22}{value:>14}   {note}".rstrip())
+        print(f"  {name:<24}{value:>12}   {note}".rstrip())
+    _print_sharing(sharing, batch, CAUSES)
     return 0
+
+
+def _print_sharing(sharing, batch, causes) -> None:
+    """The decomposition, a line per cause, then the false-fork groups."""
+    if not any(sharing.measured):
+        print("\nwhere sharing was lost: not measured; the lines need group keys ('uid' or "
+              "'group') with prompts, or a placement ('rank', 'micro_batch', 'pack'); see "
+              "docs/sharing.md")
+        return
+    print("\nwhere sharing was lost (packed rows; each cause adds the rows its cut costs, in "
+          "this order)")
+
+    def total(name, rows, note):
+        ratio = rows / sharing.original_tokens
+        print(f"  {name:<24}{rows:>12,}   token ratio {ratio:.3f}   {note}")
+
+    if sharing.measured.false_forks:
+        total("ideal", sharing.ideal_rows, "one forest, every group's prompts the same")
+    for cause, rows, share, measured, groups in zip(
+            causes, sharing.lost, sharing.shares, sharing.measured, sharing.groups_hit):
+        label = f"+ {CAUSE_LABELS[cause]}"
+        if not measured:
+            why = ("needs group keys ('uid' / 'group') and prompts" if cause == "false_forks"
+                   else f"no {CAUSE_FIELD[cause]!r} field")
+            print(f"  {label:<24}{'-':>12}   not measured: {why}")
+        else:
+            hit = (f", {groups:,} group{'s' * (groups != 1)}" if sharing.groups is not None
+                   else "")
+            print(f"  {label:<24}{rows:>12,}   {100 * share:5.1f} % of the rows lost{hit}")
+            if rows:
+                print(f"  {'':<39}fix: {CAUSE_FIX[cause]}")
+        if cause == "false_forks":
+            total("= achievable", sharing.achievable_rows, "one forest of the step as given")
+    total("= achieved", sharing.achieved_rows, "what this placement computes")
+    if sharing.false_forks:
+        print("\nfalse forks: groups whose prompts differ in their tokens (most rows first)")
+    for f in sharing.false_forks:
+        length = (f"a {f.prompt_length:,}-token prompt" if f.shortest_prompt == f.prompt_length
+                  else f"{f.shortest_prompt:,}- to {f.prompt_length:,}-token prompts")
+        tokens = " vs ".join("(end)" if t < 0 else str(t) for t in f.tokens)
+        print(f"  {batch.group_field or 'group'} {f.group!r}: {f.sequences:,} sequences, "
+              f"{f.variants:,} prompts, diverge at token {f.depth:,} of {length} ({tokens}): "
+              f"{f.rows:,} rows")
+        print(f"      likely: {f.hint}")
 
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -327,11 +480,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     stats = sub.add_parser(
         "stats",
-        help="what packing a batch into a prefix forest saves",
-        description="Token and attention savings of packing FILE (JSON lines: a list of "
-        "token ids, an object with 'input_ids', or a rollout with 'prompt' and 'completion' "
-        "per line) into one prefix forest. Without "
-        "FILE: a built-in synthetic agentic batch.",
+        help="what packing a batch saves, and where a step lost sharing",
+        description="Token and attention savings of packing FILE into one prefix forest, and "
+        "where a step's sharing was lost: false forks (rollouts of one group whose prompts "
+        "differ), groups split across ranks and micro-batches, trees cut into packs. FILE: "
+        "JSON lines, each a list of token ids or an object with 'input_ids', 'prompt' and "
+        "'completion', or 'prompt_ids' and 'completion_ids' (TRL), optionally a group key "
+        "'uid' (verl) or 'group' and a placement 'rank', 'micro_batch', 'pack'; other fields "
+        "are ignored. '-' reads standard input. Without FILE: a built-in synthetic agentic "
+        "batch. docs/sharing.md explains every number and how to dump a TRL or verl batch.",
     )
     stats.add_argument("file", nargs="?", metavar="FILE.jsonl")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
