@@ -1,12 +1,14 @@
 """One TRL GRPO run on every process of an ``accelerate launch`` (CPU, gloo), for
 tests/adapters/test_trl.py: stock ``GRPOTrainer`` or ``TreepackGRPOTrainer`` from the same checkpoint
 and seed. Rank 0 saves the weights after training, the training history and, per process,
-the prompts of every training micro-batch (to OUT.0, OUT.1, ...).
+the prompts, packed rows and tokens of every training micro-batch (to OUT.0, OUT.1, ...).
+CONFIG (optional) is JSON of further GRPOConfig fields.
 
     accelerate launch --multi_gpu --num_processes 2 tests/trl_ranks.py MODE MODEL_DIR OUT \\
-        PER_DEVICE_BATCH GRADIENT_ACCUMULATION
+        PER_DEVICE_BATCH GRADIENT_ACCUMULATION [CONFIG]
 """
 
+import json
 import sys
 import warnings
 
@@ -19,7 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 import treepack.trl
 
 
-def main(mode, model_dir, out, per_device, accumulation):
+def main(mode, model_dir, out, per_device, accumulation, config):
     state = PartialState()
     dataset = Dataset.from_dict({"prompt": ["w5 w6 w7 w8 w9", "w10 w11 w12", "w13 w14 w15 w16",
                                             "w5 w6 w7", "w20 w21", "w22 w23 w24 w25 w26 w27",
@@ -28,21 +30,24 @@ def main(mode, model_dir, out, per_device, accumulation):
     def reward(completions, **kw):
         return [float(len(c)) + 0.1 * i for i, c in enumerate(completions)]
 
-    args = GRPOConfig(output_dir=out + ".run", per_device_train_batch_size=per_device,
-                      gradient_accumulation_steps=accumulation, num_generations=4,
-                      max_completion_length=6, max_steps=2, report_to="none", save_strategy="no",
-                      use_cpu=True, bf16=False, temperature=0.7, seed=0, learning_rate=0.1,
-                      optim="sgd", beta=0.04, logging_steps=1)
+    args = GRPOConfig(**dict(output_dir=out + ".run", per_device_train_batch_size=per_device,
+                             gradient_accumulation_steps=accumulation, num_generations=4,
+                             max_completion_length=6, max_steps=2, report_to="none",
+                             save_strategy="no", use_cpu=True, bf16=False, temperature=0.7, seed=0,
+                             learning_rate=0.1, optim="sgd", beta=0.04, logging_steps=1) | config)
     cls = treepack.trl.TreepackGRPOTrainer if mode == "packed" else GRPOTrainer
     micro_batches = []
     real = treepack.trl._packed_forwards
 
     def recording(model, input_ids, attention_mask, logits_to_keep, **kw):
+        out = real(model, input_ids, attention_mask, logits_to_keep, **kw)
         if torch.is_grad_enabled():
             width = input_ids.shape[1] - logits_to_keep
-            micro_batches.append(sorted({tuple(p[m.bool()].tolist()) for p, m in
-                                         zip(input_ids[:, :width], attention_mask[:, :width])}))
-        return real(model, input_ids, attention_mask, logits_to_keep, **kw)
+            prompts = sorted({tuple(p[m.bool()].tolist()) for p, m in
+                              zip(input_ids[:, :width], attention_mask[:, :width])})
+            micro_batches.append((prompts, sum(p.num_packed_rows for p in out[3]),
+                                  sum(p.num_original_tokens for p in out[3])))
+        return out
 
     treepack.trl._packed_forwards = recording
     with warnings.catch_warnings(record=True) as said:
@@ -65,4 +70,5 @@ def main(mode, model_dir, out, per_device, accumulation):
 
 if __name__ == "__main__":
     mode, model_dir, out, per_device, accumulation = sys.argv[1:6]
-    main(mode, model_dir, out, int(per_device), int(accumulation))
+    main(mode, model_dir, out, int(per_device), int(accumulation),
+         json.loads(sys.argv[6]) if len(sys.argv) > 6 else {})

@@ -1,5 +1,9 @@
 """TRL's GRPOTrainer with treepack's per-token log-prob seam, end to end on a tiny model."""
 
+import collections
+import doctest
+import warnings
+
 import pytest
 import torch
 
@@ -187,10 +191,15 @@ def train_both(tokenizer, tmp_path, model_dir, **kwargs):
 
 
 def assert_same_training(runs):
-    """Equal gradients at the last step and equal weights after it (float32 rounding; the
-    runs step with SGD, whose update is linear in the gradient: Adam's first step divides
-    each gradient by its own magnitude, so it turns rounding in a near-zero one into ~lr)."""
+    """Equal logged losses, equal gradients at the last step and equal weights after it
+    (float32 rounding; the runs step with SGD, whose update is linear in the gradient: Adam's
+    first step divides each gradient by its own magnitude, so it turns rounding in a near-zero
+    one into ~lr)."""
     (packed, packed_grads), (stock, stock_grads) = runs["packed"], runs["stock"]
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (packed, stock)]
+    assert len(losses[1]) == stock.args.max_steps, stock.state.log_history
+    scale = max(abs(v) for v in losses[1])
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-5 * scale)
     assert stock_grads and packed_grads.keys() == stock_grads.keys()
     for k, g in stock_grads.items():
         torch.testing.assert_close(packed_grads[k], g, rtol=0,
@@ -239,6 +248,225 @@ def test_gradient_accumulation_keeps_groups_whole_and_equals_stock(tokenizer, tm
     assert_same_training(runs)
 
 
+def record_micro_batches(monkeypatch):
+    """Every training micro-batch TRL's loss sees, per trainer: (optimizer step, its rows as
+    prompt ids, its rows as prompt + completion ids)."""
+    seen = collections.defaultdict(list)
+    real = GRPOTrainer._compute_loss
+
+    def recording(self, model, inputs):
+        prompts = [tuple(p[m.bool()].tolist())
+                   for p, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
+        rows = [p + tuple(c[m.bool()].tolist()) for p, c, m in
+                zip(prompts, inputs["completion_ids"], inputs["completion_mask"])]
+        seen[self].append((self.state.global_step, prompts, rows))
+        return real(self, model, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", recording)
+    return seen
+
+
+def rows_per_step(micro_batches):
+    """The rows each optimizer step applied, as a sorted list per step."""
+    steps = collections.defaultdict(list)
+    for step, _, rows in micro_batches:
+        steps[step] += rows
+    return [sorted(rows) for _, rows in sorted(steps.items())]
+
+
+ACCUMULATION = dict(gradient_accumulation_steps=4, max_steps=2, optim="sgd", learning_rate=0.1)
+
+
+@pytest.mark.parametrize("option", [
+    dict(entropy_coef=0.1),
+    dict(use_adaptive_entropy=True, entropy_coef=0.05, entropy_target=100.0),
+    dict(loss_type="bnpo"),
+])
+def test_options_trl_takes_per_micro_batch_equal_stock_under_accumulation(
+        tokenizer, tmp_path, model_dir, monkeypatch, option):
+    """TRL's entropy bonus is a token mean per micro-batch, and bnpo divides a micro-batch's
+    loss by its tokens. With whole-group micro-batches the bonus is taken per row over the
+    micro-batch stock TRL would have put the row in (measured before, whole groups without the
+    correction: a parameter's gradient up to 3.0e-3 relative off and weights 7.1e-4 at
+    entropy_coef=0.1, 1.6e-3 / 3.9e-4 adaptive); bnpo keeps TRL's own micro-batches (it weighs
+    a row by all of its micro-batch's rows inside TRL's clipped objective; before: loss 2.0,
+    gradient 0.61, weights 0.14 relative off) and says so. Two optimizer steps of 4
+    micro-batches equal stock TRL's: losses, gradients, weights."""
+    seen = record_micro_batches(monkeypatch)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        runs = train_both(tokenizer, tmp_path, model_dir, config=ACCUMULATION | option)
+    said = [str(w.message) for w in said if "treepack" in str(w.message)]
+    packed, stock = seen[runs["packed"][0]], seen[runs["stock"][0]]
+    if option.get("loss_type") == "bnpo":  # TRL's own micro-batches, every one as stock's
+        assert [rows for *_, rows in packed] == [rows for *_, rows in stock]
+        (warned,) = said
+        assert "keeps TRL's own micro-batches" in warned and "loss_type='bnpo'" in warned
+        assert "loss_type='dapo'" in warned and "per_device_train_batch_size=16" in warned
+    else:  # whole groups: one prompt per micro-batch
+        assert all(len(set(prompts)) == 1 for _, prompts, _ in packed) and not said
+        assert any(len(set(prompts)) > 1 for _, prompts, _ in stock)
+    assert_same_training(runs)
+
+
+def test_an_entropy_threshold_keeps_trls_micro_batches_and_equals_stock(tokenizer, tmp_path,
+                                                                        model_dir, monkeypatch):
+    """top_entropy_quantile=0.2 trains on the tokens above the 80 % quantile of the entropies
+    of a micro-batch (on every process): the packed trainer keeps TRL's own micro-batches
+    (measured before, with whole groups: loss 1.2, weights 2.0 relative off).
+
+    The threshold is a hard cut by rank: two tokens whose entropies lie within rounding of each
+    other on either side of it may swap sides between two runs, whatever the order of rows. So
+    the test first asserts that in every micro-batch of either run the lowest entropy kept
+    exceeds the highest one dropped by more than 10x the largest difference between the two
+    runs' entropies (packed vs stock forward: rounding; measured 3.1e-5 against 2.4e-6);
+    equal masks, and with them equal training, are then what it checks, and a change of seed or
+    model that puts tokens on the cut fails loudly there instead of in the comparison."""
+    masks = collections.defaultdict(list)
+    real = GRPOTrainer.get_high_entropy_mask
+
+    def recording(self, entropies, mask, threshold):
+        chosen = real(self, entropies, mask, threshold)
+        kept, dropped = entropies[chosen], entropies[mask.bool() & ~chosen]
+        masks[self].append((chosen, (kept.min() - dropped.max()).item(), entropies.detach()))
+        return chosen
+
+    monkeypatch.setattr(GRPOTrainer, "get_high_entropy_mask", recording)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        runs = train_both(tokenizer, tmp_path, model_dir,
+                          config=ACCUMULATION | dict(top_entropy_quantile=0.2))
+    (warned,) = [str(w.message) for w in said if "treepack" in str(w.message)]
+    assert "top_entropy_quantile=0.2" in warned
+    packed, stock = masks[runs["packed"][0]], masks[runs["stock"][0]]
+    assert len(packed) == len(stock) == 8
+    rounding = max((a - b).abs().max().item() for (*_, a), (*_, b) in zip(packed, stock))
+    gap = min(gap for _, gap, _ in packed + stock)
+    assert 0 < rounding and gap > 10 * rounding, (gap, rounding)
+    for (a, *_), (b, *_) in zip(packed, stock):
+        assert torch.equal(a, b)
+    assert_same_training(runs)
+
+
+def test_a_router_loss_keeps_trls_micro_batches_and_equals_stock(tokenizer, tmp_path,
+                                                               monkeypatch):
+    """Mixtral's load-balancing loss is a product of two token averages over a micro-batch:
+    the packed trainer keeps TRL's micro-batches (measured before, with whole groups: a
+    parameter's gradient up to 0.74 relative off at router_aux_loss_coef=0.5, 0.05 at
+    Mixtral's own 0.001)."""
+    path = tmp_path / "tiny-mixtral"
+    model = zoo.tiny_model("mixtral")
+    model.config.output_router_logits = False  # TRL asks for router logits where it needs them
+    model.save_pretrained(path)
+    seen = record_micro_batches(monkeypatch)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        runs = train_both(tokenizer, tmp_path, str(path),
+                          config=ACCUMULATION | dict(router_aux_loss_coef=0.5))
+    (warned,) = [str(w.message) for w in said if "treepack" in str(w.message)]
+    assert "router_aux_loss_coef=0.5" in warned
+    packed, stock = seen[runs["packed"][0]], seen[runs["stock"][0]]
+    assert [rows for *_, rows in packed] == [rows for *_, rows in stock]
+    assert_same_training(runs)
+
+
+@pytest.mark.parametrize("sizes", [dict(steps_per_generation=4, gradient_accumulation_steps=2),
+                                   dict(steps_per_generation=3, gradient_accumulation_steps=2)])
+def test_several_optimizer_steps_per_generation_apply_stocks_rows(tokenizer, tmp_path, model_dir,
+                                                                 monkeypatch, sizes):
+    """steps_per_generation > gradient_accumulation_steps: one generation batch feeds several
+    optimizer steps, and which rows each applies is part of the run (measured before: the
+    whole-group shuffle moved rows between steps, losses 1.0 relative off at 4 / 2 and 3 / 2).
+    Each row stays in the step stock TRL's shuffle gives it, groups whole inside it; at 3 / 2
+    the steps do not line up with the micro-batches and TRL's own are kept. A warning says why
+    groups split."""
+    seen = record_micro_batches(monkeypatch)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        runs = train_both(tokenizer, tmp_path, model_dir, config=ACCUMULATION | sizes)
+    (warned,) = [str(w.message) for w in said if "treepack" in str(w.message)]
+    packed, stock = seen[runs["packed"][0]], seen[runs["stock"][0]]
+    assert rows_per_step(packed) == rows_per_step(stock)
+    if sizes["steps_per_generation"] == 4:
+        assert "steps_per_generation=4 > gradient_accumulation_steps=2" in warned
+        # inside a step groups are dealt whole where they can be: fewer prompt copies
+        assert sum(len(set(p)) for _, p, _ in packed) < sum(len(set(p)) for _, p, _ in stock)
+    else:
+        assert "do not divide one another" in warned
+        assert [rows for *_, rows in packed] == [rows for *_, rows in stock]
+    assert_same_training(runs)
+
+
+@pytest.mark.parametrize("option", [
+    dict(loss_type="dapo"), dict(loss_type="dr_grpo"), dict(loss_type="sapo"),
+    dict(loss_type="cispo"), dict(loss_type="vespo"),
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(importance_sampling_level="sequence", delta=1.5),
+    dict(off_policy_mask_threshold=0.01, num_iterations=2),
+    dict(loss_type="dapo", entropy_coef=0.1),
+])
+def test_losses_trl_averages_per_row_or_batch_equal_stock_with_whole_groups(
+        tokenizer, tmp_path, model_dir, monkeypatch, option):
+    """The loss types and options whose weights do not depend on which rows share a
+    micro-batch: whole-group micro-batches, and two steps equal stock TRL's."""
+    seen = record_micro_batches(monkeypatch)
+    runs = train_both(tokenizer, tmp_path, model_dir, config=ACCUMULATION | option)
+    assert all(len(set(prompts)) == 1 for _, prompts, _ in seen[runs["packed"][0]])
+    assert_same_training(runs)
+
+
+def test_the_token_ratio_sums_each_steps_micro_batches(tokenizer, tmp_path, model_dir,
+                                                       monkeypatch):
+    """treepack/token_ratio is one ratio per optimizer step: packed rows / tokens summed over
+    its micro-batches (and processes: tests/trl_ranks.py), not a mean of per-micro-batch
+    ratios (measured before: 0.6976 and 0.6875 logged where the steps' sums give 0.6938 and
+    0.6950)."""
+    step = [0]  # optimizer steps taken
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step[0] = state.global_step
+
+    sums = collections.defaultdict(lambda: [0, 0])  # step -> [packed rows, tokens]
+    real = treepack.trl._packed_forwards
+
+    def recording(*args, **kw):
+        out = real(*args, **kw)
+        if torch.is_grad_enabled():  # a training forward
+            sums[step[0]][0] += sum(p.num_packed_rows for p in out[3])
+            sums[step[0]][1] += sum(p.num_original_tokens for p in out[3])
+        return out
+
+    monkeypatch.setattr(treepack.trl, "_packed_forwards", recording)
+    trainer = make_trainer(tokenizer, tmp_path, model_dir, cls=treepack.trl.TreepackGRPOTrainer,
+                           config=ACCUMULATION, callbacks=[Steps()])
+    torch.manual_seed(0)
+    trainer.train()
+    logged = [h["treepack/token_ratio"] for h in trainer.state.log_history
+              if "treepack/token_ratio" in h]
+    want = [rows / tokens for _, (rows, tokens) in sorted(sums.items())]
+    assert len(want) == 2 and logged == pytest.approx(want, rel=1e-12), (logged, want)
+
+
+def test_a_per_device_batch_smaller_than_a_group_warns_with_the_fix(tokenizer, tmp_path,
+                                                                    model_dir):
+    """per_device_train_batch_size 2 < num_generations 4 with 4 micro-batches: a group cannot
+    be whole in one micro-batch, its prompt is computed in each (token ratios 0.76 and 0.83
+    where per-device batch 4 x accumulation 2, the same batch, gives 0.65 and 0.75; no warning
+    before)."""
+    with pytest.warns(UserWarning) as said:
+        make_trainer(tokenizer, tmp_path, model_dir, cls=treepack.trl.TreepackGRPOTrainer,
+                     config=dict(per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    (warned,) = [str(w.message) for w in said if "treepack" in str(w.message)]
+    assert "per_device_train_batch_size=2 is not a multiple of num_generations=4" in warned
+    assert "per_device_train_batch_size=4 and gradient_accumulation_steps=2" in warned
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        make_trainer(tokenizer, tmp_path, model_dir, cls=treepack.trl.TreepackGRPOTrainer,
+                     config=dict(gradient_accumulation_steps=4))
+    assert not [w for w in said if "treepack" in str(w.message)]  # whole groups fit
+
+
 def test_shuffle_whole_groups_draws_what_trl_draws_and_keeps_groups_together():
     """One randperm, as TRL's shuffle: the random stream after it is the same; every row kept;
     each of the parts holds whole groups (equal sizes), scalars untouched."""
@@ -257,6 +485,18 @@ def test_shuffle_whole_groups_draws_what_trl_draws_and_keeps_groups_together():
     assert ours["names"] == ["abcdef"[i] for i in ours["row"].tolist()]
     for part in ours["prompt_ids"].split(2):
         assert torch.equal(part[0], part[1])
+    # two optimizer steps of two parts each: every row stays in the step TRL's shuffle gives it
+    prompts = torch.tensor([[5], [5], [6], [6], [7], [7], [8], [8]])
+    batch = {"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts),
+             "row": torch.arange(8)}
+    for seed in range(20):
+        torch.manual_seed(seed)
+        ours = treepack.trl.shuffle_whole_groups(batch, parts=4, parts_per_step=2)
+        torch.manual_seed(seed)
+        stock = shuffle_sequence_dict(batch)
+        for mine, theirs in zip(ours["row"].split(4), stock["row"].split(4)):
+            assert sorted(mine.tolist()) == sorted(theirs.tolist())
+    assert doctest.testmod(treepack.trl, raise_on_error=True).attempted > 0
 
 
 def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, model_dir,
@@ -302,9 +542,10 @@ def test_patch_keeps_trls_timer_and_refuses_an_override(tokenizer, tmp_path, mod
     assert seam.__func__.__wrapped__ is not None  # TRL's profiling_decorator around it
 
 
-def launch(mode, model_dir, out, per_device, accumulation):
+def launch(mode, model_dir, out, per_device, accumulation, config=None):
     """tests/trl_ranks.py on 2 CPU processes (gloo) under accelerate, as docs/integrations.md
-    says to launch them."""
+    says to launch them; ``config``: further GRPOConfig fields."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
@@ -313,7 +554,8 @@ def launch(mode, model_dir, out, per_device, accumulation):
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
          "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(script), mode, model_dir, str(out), str(per_device), str(accumulation)],
+         str(script), mode, model_dir, str(out), str(per_device), str(accumulation),
+         json.dumps(config or {})],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     result = torch.load(out, weights_only=False)
@@ -323,24 +565,35 @@ def launch(mode, model_dir, out, per_device, accumulation):
 
 
 @pytest.mark.slow
-def test_two_processes_keep_groups_whole_and_equal_stock(tokenizer, model_dir, tmp_path):
+@pytest.mark.parametrize("option", [{}, dict(entropy_coef=0.1, max_completion_length=16)])
+def test_two_processes_keep_groups_whole_and_equal_stock(tokenizer, model_dir, tmp_path, option):
     """2 processes x per_device_train_batch_size 4 x gradient accumulation 2: each process
     takes 8 rows (two whole prompts of 4 completions), each micro-batch one prompt; two
-    optimizer steps equal stock TRL's. With 2 rows a process the groups straddle processes
-    and the packed trainer says so, with the setting that fixes it."""
+    optimizer steps equal stock TRL's, with the entropy bonus (each process's own, corrected
+    per row) too. treepack/token_ratio is each step's packed rows / tokens summed over both
+    processes and their micro-batches (before: rank 0's mean of its per-micro-batch ratios).
+    With 2 rows a process the groups straddle processes and the packed trainer says so, with
+    the setting that fixes it."""
     tokenizer.save_pretrained(model_dir)
-    stock = launch("stock", model_dir, tmp_path / "stock.pt", 4, 2)
-    packed = launch("packed", model_dir, tmp_path / "packed.pt", 4, 2)
+    stock = launch("stock", model_dir, tmp_path / "stock.pt", 4, 2, option)
+    packed = launch("packed", model_dir, tmp_path / "packed.pt", 4, 2, option)
     assert packed["processes"] == 2 and not packed["warnings"]
     for process in packed["micro_batches"]:
-        assert len(process) == 4 and all(len(prompts) == 1 for prompts in process), process
+        assert len(process) == 4 and all(len(prompts) == 1 for prompts, *_ in process), process
     for k, want in stock["params"].items():
         torch.testing.assert_close(packed["params"][k], want, rtol=0,
                                    atol=1e-5 * want.abs().max().item(), msg=k)
-    straddling = launch("packed", model_dir, tmp_path / "straddling.pt", 2, 1)
-    (said,) = straddling["warnings"]
-    assert "= 2 rows, not a multiple of num_generations = 4" in said
-    assert "per_device_train_batch_size=4" in said
+    logged = [h["treepack/token_ratio"] for h in packed["history"]
+              if "treepack/token_ratio" in h]
+    sums = [[sum(mb[1] for process in packed["micro_batches"] for mb in process[s:s + 2]),
+             sum(mb[2] for process in packed["micro_batches"] for mb in process[s:s + 2])]
+            for s in (0, 2)]  # 2 micro-batches a step on each process
+    assert logged == pytest.approx([rows / tokens for rows, tokens in sums], rel=1e-12)
+    if not option:
+        straddling = launch("packed", model_dir, tmp_path / "straddling.pt", 2, 1)
+        (said,) = straddling["warnings"]
+        assert "= 2 rows, not a multiple of num_generations = 4" in said
+        assert "per_device_train_batch_size=4" in said
 
 
 @pytest.mark.parametrize("max_tokens", [None, 16])

@@ -17,6 +17,14 @@ or, with ``max_tokens``, planned into several packs — and log-probs come from
 ``[T', V]`` logits), with TRL's temperature. A no-grad pass (old and reference log-probs)
 whose tree the plan would split runs in parts instead, every row once
 (:func:`treepack.hf.logprobs_in_parts`). Everything else in the trainer is TRL's own.
+
+Under gradient accumulation TRL shuffles each generation batch and cuts it into
+``steps_per_generation`` micro-batches; the packed trainer deals whole groups to them instead
+(:func:`shuffle_whole_groups`), each row kept in the optimizer step TRL's shuffle gives it.
+Every loss TRL averages per row or over the whole batch is then unchanged. Its entropy bonus, a
+token mean per micro-batch, is corrected to the micro-batch TRL would have put each row in; the
+options TRL computes over a micro-batch's rows as a whole (``loss_type="bnpo"``,
+``top_entropy_quantile < 1``, the router load-balancing loss) keep TRL's own micro-batches.
 """
 
 from __future__ import annotations
@@ -148,12 +156,29 @@ def _in_parts(planned, oversize: bool, aux: bool, pad_to_multiple_of, fp32_head:
     return not (torch.is_grad_enabled() or aux or pad_to_multiple_of or fp32_head)
 
 
+class _MicroBatches(NamedTuple):
+    """How the packed trainer orders a generation batch before TRL cuts it into
+    ``steps_per_generation`` micro-batches (:func:`_plan_micro_batches`)."""
+
+    whole_groups: bool  # deal whole groups (shuffle_whole_groups); False: TRL's own shuffle
+    parts_per_step: int  # consecutive micro-batches that one optimizer step applies
+    entropy_per_row: bool  # carry each row's stock micro-batch tokens for the entropy bonus
+    kept_because: tuple[str, ...]  # why TRL's own micro-batches are kept (whole_groups False)
+
+
 class _Settings(NamedTuple):
-    """How a patched trainer packs (:func:`patch`'s keyword arguments)."""
+    """How a patched trainer packs (:func:`patch`'s keyword arguments) and orders its
+    micro-batches."""
 
     backend: str
     max_tokens: int | None
     pad_to_multiple_of: int | None
+    micro_batches: _MicroBatches
+
+
+# the key of inputs that holds, per row, the completion tokens of the micro-batch stock TRL
+# would have put the row in (its entropy bonus's denominator)
+_STOCK_TOKENS = "treepack_stock_micro_batch_tokens"
 
 
 @profiling_decorator  # TRL's timer of the method this replaces, under the same name
@@ -181,59 +206,124 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
             pad_to_multiple_of=settings.pad_to_multiple_of,
             cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),
         )
-    if torch.is_grad_enabled():  # the training forward: what packing saved there
-        rows = sum(pack.num_packed_rows for pack in packs)
-        tokens = sum(pack.num_original_tokens for pack in packs)
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["treepack/token_ratio"].append(rows / max(tokens, 1))
+    if torch.is_grad_enabled() and self.model.training:  # the training forward
+        _log_token_ratio(self, packs)
+        captured = getattr(self, "_treepack_entropies", None)
+        if captured is not None:  # _compute_loss corrects the entropy bonus with them
+            captured.append(entropies)
     return logps, entropies, aux_loss
+
+
+def _log_token_ratio(trainer, packs) -> None:
+    """What packing saved in the training forwards: this micro-batch's packed rows and tokens
+    add to its optimizer step's; at the step's last micro-batch ``treepack/token_ratio`` logs
+    rows / tokens summed over the step's micro-batches and over every process."""
+    rows, tokens = getattr(trainer, "_treepack_step_rows", (0, 0))
+    rows += sum(pack.num_packed_rows for pack in packs)
+    tokens += sum(pack.num_original_tokens for pack in packs)
+    if not trainer.accelerator.sync_gradients:
+        trainer._treepack_step_rows = (rows, tokens)
+        return
+    trainer._treepack_step_rows = (0, 0)
+    # every process runs each micro-batch's training forward, so all of them meet here
+    rows, tokens = trainer.accelerator.reduce(
+        torch.tensor([rows, tokens], device=trainer.accelerator.device), reduction="sum").tolist()
+    trainer._metrics["train"]["treepack/token_ratio"].append(rows / max(tokens, 1))
 
 
 def _prepare_inputs(self, generation_batch):
     """TRL's ``_prepare_inputs``, whose shuffle before the split into ``steps_per_generation``
-    micro-batches moves whole groups (:func:`shuffle_whole_groups`) instead of rows."""
+    micro-batches moves whole groups (:func:`shuffle_whole_groups`) instead of rows, each row
+    kept in its optimizer step; TRL's own shuffle where an option needs TRL's micro-batches
+    (:func:`_plan_micro_batches`)."""
+    plan: _MicroBatches = self._treepack.micro_batches
+    if not plan.whole_groups:
+        return self._treepack_prepare_inputs(generation_batch)
     original = grpo_trainer.shuffle_sequence_dict
     grpo_trainer.shuffle_sequence_dict = functools.partial(
-        shuffle_whole_groups, parts=self.args.steps_per_generation)
+        _shuffle, parts=self.args.steps_per_generation, parts_per_step=plan.parts_per_step,
+        stock_tokens=plan.entropy_per_row)
     try:  # only for this call: nothing else sees the change
         return self._treepack_prepare_inputs(generation_batch)
     finally:
         grpo_trainer.shuffle_sequence_dict = original
 
 
-def shuffle_whole_groups(batch: dict, parts: int = 1) -> dict:
-    """TRL's ``shuffle_sequence_dict`` moving whole groups: rows with the same prompt (the
-    ``num_generations`` completions of one prompt) stay together in one of the ``parts``
-    contiguous micro-batches TRL then cuts (where sizes allow; :func:`treepack.groups.
-    keep_groups_together`), in a random order of groups and of rows inside a group.
+def _compute_loss(self, model, inputs):
+    """TRL's ``_compute_loss``, with its entropy bonus taken over the micro-batches TRL would
+    have cut.
 
-    It draws the one ``torch.randperm`` TRL's shuffle draws, so the random stream, and with it
-    every later sampling, is the same as stock TRL's. The training objective is unchanged:
-    which rows share a micro-batch was random and stays random, only the partition differs.
+    TRL's bonus is ``entropy_coef`` x a micro-batch's summed completion entropy / its
+    completion tokens (/ the accumulation steps). A packed micro-batch holds other rows than
+    TRL's, so each row's entropy is moved from this micro-batch's mean into the mean over the
+    micro-batch TRL would have put it in (its tokens in ``inputs[_STOCK_TOKENS]``, from the
+    shuffle): the bonus, in value and gradient, is TRL's. Without that key (no bonus, TRL's own
+    micro-batches, evaluation) this is TRL's method unchanged."""
+    stock_tokens = inputs.get(_STOCK_TOKENS)
+    if stock_tokens is None or not self.model.training:
+        return self._treepack_compute_loss(model, inputs)
+    coef = _entropy_coef_applied(self)  # before TRL's adaptive controller moves it
+    self._treepack_entropies = captured = []
+    try:
+        loss = self._treepack_compute_loss(model, inputs)
+    finally:
+        self._treepack_entropies = None
+    (entropies,) = captured  # [B, K], from the seam's training forward
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    per_row = (entropies * mask).sum(-1)  # [B]
+    here = per_row.sum() / mask.sum().clamp(min=1.0)  # what TRL's bonus averaged
+    stock = (per_row / stock_tokens.clamp(min=1.0)).sum()  # what stock TRL's micro-batches do
+    return loss - coef * (stock - here) / self.current_gradient_accumulation_steps
 
-    Args:
-        batch: TRL's generation batch: ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` and other
-            sequences of ``B`` rows (tensors, lists) or scalars.
-        parts: the micro-batches it is cut into next (``steps_per_generation``).
 
-    Returns:
-        The batch with every sequence reordered alike.
+def _entropy_coef_applied(trainer) -> float:
+    """The coefficient TRL's entropy bonus applies in this micro-batch: ``entropy_coef``, or
+    with ``use_adaptive_entropy`` 0 while the last step's entropy is above ``entropy_target``
+    (TRL 1.16 ``_compute_loss``; read before it updates the coefficient at a step's end)."""
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > trainer.args.entropy_target:
+        return 0.0
+    return trainer.entropy_coef
 
-    Raises:
-        KeyError: no ``prompt_ids`` / ``prompt_mask``.
-    """
+
+class _Order(NamedTuple):
+    """A whole-group order of a batch (:func:`_whole_group_order`)."""
+
+    permutation: Tensor  # [B] the batch's row at each new position
+    stock_position: Tensor  # [B] where TRL's own shuffle puts that row
+
+
+def _whole_group_order(batch: dict, parts: int, parts_per_step: int | None) -> _Order:
+    """:func:`shuffle_whole_groups`'s order, and where stock TRL puts each row."""
     size = len(next(v for v in batch.values() if v is not None and
                     not (isinstance(v, Tensor) and v.ndim == 0)))
-    permutation = torch.randperm(size)  # the draw stock TRL makes
+    parts_per_step = parts if parts_per_step is None else parts_per_step
+    if parts % parts_per_step or size % parts:
+        raise ValueError(f"{size} rows in parts={parts} of parts_per_step={parts_per_step}: "
+                         "parts must be a multiple of parts_per_step and divide the rows (TRL's "
+                         "steps_per_generation and gradient_accumulation_steps when it divides it)")
+    permutation = torch.randperm(size)  # the draw stock TRL makes: its order of the rows
     prompts = batch["prompt_ids"] * batch["prompt_mask"]
     group = torch.unique(prompts.cpu(), dim=0, return_inverse=True)[1]
-    group = group[permutation]  # rows in the random order
-    # each group labelled by its first row in that order: a random order of groups
-    first = torch.full((int(group.max()) + 1,), size).scatter_reduce(
-        0, group, torch.arange(size), reduce="amin")
-    order = keep_groups_together(first[group].numpy(), np.ones(size), parts).order
-    permutation = permutation[torch.from_numpy(order)]
+    group = group[permutation]  # rows in TRL's order
+    # a row stays in the optimizer step its place in TRL's order gives it; inside a step each
+    # group is labelled by its first row in that order: a random order of groups
+    rows_per_step = size // parts * parts_per_step
+    key = torch.arange(size) // rows_per_step * (int(group.max()) + 1) + group
+    first = torch.full((int(key.max()) + 1,), size).scatter_reduce(
+        0, key, torch.arange(size), reduce="amin")
+    label = first[key].numpy()
+    order = np.concatenate([
+        start + keep_groups_together(label[start:start + rows_per_step], np.ones(rows_per_step),
+                                     parts_per_step).order
+        for start in range(0, size, rows_per_step)])
+    order = torch.from_numpy(order)
+    return _Order(permutation[order], order)
 
+
+def _permute(batch: dict, permutation: Tensor) -> dict:
+    """Every sequence of ``batch`` (tensors, lists) in ``permutation``'s order; scalars kept."""
     def permute(v):
         if v is None or (isinstance(v, Tensor) and v.ndim == 0):
             return v
@@ -244,6 +334,108 @@ def shuffle_whole_groups(batch: dict, parts: int = 1) -> dict:
     return {key: permute(value) for key, value in batch.items()}
 
 
+def _shuffle(batch: dict, *, parts: int, parts_per_step: int, stock_tokens: bool) -> dict:
+    """:func:`shuffle_whole_groups`, and with ``stock_tokens`` each row's ``_STOCK_TOKENS``:
+    the completion tokens (TRL's loss mask) of the micro-batch stock TRL would have put it in."""
+    order = _whole_group_order(batch, parts, parts_per_step)
+    out = _permute(batch, order.permutation)
+    if stock_tokens:
+        mask = out["completion_mask"]
+        if out.get("tool_mask") is not None:
+            mask = mask * out["tool_mask"]
+        tokens = mask.sum(-1).float()  # [B], in the new order
+        stock_part = (order.stock_position // (len(tokens) // parts)).to(tokens.device)
+        per_part = torch.zeros(parts, device=tokens.device).index_add_(0, stock_part, tokens)
+        out[_STOCK_TOKENS] = per_part[stock_part]
+    return out
+
+
+def shuffle_whole_groups(batch: dict, parts: int = 1, *,
+                         parts_per_step: int | None = None) -> dict:
+    """TRL's ``shuffle_sequence_dict`` moving whole groups: rows with the same prompt (the
+    ``num_generations`` completions of one prompt) stay together in one of the ``parts``
+    contiguous micro-batches TRL then cuts (where sizes allow; :func:`treepack.groups.
+    keep_groups_together`), in a random order of groups and of rows inside a group.
+
+    It draws the one ``torch.randperm`` TRL's shuffle draws, so the random stream, and with it
+    every later sampling, is the same as stock TRL's. Rows move only between the micro-batches
+    of one optimizer step (``parts_per_step`` consecutive parts): each row is applied in the
+    optimizer step stock TRL's shuffle puts it in, so whatever TRL averages per row or over the
+    step is unchanged; only which rows share a micro-batch differs.
+
+    Args:
+        batch: TRL's generation batch: ``prompt_ids`` / ``prompt_mask`` ``[B, P]`` and other
+            sequences of ``B`` rows (tensors, lists) or scalars.
+        parts: the micro-batches it is cut into next (``steps_per_generation``).
+        parts_per_step: how many consecutive parts one optimizer step applies
+            (``gradient_accumulation_steps`` where it divides ``steps_per_generation``);
+            default ``parts``: all of them.
+
+    Returns:
+        The batch with every sequence reordered alike.
+
+    Raises:
+        KeyError: no ``prompt_ids`` / ``prompt_mask``.
+        ValueError: ``parts`` not a multiple of ``parts_per_step``, or not dividing the rows.
+
+    Example:
+        >>> import torch
+        >>> prompts = torch.tensor([[5, 6], [7, 8], [5, 6], [7, 8]])
+        >>> batch = {"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts),
+        ...          "row": torch.arange(4)}
+        >>> out = shuffle_whole_groups(batch, parts=2)
+        >>> [part.unique(dim=0).shape[0] for part in out["prompt_ids"].split(2)]
+        [1, 1]
+    """
+    return _permute(batch, _whole_group_order(batch, parts, parts_per_step).permutation)
+
+
+def _plan_micro_batches(trainer) -> _MicroBatches:
+    """Whether the packed trainer may deal whole groups to TRL's micro-batches and stay equal
+    to stock TRL, and what it must carry for that.
+
+    TRL's loss per micro-batch is a sum of per-row terms with weights that do not depend on
+    which rows share the micro-batch for ``grpo``, ``sapo``, ``dr_grpo``, ``luspo`` (a mean
+    over the fixed ``per_device_train_batch_size`` rows), ``dapo``, ``cispo``, ``vespo`` (over
+    the whole batch's tokens), the KL term, sequence-level importance sampling, ``delta`` and
+    the off-policy mask (per row): moving rows between micro-batches of one optimizer step
+    changes none of them. The entropy bonus is a token mean per micro-batch: corrected per row
+    (:func:`_compute_loss`). ``bnpo`` (each micro-batch's loss over its own tokens, inside TRL's
+    clipped objective), ``top_entropy_quantile`` (a threshold over the micro-batch's entropies
+    on every process) and the router load-balancing loss (over the micro-batch's tokens) depend
+    on the micro-batch as a whole: with them TRL's own micro-batches are kept, as they are when
+    an optimizer step's micro-batches do not line up with a generation batch's."""
+    args = trainer.args
+    parts, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
+    if parts % accumulation == 0:
+        per_step = accumulation  # several optimizer steps per generation batch
+    elif accumulation % parts == 0:
+        per_step = parts  # one step applies whole generation batches
+    else:
+        per_step = None
+    kept = []
+    if parts > 1:  # one micro-batch per generation batch: every order gives TRL's micro-batch
+        if trainer.loss_type == "bnpo":
+            kept.append("loss_type='bnpo' divides each micro-batch's loss by that micro-batch's "
+                        "completion tokens")
+        if trainer.top_entropy_quantile < 1.0:
+            kept.append(f"top_entropy_quantile={trainer.top_entropy_quantile} takes its entropy "
+                        "threshold over each micro-batch's tokens (on every process)")
+        if getattr(trainer, "aux_loss_enabled", False):
+            kept.append("the router load-balancing loss (router_aux_loss_coef="
+                        f"{trainer.router_aux_loss_coef}) is computed over each micro-batch's "
+                        "tokens")
+        if per_step is None:
+            kept.append(f"steps_per_generation={parts} and gradient_accumulation_steps="
+                        f"{accumulation} do not divide one another, so an optimizer step's "
+                        "micro-batches do not line up with a generation batch's")
+    bonus = trainer.entropy_coef != 0.0 or getattr(trainer, "use_adaptive_entropy", False)
+    whole = not kept
+    return _MicroBatches(whole_groups=whole, parts_per_step=per_step or parts,
+                         entropy_per_row=whole and bonus and (per_step or parts) > 1,
+                         kept_because=tuple(kept))
+
+
 def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None = None,
           pad_to_multiple_of: int | None = None) -> GRPOTrainer:
     """Make ``trainer`` compute per-token log-probs from packed forwards.
@@ -251,10 +443,17 @@ def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None
     The trainer's models (policy and reference; a PEFT model too) are prepared with
     :func:`treepack.hf.prepare`: their ordinary batches (generation) run as before. The
     shuffle before TRL splits a generation batch into ``steps_per_generation`` micro-batches
-    moves whole groups (:func:`shuffle_whole_groups`), so a micro-batch holds whole groups.
-    The no-grad passes (old and reference log-probs) pack at most as many tokens per forward
-    as one of TRL's chunks of ``per_device_train_batch_size`` rows. Each training forward logs
-    ``treepack/token_ratio`` (packed rows / tokens) with TRL's metrics.
+    moves whole groups (:func:`shuffle_whole_groups`), so a micro-batch holds whole groups,
+    each row in the optimizer step stock TRL gives it, and TRL's entropy bonus is taken over
+    the micro-batch stock TRL would have put each row in. With ``loss_type="bnpo"``,
+    ``top_entropy_quantile < 1``, a router load-balancing loss, or ``steps_per_generation`` and
+    ``gradient_accumulation_steps`` that do not divide one another, TRL's own micro-batches are
+    kept (these depend on all of a micro-batch's rows) and a warning says so. Every option then
+    trains as stock TRL does. The no-grad passes (old and reference log-probs) pack at most as
+    many tokens per forward as one of TRL's chunks of ``per_device_train_batch_size`` rows.
+    Each optimizer step logs ``treepack/token_ratio`` (packed rows / tokens of its training
+    forwards, summed over its micro-batches and processes) with TRL's metrics; a warning says
+    where the sizes split groups.
 
     Args:
         trainer: a ``trl.GRPOTrainer`` (or a subclass that keeps TRL's
@@ -283,14 +482,18 @@ def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is not None:
             hf.prepare(model)
-    trainer._treepack = _Settings(backend, max_tokens, pad_to_multiple_of)
+    plan = _plan_micro_batches(trainer)
+    trainer._treepack = _Settings(backend, max_tokens, pad_to_multiple_of, plan)
     if own is GRPOTrainer._get_per_token_logps_and_entropies:  # an instance of plain TRL
         trainer._get_per_token_logps_and_entropies = types.MethodType(
             _get_per_token_logps_and_entropies, trainer)
     if "_treepack_prepare_inputs" not in vars(trainer):
         trainer._treepack_prepare_inputs = trainer._prepare_inputs
         trainer._prepare_inputs = types.MethodType(_prepare_inputs, trainer)
+        trainer._treepack_compute_loss = trainer._compute_loss
+        trainer._compute_loss = types.MethodType(_compute_loss, trainer)
     _warn_if_groups_straddle_processes(trainer)
+    _warn_if_groups_split_in_processes(trainer, plan)
     return trainer
 
 
@@ -310,6 +513,47 @@ def _warn_if_groups_straddle_processes(trainer) -> None:
             f"per_device_train_batch_size x steps_per_generation a multiple of {group} "
             f"(e.g. per_device_train_batch_size={math.lcm(per_process, group) // args.steps_per_generation}"
             ") to pack every group whole", stacklevel=3)
+
+
+def _warn_if_groups_split_in_processes(trainer, plan: _MicroBatches) -> None:
+    """Where a process's generation batch is cut into micro-batches that cannot hold whole
+    groups, a group's prompt is computed once per micro-batch it lands in: say why, once, with
+    the setting that packs every group whole."""
+    args = trainer.args
+    parts, accumulation = args.steps_per_generation, args.gradient_accumulation_steps
+    rows, group = args.per_device_train_batch_size, trainer.num_generations
+    if parts == 1:
+        return
+    one_step = (f"one micro-batch per optimizer step (gradient_accumulation_steps=1 and "
+                f"per_device_train_batch_size={rows * accumulation}, the same batch)")
+    split = (f"so a group's {group} rows are spread over the {parts} micro-batches of a "
+             "generation batch and its prompt is computed in each it lands in")
+    if not plan.whole_groups:
+        fix = one_step
+        if trainer.loss_type == "bnpo" and len(plan.kept_because) == 1:
+            fix += (" or loss_type='dapo' (normalised by the tokens of the whole batch, which "
+                    "packs whole groups)")
+        warnings.warn(f"treepack keeps TRL's own micro-batches, as stock TRL cuts them, "
+                      f"because {'; '.join(plan.kept_because)}: {split} (the run equals stock "
+                      f"TRL's). To pack whole groups, use {fix}", stacklevel=3)
+    elif plan.parts_per_step < parts:
+        warnings.warn(
+            f"treepack: steps_per_generation={parts} > gradient_accumulation_steps="
+            f"{accumulation}: each optimizer step applies the rows stock TRL's shuffle deals to "
+            f"its {accumulation} micro-batches, and treepack keeps them there to equal stock "
+            f"TRL, so a group's rows are spread over the {parts // accumulation} optimizer "
+            "steps of a generation batch and its prompt is computed in each; with "
+            "steps_per_generation <= gradient_accumulation_steps every group stays whole",
+            stacklevel=3)
+    elif rows % group:
+        whole = math.lcm(rows, group)
+        same = (f" and gradient_accumulation_steps={accumulation * rows // whole}, the same "
+                "batch" if accumulation * rows % whole == 0 else "")
+        warnings.warn(
+            f"treepack: per_device_train_batch_size={rows} is not a multiple of "
+            f"num_generations={group}, so a micro-batch cannot hold whole groups: {split}; use "
+            f"per_device_train_batch_size={whole}{same} to pack every group whole",
+            stacklevel=3)
 
 
 class TreepackGRPOTrainer(GRPOTrainer):
