@@ -467,6 +467,31 @@ def test_a_per_device_batch_smaller_than_a_group_warns_with_the_fix(tokenizer, t
     assert not [w for w in said if "treepack" in str(w.message)]  # whole groups fit
 
 
+def test_a_model_object_with_a_reference_model_equals_stock_from_its_path(tokenizer, tmp_path,
+                                                                          model_dir):
+    """beta > 0 with a model built in memory: stock TRL loads the reference model from the
+    config's path and fails (measured before: 'Repo id must use alphanumeric chars' in the
+    packed trainer too); the packed trainer copies the object, which trains as stock TRL
+    given the saved checkpoint's path."""
+    model = zoo.tiny_model("qwen2")  # the weights model_dir holds, with no path
+    with pytest.raises(Exception, match="alphanumeric"):
+        make_trainer(tokenizer, tmp_path / "stock", model)
+    runs = {}
+    for name, cls, given in (("stock", GRPOTrainer, model_dir),
+                             ("packed", treepack.trl.TreepackGRPOTrainer, model)):
+        probe = GradientsAtStep()
+        trainer = make_trainer(tokenizer, tmp_path / name, given, cls=cls, callbacks=[probe],
+                               config=dict(optim="sgd", learning_rate=0.1, max_steps=2))
+        torch.manual_seed(0)
+        trainer.train()
+        runs[name] = (trainer, probe.grads)
+    packed = runs["packed"][0]
+    assert packed.ref_model is not model and packed.model is model
+    assert_same_training(runs)
+    for name, p in packed.ref_model.named_parameters():  # the reference stayed as given
+        assert torch.equal(p, runs["stock"][0].ref_model.get_parameter(name)), name
+
+
 def test_shuffle_whole_groups_draws_what_trl_draws_and_keeps_groups_together():
     """One randperm, as TRL's shuffle: the random stream after it is the same; every row kept;
     each of the parts holds whole groups (equal sizes), scalars untouched."""
