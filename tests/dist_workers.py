@@ -224,6 +224,41 @@ def ddp_parts_worker(rank: int, world: int, port: int, out: str) -> None:
         shutdown()
 
 
+def empty_rank_parts_worker(rank: int, world: int, port: int, out: str,
+                            wrapper: str = "ddp") -> None:
+    """Rank 0 holds every tree, rank 1 the empty pack plan() gives a rank with none, under
+    DDP or FSDP2: the empty rank's step computes nothing and still takes part in every
+    collective, so the averaged gradients are rank 0's trees' alone."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import treepack
+    from treepack import hf, zoo
+
+    init(rank, world, port)
+    try:
+        seqs, mask, old_shift, adv = step_batch()
+        # what plan() gives the rank without a tree, when there is one tree for two ranks
+        empty = treepack.plan(seqs[:1], max_tokens=10_000, world_size=world).packs(1)[0]
+        assert empty.num_sequences == 0
+        core = hf.prepare(zoo.tiny_model("llama", seed=1)) if wrapper == "ddp" else None
+        model = DDP(core) if wrapper == "ddp" else sharded_model()
+        loss = parts_loss(mask, old_shift, adv)(torch.arange(len(seqs)))
+        batch = seqs if rank == 0 else empty
+        for _ in range(2):  # twice: the empty rank leaves the wrapper as it found it
+            model.zero_grad()
+            step = hf.backward_in_parts(model, batch, lambda o, m: loss(o, m) * world,
+                                        max_tokens=12)
+        assert (step.parts > 1) if rank == 0 else (step.parts == 0)
+        hf.logprobs_in_parts(model, batch, max_tokens=12)
+        grads = {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                 for k, p in (core or model).named_parameters()}
+        if rank == 0:
+            torch.save(grads, out)
+        model = core = None
+    finally:
+        shutdown()
+
+
 def sharded_parts_steps(model, rank: int, world: int) -> None:
     """Two steps of this rank's trees in parts (12 + rank rows a forward; twice: the module
     is left as FSDP expects, sharded and synced), then the no-grad pass at another budget."""
@@ -292,7 +327,7 @@ def average_gradients_worker(rank: int, world: int, port: int) -> None:
     the ranks'."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from treepack.adapters.hf.parts import _average_gradients
+    from treepack.adapters.hf.parts.sync import average_gradients
 
     init(rank, world, port)
     try:
@@ -312,7 +347,7 @@ def average_gradients_worker(rank: int, world: int, port: int) -> None:
 
         for name, grad in grads(rank).items():
             getattr(module, name).grad = grad
-        _average_gradients(model, bucket_bytes=40)  # a bucket a parameter or two
+        average_gradients(model, bucket_bytes=40)  # a bucket a parameter or two
         for name in ("a", "b", "c"):
             each = [grads(r)[name] for r in range(world)]
             want = sum(torch.zeros_like(each[0]) if g is None else g for g in each) / world

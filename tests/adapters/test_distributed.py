@@ -54,3 +54,15 @@ def test_parts_under_ddp_and_fsdp2_equal_every_sequence_alone(worker, tmp_path):
     counts), under DDP and FSDP2: the averaged gradients equal one process running every
     sequence alone."""
     rank_zero_grads_equal(worker, dist_workers.parts_reference_grads, tmp_path)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_a_rank_with_an_empty_pack_keeps_the_collectives_in_step(wrapper, tmp_path):
+    """A rank with no trees runs a no-op step in parts beside a rank that runs many: nothing
+    hangs, and the gradients equal every sequence run alone."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "grads.pt"
+    spawn(dist_workers.empty_rank_parts_worker, str(out), wrapper)
+    got, expect = torch.load(out), dist_workers.parts_reference_grads()
+    for k, g in expect.items():
+        torch.testing.assert_close(got[k], g, rtol=0, atol=1e-5 * g.abs().max().item(), msg=k)

@@ -243,11 +243,11 @@ def test_parts_refuse_what_they_cannot_run_exactly():
 def test_parts_under_activation_checkpointing_equal_one_forward(monkeypatch):
     """transformers' (non-reentrant) activation checkpointing recomputes each layer in its
     part's backward; the keys and values kept are the first forward's."""
-    from treepack.adapters.hf import parts
+    from treepack.adapters.hf.parts import carried
 
     calls = []
-    put = parts._Carried.put
-    monkeypatch.setattr(parts._Carried, "put",
+    put = carried.Carried.put
+    monkeypatch.setattr(carried.Carried, "put",
                         lambda self, *a: calls.append(a[0]) or put(self, *a))
     seqs = batches()
     weights = torch.randn(TreePack.from_sequences(seqs).rows.shape, dtype=torch.float64,
@@ -371,28 +371,28 @@ def test_hybrid_parts_equal_every_sequence_alone(monkeypatch):
 def test_hybrid_parts_fail_without_what_cuts_carry(broken, monkeypatch):
     """Negative controls: scans restarting from zeros at a cut, convolutions reading zeros
     above it, or the states' gradients never reaching the part that made them."""
-    from treepack.adapters.hf import parts
+    from treepack.adapters.hf.parts import carried
 
     if broken == "zero_state":
-        scan = parts.scan_levels
-        monkeypatch.setattr(parts, "scan_levels",
+        scan = carried.scan_levels
+        monkeypatch.setattr(carried, "scan_levels",
                             lambda plan, kernel, inputs, initial: scan(plan, kernel, inputs))
     elif broken == "no_conv_context":
-        gather = parts._Carried.gather
+        gather = carried.Carried.gather
 
         def zero_inputs(self, key, grouped, dim):
             got = gather(self, key, grouped, dim)
             conv = isinstance(key, tuple) and key[0] == "conv"
             return [torch.zeros_like(t) for t in got] if got and conv else got
-        monkeypatch.setattr(parts._Carried, "gather", zero_inputs)
+        monkeypatch.setattr(carried.Carried, "gather", zero_inputs)
     else:
-        put = parts._Carried.put
+        put = carried.Carried.put
 
         def states_without_graph(self, i, key, *tensors):
             if isinstance(key, tuple) and key[0] == "scan":
                 tensors = tuple(t.detach() for t in tensors)
             put(self, i, key, *tensors)
-        monkeypatch.setattr(parts._Carried, "put", states_without_graph)
+        monkeypatch.setattr(carried.Carried, "put", states_without_graph)
     with pytest.raises(AssertionError):
         test_hybrid_parts_equal_one_forward_over_the_tree("qwen3_5", 7, monkeypatch)
 

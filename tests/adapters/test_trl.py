@@ -94,7 +94,7 @@ def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path,
     """TRL's old / reference log-prob passes (no grad) at a budget that splits the batch's
     tree: every row once, in parts, equal to the stock seam; the training pass plans packs.
     On Qwen3.5 each cut carries the convolutions' inputs and the scans' states."""
-    from treepack.adapters.hf import parts
+    from treepack.adapters.hf.parts import run as parts
 
     if family != "qwen2":
         model_dir = str(tmp_path / family)
@@ -107,8 +107,8 @@ def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path,
                                                            compute_entropy=True)
     treepack.trl.patch(trainer, max_tokens=8)  # the 11-row tree of rows 0, 1, 3 splits
     runs = []
-    real = parts._Run.all
-    monkeypatch.setattr(parts._Run, "all", lambda self: runs.append(len(self.parts.parts))
+    real = parts.Run.all
+    monkeypatch.setattr(parts.Run, "all", lambda self: runs.append(len(self.parts.parts))
                         or real(self))
     with torch.no_grad():
         ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, 4,
@@ -139,11 +139,11 @@ def test_one_training_step_equals_the_stock_trainer(tokenizer, tmp_path, model_d
                                                     monkeypatch):
     """trainer.train(), packed and stock. At 16 rows a forward a prompt's group does not fit:
     the training pass plans packs, the reference model's no-grad pass runs in parts."""
-    from treepack.adapters.hf import parts
+    from treepack.adapters.hf.parts import run as parts
 
     forwards = []
-    real_all = parts._Run.all
-    monkeypatch.setattr(parts._Run, "all", lambda self: forwards.append(len(self.parts.parts))
+    real_all = parts.Run.all
+    monkeypatch.setattr(parts.Run, "all", lambda self: forwards.append(len(self.parts.parts))
                         or real_all(self))
     model = zoo.tiny_model("qwen2")  # the saved weights
     runs = {}
@@ -529,12 +529,12 @@ def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, mod
     """TRL scores old and reference log-probs in chunks of batch_size rows; each forward then
     computes at most batch_size x the padded width rows, the tokens of one of those chunks
     (here the 11-row tree does not fit 1 x 9: it runs in parts)."""
-    from treepack.adapters.hf import parts
+    from treepack.adapters.hf.parts import run as parts
 
     trainer = treepack.trl.patch(make_trainer(tokenizer, tmp_path, model_dir))
     ids, mask = trl_batch()
     packs, forwards = [], []
-    real, real_all = treepack.trl._packed_forwards, parts._Run.all
+    real, real_all = treepack.trl._packed_forwards, parts.Run.all
 
     def recording(*args, **kw):
         out = real(*args, **kw)
@@ -542,7 +542,7 @@ def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, mod
         return out
 
     monkeypatch.setattr(treepack.trl, "_packed_forwards", recording)
-    monkeypatch.setattr(parts._Run, "all", lambda self: forwards.extend(
+    monkeypatch.setattr(parts.Run, "all", lambda self: forwards.extend(
         p.rows.shape[0] for p in self.parts.parts) or real_all(self))
     with torch.no_grad():
         chunked = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4,
@@ -630,11 +630,11 @@ def test_a_hybrid_qwen3_5_trains_through_the_trainer_as_stock(tokenizer, tmp_pat
     chunk starts (``treepack verify`` measures the same between its chunked and token-by-token
     forms). At 16 rows a forward the reference pass runs in parts through the trainer (the
     values at each cut are checked closely by the no-grad seam test above)."""
-    from treepack.adapters.hf import parts
+    from treepack.adapters.hf.parts import run as parts
 
     forwards = []
-    real_all = parts._Run.all
-    monkeypatch.setattr(parts._Run, "all", lambda self: forwards.append(len(self.parts.parts))
+    real_all = parts.Run.all
+    monkeypatch.setattr(parts.Run, "all", lambda self: forwards.append(len(self.parts.parts))
                         or real_all(self))
     path = tmp_path / "tiny-qwen3_5"
     zoo.tiny_model("qwen3_5", layers=2).save_pretrained(path)

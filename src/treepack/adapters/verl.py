@@ -237,69 +237,58 @@ class TreepackEngine(FSDPEngineWithLMHead):
         """The rank's batch as one micro-batch, its trees run in parts of at most the budget.
 
         verl's losses normalise per sequence (``seq-mean-token-mean``), which a part holding
-        some of a sequence's tokens cannot, so training takes two passes: the log-probs
-        without gradients, verl's ``loss_function`` on them as leaves (its value, metrics and
-        gradient with respect to every log-prob and entropy), then the parts' forwards and
-        backwards with that gradient as their loss: exactly the step's gradient, at the cost
-        of one more forward over the tree's rows (each once).
+        some of a sequence's tokens cannot, so training is :func:`treepack.hf.step_in_parts`:
+        the log-probs without gradients, verl's ``loss_function`` on them as leaves (its
+        value, metrics and gradient with respect to every log-prob and entropy), then the
+        parts' forwards and backwards with that gradient as their loss: exactly the step's
+        gradient, at the cost of one more forward over the tree's rows (each once). The tree
+        is built and cut once, in verl's flat layout, for both passes.
         """
         temperature = per_sequence_temperature(data["temperature"], len(sequences))
-        budget = self._budget(data)
         entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
         device = _device()
         offsets = data["input_ids"].offsets().to(device)
-        lengths = np.array([len(q) for q in sequences])
-        with self._autocast(), torch.no_grad():
-            first = hf.logprobs_in_parts(self.module, sequences, max_tokens=budget,
-                                         temperature=temperature, entropy=entropy,
-                                         align="prediction")
-        place = _Flat(lengths, device)
-        values = {"log_probs": place.flat(first.logprobs)}
-        if entropy:
-            values["entropy"] = place.flat(first.entropy)
-        tree = TreePack.from_sequences(sequences)
-        tree_rows = tree.num_packed_rows
-        metrics = {"treepack/token_ratio": tree_rows / max(int(lengths.sum()), 1),
-                   "treepack/parts": len(split(tree, budget).parts)}
+        parts = split(TreePack.from_sequences(sequences, layout="flat", device=device),
+                      self._budget(data))
+        tokens = parts.pack.num_original_tokens
+        metrics = {"treepack/token_ratio": parts.pack.num_packed_rows / max(tokens, 1),
+                   "treepack/parts": len(parts.parts)}
         batch = data.to(device)
-        loss = torch.tensor(1.0, device=device)
-        if loss_function is not None:
-            leaves = {k: v.detach().requires_grad_(not forward_only) for k, v in values.items()}
-            model_output = {k: torch.nested.nested_tensor_from_jagged(v, offsets)
-                            for k, v in leaves.items()}
-            with contextlib.nullcontext() if not forward_only else torch.no_grad():
-                loss, loss_metrics = loss_function(model_output=model_output, data=batch,
-                                                   dp_group=self.get_data_parallel_group())
+
+        def nested(out) -> dict:  # flat values, as verl's model output
+            values = {"log_probs": out.logprobs}
+            if entropy:
+                values["entropy"] = out.entropy
+            return {k: torch.nested.nested_tensor_from_jagged(v, offsets)
+                    for k, v in values.items()}
+
+        def loss_fn(out):
+            loss, loss_metrics = loss_function(model_output=nested(out), data=batch,
+                                               dp_group=self.get_data_parallel_group())
             metrics.update(loss_metrics)
-            if not forward_only:
-                loss.backward()
-                grads = {k: place.dense(v.grad if v.grad is not None
-                                        else torch.zeros_like(v))
-                         for k, v in leaves.items()}
-                self._parts_backward(sequences, grads, budget, temperature, entropy)
-        else:
-            assert forward_only, "forward_only must be True when loss_function is None"
-        model_output = {k: torch.nested.nested_tensor_from_jagged(v.detach(), offsets)
-                        for k, v in values.items()}
+            return loss
+
+        settings = dict(temperature=temperature, entropy=entropy, align="prediction")
+        with self._autocast():
+            if forward_only:
+                out = hf.logprobs_in_parts(self.module, parts, **settings)
+                loss = loss_fn(out) if loss_function is not None else torch.tensor(1.0)
+            else:
+                assert loss_function is not None, "a training pass needs its loss_function"
+                out = hf.step_in_parts(self.module, parts, loss_fn, **settings)
+                loss = out.loss
         keep = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output",
                                                       default=False)
-        out = {"loss": float(loss.detach()), "metrics": metrics,
-               "sizes": (tree_rows, int(lengths.sum()))}
+        result = {"loss": float(loss.detach()), "metrics": metrics,
+                  "sizes": (parts.pack.num_packed_rows, tokens)}
         if keep:
-            out["model_output"] = model_output
-        collected = _collect([out], [np.arange(len(sequences))])
+            result["model_output"] = {k: v.detach() for k, v in nested(out).items()}
+        collected = _collect([result], [np.arange(len(sequences))])
         if forward_only:
             self._log_prob_token_ratio = metrics["treepack/token_ratio"]
         elif getattr(self, "_log_prob_token_ratio", None) is not None:
             collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
         return collected
-
-    def _parts_backward(self, sequences, grads: dict, budget: int, temperature, entropy):
-        """The parts' forwards and backwards with ``sum(grad * value)`` as their loss."""
-        loss_fn = hf.parts.surrogate(grads["log_probs"], grads.get("entropy"))
-        with self._autocast():
-            hf.backward_in_parts(self.module, sequences, loss_fn, max_tokens=budget,
-                                 temperature=temperature, entropy=entropy, align="prediction")
 
     def _tree_step(self, micro_batch, sequences, loss_function, forward_only):
         """One packed forward over ``micro_batch``, whose token ids ``sequences`` are on the
@@ -405,22 +394,6 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
     out = from_logits(pack, logits, temperature=temperature, entropy=entropy_too,
                       align="prediction", what="verl_log_probs")
     return out.logprobs, out.entropy
-
-
-class _Flat:
-    """verl's flat layout of ``[N, L]`` values: flat position ``offset_s + p`` is ``[s, p]``."""
-
-    def __init__(self, lengths: np.ndarray, device):
-        seq = np.repeat(np.arange(len(lengths)), lengths)
-        pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        self.seq, self.pos = (torch.from_numpy(a).to(device) for a in (seq, pos))
-        self.shape = (len(lengths), int(lengths.max(initial=1)))
-
-    def flat(self, dense: Tensor) -> Tensor:
-        return dense[self.seq, self.pos]
-
-    def dense(self, flat: Tensor) -> Tensor:
-        return flat.new_zeros(self.shape).index_put((self.seq, self.pos), flat)
 
 
 def _micro_batches(planned) -> list[np.ndarray]:

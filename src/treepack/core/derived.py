@@ -6,7 +6,10 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # annotations only: tree.py imports this module
+    from treepack.core.tree import TreePack
 
 __all__ = ["derived_from_pack"]
 

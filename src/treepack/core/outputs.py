@@ -19,7 +19,7 @@ completion columns, :class:`treepack.collation.Batch`'s).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -29,8 +29,12 @@ from treepack.core import checks
 from treepack.core.softmax import Head, Logits, normalise, to_device
 from treepack.core.derived import derived_from_pack
 
+if TYPE_CHECKING:  # annotations only: tree.py imports this module
+    from treepack.core.tree import TreePack
+
 __all__ = ["check_align", "TokenLogprobs", "RowLogprobs", "token_outputs", "from_logits",
-           "row_outputs", "take_columns", "per_sequence_temperature", "ALIGNMENTS"]
+           "row_outputs", "take_columns", "per_sequence_temperature", "sequence_of",
+           "ALIGNMENTS"]
 
 ALIGNMENTS = ("label", "prediction")
 
@@ -258,6 +262,15 @@ def check_align(align: str) -> None:
                          "log-prob of token p at p, 'prediction' at p - 1")
 
 
+def sequence_of(host, index: np.ndarray) -> np.ndarray:
+    """The sequence of each flat position ``index`` of a pack's layout (``host``: its
+    :class:`~treepack.core.forest.HostLayout`): ``s`` of ``s * L + p`` (dense) or of
+    ``offsets[s] + p`` (flat)."""
+    if host.rows.ndim == 2:
+        return index // max(host.rows.shape[1], 1)
+    return np.searchsorted(host.offsets, index, side="right") - 1
+
+
 class _Places(NamedTuple):
     logprobs: Tensor  # [M] flat position of each prediction's log-prob
     entropy: Tensor  # flat position of each entropy value
@@ -296,16 +309,12 @@ def _normalised_rows(pack: TreePack, seq_temp: tuple | None, entropy: bool,
         np.asarray(seq_temp, dtype=np.int64)
     n = int(seq_temp.max()) + 1 if len(seq_temp) else 1
     flat_rows = h.rows.reshape(-1)
-    if h.rows.ndim == 2:  # dense: position s * L + p
-        seq_of = lambda index: index // h.rows.shape[1]  # noqa: E731
-    else:
-        seq_of = lambda index: np.searchsorted(h.offsets, index, side="right") - 1  # noqa
-    pred_key = h.prediction_source * n + seq_temp[seq_of(h.prediction_index)]
+    pred_key = h.prediction_source * n + seq_temp[sequence_of(h, h.prediction_index)]
     if not entropy or align == "label":
         entropy_key = pred_key
     else:
         tokens = np.flatnonzero(flat_rows >= 0)
-        entropy_key = flat_rows[tokens] * n + seq_temp[seq_of(tokens)]
+        entropy_key = flat_rows[tokens] * n + seq_temp[sequence_of(h, tokens)]
     keys = np.unique(np.concatenate([pred_key, entropy_key]) if entropy else pred_key)
     where = to_device([np.searchsorted(keys, entropy_key)], torch.int64, pack.device)[0]
     return _RowsToNormalise(keys // n, keys % n, np.searchsorted(keys, pred_key), where)

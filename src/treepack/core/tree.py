@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.core import checks, deprecation
+from treepack.core import deprecation
 from treepack.core import mask as _mask
 from treepack.core import outputs
-from treepack.core.checks import floating, positive_int
+from treepack.core.checks import positive_int
 from treepack.core.derived import derived_from_pack
 from treepack.core.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
 

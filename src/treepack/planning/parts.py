@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from treepack.core.checks import positive_int
+from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 
 __all__ = ["Part", "Parts", "split"]
@@ -43,10 +44,11 @@ class Part(NamedTuple):
 class Parts(NamedTuple):
     """A tree cut into parts, in execution order: a part comes after its parent part."""
 
-    pack: TreePack  # the whole tree (dense or flat, no padding rows)
-    parts: list[Part]
+    pack: TreePack  # the whole tree (dense or flat, no padding rows unless it is empty)
+    parts: list[Part]  # none for a pack without sequences
     part_of: np.ndarray  # [T'] the part computing each row
     local: np.ndarray  # [T'] the row's index among its part's rows
+    max_rows: int  # the budget the parts were cut at
 
     @property
     def rows_computed(self) -> int:
@@ -57,8 +59,11 @@ class Parts(NamedTuple):
 def split(pack: TreePack, max_rows: int) -> Parts:
     """Cut ``pack``'s forest into parts of at most ``max_rows`` rows (module doc).
 
+    Built once per pack, device and budget: a second call returns the same object.
+
     Args:
-        pack: the whole forest, without padding rows.
+        pack: the whole forest, without padding rows (a pack without sequences, as
+            ``TreePack.empty``, has no parts).
         max_rows: the most rows one forward may compute.
 
     Returns:
@@ -68,9 +73,17 @@ def split(pack: TreePack, max_rows: int) -> Parts:
         ValueError: a padded pack, or a bad ``max_rows``.
     """
     max_rows = positive_int(max_rows, "max_rows", hint=" (rows one forward may compute)")
-    if pack.num_rows != pack.num_packed_rows:
+    if pack.num_sequences and pack.num_rows != pack.num_packed_rows:
         raise ValueError(f"the pack has {pack.num_rows - pack.num_packed_rows} padding rows: "
                          "build the whole tree without pad_to_multiple_of to split it")
+    return _split(pack, max_rows)
+
+
+@derived_from_pack
+def _split(pack: TreePack, max_rows: int) -> Parts:
+    if not pack.num_sequences:
+        nowhere = np.full(pack.num_rows, -1, dtype=np.int64)
+        return Parts(pack, [], nowhere, nowhere, max_rows)
     h = pack.host
     n = pack.num_rows
     size = h.subtree_end[:n] - np.arange(n)
@@ -97,7 +110,7 @@ def split(pack: TreePack, max_rows: int) -> Parts:
     for i, part in enumerate(parts):
         part_of[part.rows] = i
         local[part.rows] = np.arange(part.rows.shape[0])
-    return Parts(pack, parts, part_of, local)
+    return Parts(pack, parts, part_of, local, max_rows)
 
 
 def _bins(roots: np.ndarray, sizes: np.ndarray, max_rows: int) -> list[np.ndarray]:

@@ -13,39 +13,19 @@ import weakref
 import torch
 from torch import Tensor
 
-from treepack.adapters.hf.head import lm_head, lm_head_kwargs
+from treepack.adapters.hf.head import head_refusal, head_weights, logit_transforms
 from treepack.adapters.hf.moe import router_aux_loss
-from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
-from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, UnsupportedModel,
-                                          check_calls, text_config, tree_forward)
+from treepack.adapters.hf.packed import check_pack, packed_forward
+from treepack.adapters.hf.prepare import unwrap
+from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.core import deprecation
 from treepack.core.outputs import (RowLogprobs, TokenLogprobs, from_logits,
                                    per_sequence_temperature)
-from treepack.core.tree import TreePack, derived_from_pack
+from treepack.core.tree import TreePack
 from treepack.lean.logprobs import outputs_from_hidden, rows_from_hidden
 
 __all__ = ["logprobs", "forward", "forward_hidden", "forward_lean", "HiddenOutput", "HEADS",
            "inside_refusal"]
-
-
-# Keyword arguments that would give the model another notion of sequence boundaries or a
-# cache, or a loss over packed rows.
-_REFUSED_KWARGS = {
-    "input_ids": "the pack supplies input_ids",
-    "inputs_embeds": "the pack supplies input_ids",
-    "attention_mask": "the pack's tree structure is the attention mask",
-    "position_ids": "the pack supplies position_ids (depths)",
-    "cache_position": "a pack is one forward from scratch, without a cache",
-    "past_key_values": "a pack is one forward from scratch, without a cache",
-    "cache": "a pack is one forward from scratch, without a cache",
-    "labels": "the model's loss would average over packed rows; compute log-probs with "
-              "pack.token_logprobs(out.logits[0]) and your loss on the [N, L] layout",
-    "cu_seq_lens_q": "flash 'padding-free' boundaries would let siblings see each other",
-    "cu_seq_lens_k": "flash 'padding-free' boundaries would let siblings see each other",
-    "max_length_q": "flash 'padding-free' boundaries would let siblings see each other",
-    "max_length_k": "flash 'padding-free' boundaries would let siblings see each other",
-    "seq_idx": "flash 'padding-free' boundaries would let siblings see each other",
-}
 
 
 @dataclasses.dataclass
@@ -92,9 +72,7 @@ def forward(model, pack: TreePack, backend: str = "auto", *, return_hidden: bool
         deprecation.warn("hf.forward(..., return_hidden=True)", "hf.forward_hidden")
         return forward_hidden(model, pack, backend, block_size=block_size, **kwargs)
     out, aux = run(model, pack, backend, block_size, kwargs)
-    if aux is not None:
-        out.aux_loss = aux
-    return out
+    return _with_aux(out.output, aux)
 
 
 def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: int = 128,
@@ -113,10 +91,8 @@ def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: 
     Raises:
         As :func:`forward`.
     """
-    named_outputs(kwargs, "forward_hidden")
-    kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
-    out, aux = run(model, pack, backend, block_size, kwargs)
-    return HiddenOutput(out.hidden_states[-1], aux, getattr(out, "router_logits", None))
+    out, aux = run(model, pack, backend, block_size, kwargs, output="hidden")
+    return HiddenOutput(out.hidden[None], aux, getattr(out.output, "router_logits", None))
 
 
 HEADS = ("auto", "inside", "hidden", "logits")
@@ -179,9 +155,9 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
     if head_dtype is not None and head == "logits":
         raise ValueError("head_dtype applies to the lean head (head='inside' or 'hidden'); "
                          "with head='logits' the model's own head runs in its own dtype")
-    named_outputs(kwargs, "logprobs")
     check_pack(pack)
     temps = per_sequence_temperature(temperature, pack.num_sequences)
+    one_temperature = float(temps[0]) if len(temps) else 1.0  # an empty pack has none
     auto = head == "auto"
     if auto:
         head = "inside" if inside_refusal(model, temps) is None else "logits"
@@ -190,7 +166,7 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
         if refusal is not None:
             raise UnsupportedModel(refusal)
         try:
-            rows, out = _inside(model, pack, backend, block_size, kwargs, float(temps[0]),
+            rows, out = _inside(model, pack, backend, block_size, kwargs, one_temperature,
                                 entropy, chunk_size, head_dtype)
             result = rows.in_layout(pack, align)
         except _ChangedOutput as e:  # found out by one forward; remembered for the model
@@ -199,8 +175,9 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
                 raise
             head = "logits"
     if head == "hidden":
-        out = forward_hidden(model, pack, backend, block_size=block_size, **kwargs)
-        hidden, weights = out.last_hidden_state[0], lm_head(model)
+        packed, aux = run(model, pack, backend, block_size, kwargs, output="hidden")
+        out = _with_aux(packed.output, aux)
+        hidden, weights = packed.hidden, packed.head
         if head_dtype is not None:
             hidden = hidden.to(head_dtype)
             weights = {k: v.to(head_dtype) if isinstance(v, Tensor) else v
@@ -228,12 +205,10 @@ def inside_refusal(model, temps=None) -> str | None:
     core = unwrap(model)
     if core in _NO_INSIDE:
         return _NO_INSIDE[core]
-    head = core.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        return (f"{type(core).__name__}'s output layer is a {type(head).__name__}, not a "
-                "Linear layer: use head='logits'")
-    transforms = {k: v for k, v in lm_head_kwargs(core, gather=False).items()
-                  if k in ("softcap", "scale")}
+    refusal = head_refusal(core.get_output_embeddings())
+    if refusal is not None:
+        return f"{type(core).__name__}: {refusal}; use head='logits'"
+    transforms = logit_transforms(core)
     if transforms:
         return (f"{type(core).__name__} transforms its logits after the head ({transforms}), "
                 "which would change the lean head's log-probs: use head='hidden' (or "
@@ -253,7 +228,7 @@ def _inside(model, pack, backend, block_size, kwargs, temperature, entropy, chun
     rows = {}
 
     def lean(hidden: Tensor) -> Tensor:  # [1, T', H] -> [1, T', 2], inside the forward
-        weight, bias = head.weight, head.bias
+        weight, bias = head_weights(head)
         if head_dtype is not None:
             hidden, weight = hidden.to(head_dtype), weight.to(head_dtype)
             bias = None if bias is None else bias.to(head_dtype)
@@ -265,12 +240,11 @@ def _inside(model, pack, backend, block_size, kwargs, temperature, entropy, chun
 
     with _forward_replaced(head, lean):  # this instance, this forward only
         out, aux = run(model, pack, backend, block_size, kwargs)
+    out = _with_aux(out.output, aux)
     if out.logits is not rows.get("out"):  # it must be the model's output, unchanged, so
         raise _ChangedOutput(  # that a wrapper's backward hooks see it
             f"{type(core).__name__} changes the output of its head before returning it: use "
             "head='hidden' or 'logits'")
-    if aux is not None:
-        out.aux_loss = aux
     result = out.logits[0]
     return RowLogprobs(result[:, 0], result[:, 1] if entropy else None), out
 
@@ -294,20 +268,12 @@ def forward_lean(model, pack: TreePack, backend: str = "auto", *, temperature: f
         As :func:`logprobs` with ``head="inside"``.
     """
     deprecation.warn("hf.forward_lean", "hf.logprobs(model, pack, head='inside')")
-    named_outputs(kwargs, "forward_lean")
     temps = per_sequence_temperature(temperature, pack.num_sequences)
     refusal = inside_refusal(model, temps)
     if refusal is not None:
         raise UnsupportedModel(refusal)
     return _inside(model, pack, backend, block_size, kwargs, float(temps[0]), with_entropy,
                    chunk_size, None)[0]
-
-
-def named_outputs(kwargs: dict, caller: str) -> None:
-    """Refuse ``return_dict=False``: these calls read the model's named outputs."""
-    if kwargs.get("return_dict", True) is False:
-        raise ValueError(f"hf.{caller} reads the model's named outputs and returns its own "
-                         "named result: drop return_dict=False")
 
 
 @contextlib.contextmanager
@@ -332,90 +298,19 @@ def _forward_replaced(module, forward):
             setattr(module, name, saved)
 
 
-@derived_from_pack
-def _input_ids(pack: TreePack, pad_token_id: int | None) -> Tensor:
-    """The pack's ids for the model: its padding rows (id 0, seen by nothing but themselves,
-    predicting nothing) get an id other than the model's ``pad_token_id``, so transformers'
-    "your input_ids may be padded, pass an attention_mask" check (GPT-2 and others) does not
-    fire on padding the tree attention already isolates. Real rows are the user's ids."""
-    if pack.num_rows == pack.num_packed_rows or pad_token_id is None or pad_token_id != 0:
-        return pack.input_ids
-    ids = pack.input_ids.clone()
-    ids[pack.num_packed_rows:] = 1  # any id of the vocabulary but the pad id (0)
-    return ids
-
-
-def check_pack(pack) -> None:
-    """Refuse anything but a TreePack, naming how to build one."""
-    if not isinstance(pack, TreePack):
-        raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}: build one with "
-                        "treepack.TreePack.from_sequences(sequences)")
-
-
-def run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict):
-    """The model over the pack: its output and the router loss of the original tokens."""
-    check_pack(pack)
-    for key in kwargs:
-        if key in _REFUSED_KWARGS:
-            raise ValueError(f"treepack.hf.forward does not take {key!r}: {_REFUSED_KWARGS[key]}")
-    if kwargs.pop("use_cache", False):
-        raise ValueError("use_cache=True: a pack is one forward from scratch, without a cache")
-    if kwargs.get("output_attentions"):
-        raise ValueError("output_attentions=True: treepack's attention backends never form the "
-                         "attention weights (the varlen, segment and flex kernels are fused); "
-                         "run the model unpacked to inspect them")
-    core = unwrap(model)
-    if not is_prepared(core):
-        raise ValueError(
-            f"{type(core).__name__} is not prepared: call treepack.hf.prepare(model) once "
-            "before hf.forward (it routes the model's attention through treepack; ordinary "
-            "batches still run the original attention, and hf.restore(model) undoes it), or "
-            "run the forward inside `with treepack.hf.prepared(model):`"
-        )
-    device = compute_device(model)
-    if pack.device != device:
-        raise ValueError(f"the model ({type(core).__name__}) computes on {device} but the pack "
-                         f"is on {pack.device}; move the pack with pack.to({str(device)!r})")
-    vocab = core.get_input_embeddings().num_embeddings
-    if pack.max_token_id >= vocab:
-        raise ValueError(
-            f"the pack has token id {pack.max_token_id} but {type(core).__name__}'s embedding "
-            f"has {vocab} rows: tokenize with the model's own tokenizer (ids 0 .. {vocab - 1})"
-        )
-    _check_rope(core, pack)
-    tree = TreeForward(pack, backend, block_size)
-    with tree_forward():
-        out = model(input_ids=_input_ids(pack, text_config(core).pad_token_id)[None],
-                    position_ids=pack.position_ids[None],
-                    use_cache=False, **{TREE_FORWARD_KWARG: tree}, **kwargs)
-    check_calls(core, tree)
+def run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict, *,
+        output: str = "logits"):
+    """The model over the whole pack (:func:`.packed.packed_forward`), and the router loss
+    of the original tokens (None for a model without one)."""
+    out = packed_forward(model, pack, kwargs, backend=backend, block_size=block_size,
+                         output=output)
     aux = None
-    if getattr(out, "aux_loss", None) is not None:
-        aux = router_aux_loss(core, pack, out.router_logits)
+    if getattr(out.output, "aux_loss", None) is not None:
+        aux = router_aux_loss(unwrap(model), pack, out.output.router_logits)
     return out, aux
 
 
-def _check_rope(model, pack: TreePack) -> None:
-    """Refuse rotary scalings whose frequencies depend on the longest position in the batch
-    (dynamic NTK, LongRoPE) once the pack reaches the length where they change: every
-    sequence of the pack would get the frequencies of its longest one."""
-    config = text_config(model)
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if not isinstance(params, dict):
-        return
-    nested = all(isinstance(v, dict) for v in params.values()) and params
-    for p in (params.values() if nested else [params]):
-        kind = str(p.get("rope_type", p.get("type", "default")))
-        if "dynamic" not in kind and kind != "longrope":
-            continue
-        limit = (p.get("original_max_position_embeddings")
-                 or getattr(config, "original_max_position_embeddings", None)
-                 or config.max_position_embeddings)
-        if pack.max_length > limit:
-            raise UnsupportedModel(
-                f"{type(model).__name__} uses rope_type={kind!r}, whose rotary frequencies "
-                f"change once a batch reaches {limit} positions, and this pack's longest "
-                f"sequence has {pack.max_length}: packed together, every sequence would get "
-                "the longest one's frequencies, unlike each run alone. Plan packs with "
-                f"sequences of at most {limit} tokens, or run these unpacked"
-            )
+def _with_aux(out, aux):
+    if aux is not None:
+        out.aux_loss = aux
+    return out

@@ -6,12 +6,13 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import Tensor
 
 from treepack.adapters.hf.prepare import eval_no_grad, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core.softmax import head_logits
 
-__all__ = ["lm_head", "lm_head_kwargs"]
+__all__ = ["lm_head", "lm_head_kwargs", "logit_transforms", "head_refusal", "head_weights"]
 
 
 _LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -77,16 +78,89 @@ def _check_lm_head(model, kwargs: dict) -> None:
         )
 
 
+def head_refusal(head) -> str | None:
+    """Why treepack cannot compute ``head``'s logits from its weights (as one matrix and
+    bias), or None: a ``Linear``, or peft's LoRA ``Linear`` around one (its weight then
+    ``W + scaling * B @ A`` per active adapter) without a variant (DoRA) or active dropout."""
+    if isinstance(head, torch.nn.Linear):
+        return None
+    name = f"{type(head).__module__}.{type(head).__qualname__}"
+    if not _is_lora(head):
+        return (f"the output layer is a {name}, not a torch.nn.Linear (nor peft's LoRA Linear "
+                "around one)")
+    if head.disable_adapters and head.merged:
+        return ("its LoRA adapter is merged into the output layer and disabled: unmerge it "
+                "(model.unmerge_adapter()) first")
+    for adapter in _active(head):
+        if head.lora_variant.get(adapter) is not None:
+            return (f"its LoRA adapter {adapter!r} on the output layer is a variant "
+                    f"({type(head.lora_variant[adapter]).__name__}, e.g. DoRA), not plain LoRA")
+        dropout = head.lora_dropout[adapter]
+        if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and dropout.training:
+            return (f"its LoRA adapter {adapter!r} on the output layer (lm_head) has "
+                    f"lora_dropout={dropout.p:g} in training, which drops the head's input "
+                    "for the adapter only; use head='logits' (the model's own head), or "
+                    "lora_dropout=0 for the head")
+    return None
+
+
+def head_weights(head, full=lambda t: t) -> tuple[Tensor, Tensor | None]:
+    """``(weight [V, H], bias [V] or None)`` with which ``head`` computes its logits
+    (:func:`head_refusal` says which heads), each tensor through ``full`` first (an FSDP2
+    gather). Autograd flows back to the base weight and to every LoRA matrix.
+
+    Raises:
+        UnsupportedModel: a head :func:`head_refusal` refuses.
+    """
+    refusal = head_refusal(head)
+    if refusal is not None:
+        raise UnsupportedModel(refusal)
+    if isinstance(head, torch.nn.Linear):
+        return full(head.weight), None if head.bias is None else full(head.bias)
+    base = head.base_layer
+    weight, bias = full(base.weight), None if base.bias is None else full(base.bias)
+    if head.disable_adapters or head.merged:
+        return weight, bias
+    for adapter in _active(head):
+        a, b = head.lora_A[adapter], head.lora_B[adapter]
+        scaling = head.scaling[adapter]
+        delta = full(b.weight) @ full(a.weight)
+        weight = weight + (delta * scaling).to(weight.dtype)
+        if b.bias is not None:  # lora_bias
+            extra = (full(b.bias) * scaling).to(weight.dtype)
+            bias = extra if bias is None else bias + extra
+    return weight, bias
+
+
+def _is_lora(module) -> bool:
+    """peft's LoRA ``Linear`` (duck-typed: peft is optional) around a ``torch.nn.Linear``."""
+    return all(hasattr(module, k) for k in ("base_layer", "lora_A", "lora_B", "scaling",
+                                            "lora_dropout", "active_adapters")) \
+        and isinstance(module.base_layer, torch.nn.Linear)
+
+
+def _active(head) -> list[str]:
+    return [a for a in head.active_adapters if a in head.lora_A.keys()]
+
+
 def lm_head_kwargs(model, gather: bool = True) -> dict:
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
+    refusal = head_refusal(head)
+    if refusal is not None:
         raise UnsupportedModel(
-            f"{type(model).__name__}'s output layer is a {type(head).__name__}, not a Linear "
-            "layer; compute log-probs from out.logits with pack.token_logprobs instead"
-        )
+            f"{type(model).__name__} cannot give log-probs from hidden states: {refusal}. "
+            "Use head='logits' (hf.logprobs), or pack.token_logprobs(hf.forward(model, "
+            "pack).logits[0])")
+    weight, bias = head_weights(head, _full if gather else (lambda t: t))
+    return {"weight": weight, "bias": bias, **logit_transforms(model)}
+
+
+def logit_transforms(model) -> dict:
+    """What ``model`` does to its logits after the output layer, as keywords of the lean
+    head: ``softcap`` (Gemma 2's ``final_logit_softcapping``) and ``scale`` (Cohere's
+    ``logit_scale``, Granite's ``1 / logits_scaling``, Falcon-H1's ``lm_head_multiplier``)."""
     config = text_config(model)
-    full = _full if gather else (lambda t: t)
-    kwargs = {"weight": full(head.weight), "bias": None if head.bias is None else full(head.bias)}
+    kwargs = {}
     if getattr(config, "final_logit_softcapping", None):
         kwargs["softcap"] = float(config.final_logit_softcapping)
     scale = 1.0

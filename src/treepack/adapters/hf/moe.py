@@ -11,7 +11,8 @@ from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core import deprecation
 from treepack.core.tree import TreePack
 
-__all__ = ["row_multiplicity", "router_aux_loss", "batch_router_aux_loss"]
+__all__ = ["row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
+           "weighted_router_aux_loss"]
 
 
 def row_multiplicity(pack: TreePack) -> Tensor:
@@ -75,7 +76,25 @@ def batch_router_aux_loss(model, packs, router_logits) -> Tensor:
     if not live:
         return sum(layer.sum() for r in per_pack for layer in r) * 0.0
     layers = tuple(torch.cat(per_layer) for per_layer in zip(*(r for _, r in live)))
-    weights = torch.cat([row_multiplicity(p) for p, _ in live])[None]  # [1, rows]
+    return weighted_router_aux_loss(model, layers, torch.cat([row_multiplicity(p)
+                                                              for p, _ in live]))
+
+
+def weighted_router_aux_loss(model, router_logits, weights: Tensor) -> Tensor:
+    """The model's load-balancing loss over rows that each stand for ``weights`` tokens.
+
+    Args:
+        model: the MoE model (or wrapper).
+        router_logits: per layer, ``[rows, experts]``, the same rows in every layer.
+        weights: ``[rows]`` the original tokens each row stands for (0: none).
+
+    Returns:
+        A scalar loss tensor.
+
+    Raises:
+        UnsupportedModel: a model whose router loss treepack does not know how to weight.
+    """
+    weights = weights[None]  # [1, rows]: the attention mask the model's function reads
     model = unwrap(model)
     loss_fn = compat.model_function(model, "load_balancing_loss_func")
     if loss_fn is None:
@@ -85,4 +104,4 @@ def batch_router_aux_loss(model, packs, router_logits) -> Tensor:
         )
     config = text_config(model)
     num_experts = getattr(config, "num_local_experts", None) or config.num_experts
-    return loss_fn(layers, num_experts, config.num_experts_per_tok, weights)
+    return loss_fn(tuple(router_logits), num_experts, config.num_experts_per_tok, weights)

@@ -19,7 +19,7 @@ from treepack.core.tree import TreePack
 from treepack.planning.planner import PAIR_COST
 
 __all__ = ["prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention",
-           "unwrap", "compute_device", "eval_no_grad", "pair_cost"]
+           "unwrap", "compute_device", "eval_no_grad", "pair_cost", "hold_routing"]
 
 
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> routed mixers
@@ -143,6 +143,7 @@ def prepare(model, *, check: bool = True):
     """
     core = unwrap(model)
     if is_prepared(core):
+        hold_routing(core)  # a deep copy of a prepared model: prepared, its routing not held
         return model
     config = core.config
     check_layer_types(core)
@@ -171,8 +172,17 @@ def restore(model):
     if is_prepared(model):
         core = unwrap(model)
         compat.set_attn_implementation(core.config, original_attention(model))
-        unroute_mixers(_HELD.pop(core, []))
+        hold_routing(core)
+        unroute_mixers(_HELD.pop(core))
     return model
+
+
+def hold_routing(core) -> None:
+    """Make this prepared model hold its mixers' routing. A deep copy of a prepared model (a
+    reference model) comes prepared, but not among the holders of its modeling module's
+    routed functions, which restoring the original would otherwise put back under it."""
+    if core not in _HELD:
+        _HELD[core] = route_mixers(core)
 
 
 def unprepare(model):

@@ -222,14 +222,17 @@ def unroute_mixers(held: list) -> None:
 
 
 class _RoutedLayer:
-    """What releasing one layer's routing puts back: its mixer attributes and hooks."""
+    """What releasing one layer's routing puts back: its mixer attributes, without its
+    hooks (found by identity, so a deep copy's copied hooks go too)."""
 
-    def __init__(self, layer, originals: dict, hooks: tuple):
-        self.layer, self.originals, self.hooks = layer, originals, hooks
+    def __init__(self, layer, originals: dict):
+        self.layer, self.originals = layer, originals
 
     def release(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
+        for hooks, hook in ((self.layer._forward_pre_hooks, _enter),
+                            (self.layer._forward_hooks, _leave)):
+            for key in [k for k, h in hooks.items() if h is hook]:
+                del hooks[key]
         for name, original in self.originals.items():
             setattr(self.layer, name, original)
 
@@ -250,14 +253,18 @@ def _leave(layer, args, kwargs, output):
 
 
 def _route_layer(layer, names: list[str]) -> _RoutedLayer:
-    originals = {name: getattr(layer, name) for name in names}
-    hooks = (layer.register_forward_pre_hook(_enter, with_kwargs=True),
-             layer.register_forward_hook(_leave, with_kwargs=True, always_call=True))
+    current = {name: getattr(layer, name) for name in names}
+    if all(hasattr(f, "treepack_original") for f in current.values()):
+        # a deep copy of a routed layer: its wrappers and hooks came with it
+        return _RoutedLayer(layer, {n: f.treepack_original for n, f in current.items()})
+    originals = current
+    layer.register_forward_pre_hook(_enter, with_kwargs=True)
+    layer.register_forward_hook(_leave, with_kwargs=True, always_call=True)
     for name in names:
         wrapped = _WRAPPERS[compat.LAYER_MIXERS[name]](originals[name])
         setattr(layer, name, _layer_conv(wrapped, originals[name])
                 if compat.LAYER_MIXERS[name] == "conv" else wrapped)
-    return _RoutedLayer(layer, originals, hooks)
+    return _RoutedLayer(layer, originals)
 
 
 def _layer_conv(wrapped, original):
@@ -271,6 +278,7 @@ def _layer_conv(wrapped, original):
             activation = "silu"  # the layer's fallback applies silu whatever it was given
         return wrapped(x, weight, bias, activation=activation, **kwargs)
 
+    causal_conv1d_fn.treepack_original = original
     return causal_conv1d_fn
 
 
