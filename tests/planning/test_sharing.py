@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import treepack
 import treepack.sharing
 from treepack.planner import plan
-from treepack.sharing import CAUSES, Causes, placement, report, rows_from_trl, rows_from_verl
+from treepack.sharing import (CAUSES, Causes, metrics_from_counts, placement, report,
+                              rows_from_trl, rows_from_verl)
 
 from reference import NaiveTrie
 from strategies import forests
@@ -30,11 +31,15 @@ def naive_rows(seqs, cells=None) -> int:
 
 def naive_false_forks(seqs, groups, plen):
     """(ideal rows, {group: (depth, variants, rows)}) by the definition, one token at a time:
-    a diverging group's prompt rows at or below its divergence depth take the least such
-    group's label; the ideal is the trie of the relabelled sequences."""
+    the prompt a group's rollouts share is as long as its shortest (an agent loop's later
+    turns hold their session's history); a diverging group's prompt rows at or below its
+    divergence depth take the least such group's label; the ideal is the trie of the
+    relabelled sequences."""
     members = {}
     for s, g in enumerate(groups):
         members.setdefault(g, []).append(s)
+    shortest = {g: min(plen[s] for s in ss) for g, ss in members.items()}
+    plen = [shortest[g] for g in groups]
     index = {g: k for k, g in enumerate(members)}  # groups numbered by first appearance
     depth = {}
     for g, ss in members.items():
@@ -116,8 +121,10 @@ def test_the_rows_add_up_and_every_number_equals_a_dict_trie(step):
             assert f.sequences == len(ss)
             assert (f.shortest_prompt, f.prompt_length) == (min(plen[s] for s in ss),
                                                              max(plen[s] for s in ss))
-            # the two tokens are those of two of the group's prompts at the divergence
-            at = {seqs[s][f.depth] if f.depth < plen[s] else -1 for s in ss}
+            # the two tokens are those of two of the group's prompts at the divergence,
+            # inside its shortest prompt
+            assert f.depth < f.shortest_prompt
+            at = {seqs[s][f.depth] for s in ss}
             assert f.tokens[0] != f.tokens[1] and set(f.tokens) <= at
     else:
         assert r.ideal_rows == r.achievable_rows and r.false_forks == ()
@@ -208,8 +215,10 @@ def test_hints_name_the_likely_cause():
                       prompt_lengths=[len(p) for p in prompts]).false_forks
         return f
 
-    ends = fork([[1, 2, 3], [1, 2, 3, 4]])  # a generation prompt appended to one
-    assert (ends.depth, ends.tokens) == (3, (-1, 4)) and "add_generation_prompt" in ends.hint
+    # a prompt that goes on where another ends is no fork: an agent loop's later turns
+    # extend the first turn's prompt with the session's history
+    seqs = [[1, 2, 3, 99, 0], [1, 2, 3, 4, 99, 1]]
+    assert report(seqs, groups=[0, 0], prompt_lengths=[3, 4]).false_forks == ()
     first = fork([[5, 2, 3], [1, 2, 3]])
     assert first.depth == 0 and "first token" in first.hint
     inside = fork([[1, 2, 3], [1, 7, 3]])
@@ -313,7 +322,15 @@ def test_metrics_and_dict_carry_the_same_numbers():
     r = report(GROUP, groups=[7] * 4, prompt_lengths=[10] * 4, ranks=[0, 0, 1, 1])
     m = r.metrics()
     assert m["treepack/achieved_ratio"] == r.achieved_ratio
-    assert [m[f"treepack/lost_rows/{c}"] for c in CAUSES] == list(r.lost)
+    # micro-batches and packs were not given: not measured, not logged
+    assert [m.get(f"treepack/lost_rows/{c}") for c in CAUSES] == [*r.lost[:2], None, None]
+    # counts add up over processes: two processes' reports summed give the step's metrics
+    other = report(GROUP[:2], groups=[7] * 2, prompt_lengths=[10] * 2, ranks=[0, 1])
+    summed = [a + b for a, b in zip(r.counts(), other.counts())]
+    both = metrics_from_counts(summed, r.measured)
+    assert both["treepack/achieved_ratio"] == (r.achieved_rows + other.achieved_rows) / (
+        r.original_tokens + other.original_tokens)
+    assert both["treepack/lost_rows/across_ranks"] == r.lost.across_ranks + other.lost.across_ranks
     d = json.loads(json.dumps(r.as_dict()))
     assert d["lost"]["across_ranks"] == {"rows": 10, "share": 1.0, "measured": True,
                                          "groups": 1}

@@ -277,7 +277,7 @@ def _print_sharing(sharing, batch, causes) -> None:
     for f in sharing.false_forks:
         length = (f"a {f.prompt_length:,}-token prompt" if f.shortest_prompt == f.prompt_length
                   else f"{f.shortest_prompt:,}- to {f.prompt_length:,}-token prompts")
-        tokens = " vs ".join("(end)" if t < 0 else str(t) for t in f.tokens)
+        tokens = " vs ".join(str(t) for t in f.tokens)
         print(f"  {batch.group_field or 'group'} {f.group!r}: {f.sequences:,} sequences, "
               f"{f.variants:,} prompts, diverge at token {f.depth:,} of {length} ({tokens}): "
               f"{f.rows:,} rows")

@@ -26,8 +26,10 @@ How each number is computed, with one sort of the step's sequences (``sort_and_l
   the two, a range minimum over the ``lcp`` array. One sparse table of range minima
   (O(N log N)) answers every level: a cell's members are adjacent after a stable sort by
   cell, so each level is one vectorised query over N pairs.
-- False forks: each sequence's prompt, keyed by its group, is sorted once more; a group's
-  prompts agree up to the least LCP between its adjacent members (the *divergence depth*).
+- False forks: the prompt a group's rollouts share is as long as its shortest (an agent
+  loop's later turns hold their session's history: not the group's prompt). Each sequence's
+  prompt of that length, keyed by its group, is sorted once more; a group's prompts agree up
+  to the least LCP between its adjacent members (the *divergence depth*).
   The ideal relabels every row of the actual forest that lies inside a diverging group's
   prompt from that depth on with the group's label (one label per row: of the groups whose
   prompts pass through it, the one that appears first), keeps every other row's token, and
@@ -54,7 +56,7 @@ from treepack.core.forest import build_layout, ragged_arange, sort_and_lcp
 from treepack.core.tree import validate_sequences
 
 __all__ = ["report", "SharingReport", "Causes", "FalseFork", "Placement", "placement",
-           "rows_from_trl", "rows_from_verl", "CAUSES"]
+           "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS", "metrics_from_counts"]
 
 CAUSES = ("false_forks", "across_ranks", "across_micro_batches", "split_and_repeat")
 
@@ -77,17 +79,12 @@ class FalseFork(NamedTuple):
     depth: int  # tokens every prompt of the group shares: the first divergence
     prompt_length: int  # the group's longest prompt
     shortest_prompt: int  # the group's shortest prompt
-    tokens: tuple[int, int]  # two prompts' tokens at ``depth`` (-1: that prompt ends there)
+    tokens: tuple[int, int]  # two prompts' tokens at ``depth``
     rows: int  # rows the one forest would save were the group's prompts the same
 
     @property
     def hint(self) -> str:
         """The likely cause, and what to change, in one line."""
-        if -1 in self.tokens:
-            return ("one prompt ends where another goes on: a generation prompt, BOS/EOS or "
-                    "trailing newline added to some rollouts' prompts only; render every "
-                    "rollout with the same template flags (add_generation_prompt, "
-                    "add_special_tokens)")
         if self.depth == 0:
             return ("the prompts differ from their first token: a BOS token or system prompt "
                     "that differs between rollouts; render the prompt once per group and reuse "
@@ -164,12 +161,48 @@ class SharingReport:
 
         Returns:
             ``{prefix + "achievable_ratio": ..., prefix + "achieved_ratio": ...,
-            prefix + "ideal_ratio": ..., prefix + "lost_rows/<cause>": ...}``.
+            prefix + "ideal_ratio": ..., prefix + "lost_rows/<cause>": ...}``, a cause only
+            where it was measured.
         """
-        out = {f"{prefix}{k}_ratio": getattr(self, f"{k}_ratio")
-               for k in ("ideal", "achievable", "achieved")}
-        out.update({f"{prefix}lost_rows/{c}": float(r) for c, r in zip(CAUSES, self.lost)})
-        return out
+        return metrics_from_counts(self.counts(), self.measured, prefix)
+
+    def counts(self) -> list[int]:
+        """The report's numbers in :data:`COUNTS` order: what adds up over processes (each
+        process's report, summed by one all-reduce, gives the step's
+        :func:`metrics_from_counts`).
+
+        Returns:
+            A list of ints.
+        """
+        return [self.original_tokens, self.ideal_rows, self.achievable_rows,
+                self.achieved_rows, *(int(r) for r in self.lost)]
+
+
+COUNTS = ("original_tokens", "ideal_rows", "achievable_rows", "achieved_rows",
+          *(f"lost_rows/{c}" for c in CAUSES))
+
+
+def metrics_from_counts(counts, measured=Causes(True, True, True, True),
+                        prefix: str = "treepack/") -> dict[str, float]:
+    """:meth:`SharingReport.metrics` of :meth:`SharingReport.counts`, e.g. summed over the
+    processes of a step.
+
+    Args:
+        counts: numbers in :data:`COUNTS` order (ints, floats, or a tensor's ``tolist()``).
+        measured: which causes to log (:attr:`SharingReport.measured`).
+        prefix: put before every name.
+
+    Returns:
+        The ratios of ideal, achievable and achieved rows to the original tokens, and the
+        rows lost to each measured cause.
+    """
+    values = dict(zip(COUNTS, (float(c) for c in counts)))
+    tokens = max(values["original_tokens"], 1.0)
+    out = {f"{prefix}{k}_ratio": values[f"{k}_rows"] / tokens
+           for k in ("ideal", "achievable", "achieved")}
+    out.update({f"{prefix}lost_rows/{c}": values[f"lost_rows/{c}"]
+                for c, m in zip(CAUSES, measured) if m})
+    return out
 
 
 class Placement(NamedTuple):
@@ -405,15 +438,22 @@ def _same_prompt(ids, plen: np.ndarray) -> np.ndarray:
 
 def _false_forks(ids, lengths, plen, keys, gi) -> tuple[int | None, tuple[FalseFork, ...]]:
     """The ideal rows (None: no group's prompts differ, the ideal is the achievable) and one
-    :class:`FalseFork` per group whose prompts differ."""
+    :class:`FalseFork` per group whose prompts differ within the group's shortest prompt:
+    the tokens every rollout of the group was given (a later turn's prompt in an agent loop
+    holds its session's history, which differs between sessions by design)."""
+    n_groups = int(gi.max()) + 1
+    none = np.iinfo(np.int64).max
+    shortest = np.full(n_groups, none)
+    np.minimum.at(shortest, gi, plen)
+    longest = np.zeros(n_groups, dtype=np.int64)
+    np.maximum.at(longest, gi, plen)
+    plen = shortest[gi]  # the prompt that must agree
     pr = _prompts(ids, plen, gi)
     differ = pr.same_group & ~pr.equal
     if not differ.any():
         return None, ()
-    n_groups = int(gi.max()) + 1
     g_pair = gi[pr.cur]
     # The least LCP over a group's differing pairs is where its prompts first diverge.
-    none = np.iinfo(np.int64).max
     depth = np.full(n_groups, none)
     np.minimum.at(depth, g_pair[differ], pr.common[differ])
     forked = np.flatnonzero(depth < none)
@@ -422,14 +462,10 @@ def _false_forks(ids, lengths, plen, keys, gi) -> tuple[int | None, tuple[FalseF
     first = at[np.unique(g_pair[at], return_index=True)[1]]  # each forked group's first
     ideal, saved = _ideal(ids, lengths, plen, gi, np.where(depth < none, depth, -1))
     size = np.bincount(gi, minlength=n_groups)
-    longest = np.zeros(n_groups, dtype=np.int64)
-    np.maximum.at(longest, gi, plen)
-    shortest = np.full(n_groups, none)
-    np.minimum.at(shortest, gi, plen)
     forks = []
     for g, k in zip(forked.tolist(), first.tolist()):
-        d = int(depth[g])
-        tok = tuple(int(ids[s][d]) if d < plen[s] else -1 for s in (pr.prev[k], pr.cur[k]))
+        d = int(depth[g])  # < the group's shortest prompt: both prompts have a token there
+        tok = tuple(int(ids[s][d]) for s in (pr.prev[k], pr.cur[k]))
         forks.append(FalseFork(keys[g], int(size[g]), int(variants[g]), d, int(longest[g]),
                                int(shortest[g]), tok, int(saved[g])))
     forks.sort(key=lambda f: (-f.rows, -f.sequences))
