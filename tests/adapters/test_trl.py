@@ -467,6 +467,40 @@ def test_a_per_device_batch_smaller_than_a_group_warns_with_the_fix(tokenizer, t
     assert not [w for w in said if "treepack" in str(w.message)]  # whole groups fit
 
 
+def test_each_step_logs_where_sharing_was_lost(tokenizer, tmp_path, model_dir):
+    """Beside the token ratio, each step logs its sequences as one forest (achievable) and the
+    rows lost on the way to what it computed (treepack.sharing): the same generation batch cut
+    into 2 micro-batches of whole groups, or into 4 that split every group, has one achievable
+    ratio, and the second loses more rows across micro-batches, exactly the rows between."""
+    logs = {}
+    for per_device, accumulation in ((4, 2), (2, 4)):  # 8 rows a generation batch either way
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the split groups' warning: tested above
+            trainer = make_trainer(tokenizer, tmp_path, model_dir,
+                                   cls=treepack.trl.TreepackGRPOTrainer,
+                                   config=dict(per_device_train_batch_size=per_device,
+                                               gradient_accumulation_steps=accumulation,
+                                               max_steps=2))
+            torch.manual_seed(0)
+            trainer.train()
+        logs[per_device] = [h for h in trainer.state.log_history if "treepack/token_ratio" in h]
+    for whole, split in zip(logs[4], logs[2]):
+        for h in (whole, split):
+            assert h["treepack/achieved_ratio"] == h["treepack/token_ratio"]
+            assert h["treepack/ideal_ratio"] == h["treepack/achievable_ratio"]  # no uid
+            assert h["treepack/lost_rows/split_and_repeat"] == 0  # one pack a micro-batch
+        assert whole["treepack/achievable_ratio"] == split["treepack/achievable_ratio"]
+        more = (split["treepack/lost_rows/across_micro_batches"]
+                - whole["treepack/lost_rows/across_micro_batches"])
+        assert more > 0
+        # the rows between the two achieved ratios, in tokens of the same batch
+        tokens = whole["treepack/lost_rows/across_micro_batches"] / (
+            whole["treepack/achieved_ratio"] - whole["treepack/achievable_ratio"])
+        assert more / (split["treepack/achieved_ratio"] - whole["treepack/achieved_ratio"]) \
+            == pytest.approx(tokens, rel=1e-9)
+    assert len(logs[4]) == len(logs[2]) == 2
+
+
 def test_a_model_object_with_a_reference_model_equals_stock_from_its_path(tokenizer, tmp_path,
                                                                           model_dir):
     """beta > 0 with a model built in memory: stock TRL loads the reference model from the

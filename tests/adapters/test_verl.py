@@ -82,6 +82,17 @@ def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trai
         assert_worker_equals_stock(tree, stock, path)
         ratios = tree["update_metrics"]["treepack/token_ratio"]
         assert ratios and all(0 < x < 1 for x in ratios), (path, ratios)
+        # where sharing was lost, summed over ranks (treepack.sharing): v1's rows carry their
+        # uid and prompts, and its agent sessions' later turns (prompts holding each
+        # session's history) are no false forks; no tree was split
+        m = tree["update_metrics"]
+        for ideal, achievable, achieved in zip(m["treepack/ideal_ratio"],
+                                               m["treepack/achievable_ratio"],
+                                               m["treepack/achieved_ratio"]):
+            assert 0 < ideal <= achievable <= achieved < 1, (path, m)
+        assert set(m["treepack/lost_rows/split_and_repeat"]) == {0.0}, (path, m)
+        if path == "v1":
+            assert set(m["treepack/lost_rows/false_forks"]) == {0.0}, m
         log_prob_ratio = tree["update_metrics"]["treepack/log_prob_token_ratio"]
         assert log_prob_ratio and all(0 < x < 1 for x in log_prob_ratio), log_prob_ratio
         assert "treepack/log_prob_token_ratio" not in stock["update_metrics"]

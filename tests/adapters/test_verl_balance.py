@@ -24,6 +24,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
 from verl.trainer.ppo.v1 import PPOTrainer  # noqa: E402
 
 from treepack import verl_trainer  # noqa: E402
+from treepack.sharing import report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("verl_balance", ROOT / "bench" / "verl_balance.py")
@@ -167,9 +168,20 @@ def v0_batch(batch, with_uid: bool) -> DataProto:
     mask = torch.cat([cols_p >= torch.from_numpy(width_p - prompt_len)[:, None],
                       cols_r < torch.from_numpy(response_len)[:, None]], 1).long()
     uids = np.array([uid_of(k) for k in batch.meta.keys], dtype=object)
+    input_ids = torch.zeros(mask.shape, dtype=torch.int64)
+    input_ids[mask.bool()] = torch.from_numpy(np.concatenate(batch.tokens))
     return DataProto.from_dict(tensors={"attention_mask": mask, "prompts": prompts,
+                                        "input_ids": input_ids,
                                         "row": torch.arange(len(uids))},
                                non_tensors={"uid": uids} if with_uid else {})
+
+
+def rank_of(parts, n: int) -> np.ndarray:
+    """The part each of ``n`` rows lies in, from each part's rows."""
+    out = np.empty(n, dtype=np.int64)
+    for j, rows in enumerate(parts):
+        out[rows] = j
+    return out
 
 
 def v0_trainer(ranks: int, external_lib, mini_batch: int) -> RayPPOTrainer:
@@ -193,6 +205,15 @@ def test_v0_trainer_keeps_groups_with_or_without_uid(with_uid, installed):
         assert split_groups([[f"{uid[i]}_0_0" for i in p] for p in parts]) == 0
     assert metrics["treepack/groups_split_minibatches"] == 0
     assert "global_seqlen/balanced_max" in metrics
+    # the step's rows as placed: groups whole on a rank and in a mini-batch lose no rows of
+    # their prompts, only what different prompts share (nothing in this batch)
+    m = {k: v for k, v in metrics.items() if k.startswith("treepack/step/")}
+    want = report(batch.tokens, groups=uid if with_uid else None,
+                  prompt_lengths=[t["prompt_len"] for t in batch.meta.tags],
+                  ranks=rank_of(rows, len(uid)), micro_batches=rank_of(minibatches, len(uid)))
+    assert m == want.metrics(prefix="treepack/step/")
+    assert want.lost.across_ranks == want.lost.across_micro_batches == 0
+    assert want.achieved_rows < want.original_tokens
 
 
 def test_v0_trainer_without_treepack_runs_unchanged(installed):

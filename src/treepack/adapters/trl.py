@@ -45,6 +45,7 @@ from torch import Tensor
 from treepack.adapters import hf
 from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
+from treepack.planning import sharing
 from treepack.planning.groups import keep_groups_together
 from treepack.planning.planner import plan
 
@@ -212,28 +213,46 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
             cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),
         )
     if torch.is_grad_enabled() and self.model.training:  # the training forward
-        _log_token_ratio(self, packs)
+        _log_sharing(self, input_ids, attention_mask, logits_to_keep, packs)
         captured = getattr(self, "_treepack_entropies", None)
         if captured is not None:  # _compute_loss corrects the entropy bonus with them
             captured.append(entropies)
     return logps, entropies, aux_loss
 
 
-def _log_token_ratio(trainer, packs) -> None:
-    """What packing saved in the training forwards: this micro-batch's packed rows and tokens
-    add to its optimizer step's; at the step's last micro-batch ``treepack/token_ratio`` logs
-    rows / tokens summed over the step's micro-batches and over every process."""
-    rows, tokens = getattr(trainer, "_treepack_step_rows", (0, 0))
-    rows += sum(pack.num_packed_rows for pack in packs)
-    tokens += sum(pack.num_original_tokens for pack in packs)
+def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs) -> None:
+    """What packing saved in the training forwards, and where sharing was lost
+    (:func:`treepack.sharing.report`): this micro-batch's sequences join its optimizer step's;
+    at the step's last micro-batch the step's report (rows per micro-batch and pack, groups by
+    identical prompt), summed over every process, logs ``treepack/token_ratio`` (packed rows /
+    tokens), ``treepack/{ideal,achievable,achieved}_ratio`` (each process's step as one
+    forest; as computed) and ``treepack/lost_rows/{across_micro_batches,split_and_repeat}``."""
+    step = getattr(trainer, "_treepack_step", None)
+    if step is None:
+        step = trainer._treepack_step = {"sequences": [], "prompts": [], "micro": [],
+                                         "packs": [], "count": 0}
+    mask = attention_mask.bool().cpu()
+    ids = input_ids.cpu().numpy()
+    step["sequences"] += [row[m] for row, m in zip(ids, mask.numpy())]
+    step["prompts"] += mask[:, :mask.shape[1] - logits_to_keep].sum(-1).tolist()
+    pack_of = np.zeros(len(ids), dtype=np.int64)
+    for j, pack in enumerate(packs):
+        pack_of[pack.seq_ids.cpu().numpy()] = j
+    step["micro"] += [step["count"]] * len(ids)
+    step["packs"] += pack_of.tolist()
+    step["count"] += 1
     if not trainer.accelerator.sync_gradients:
-        trainer._treepack_step_rows = (rows, tokens)
         return
-    trainer._treepack_step_rows = (0, 0)
+    trainer._treepack_step = None
+    lost = sharing.report(step["sequences"], prompt_lengths=step["prompts"],
+                          micro_batches=step["micro"], packs=step["packs"])
     # every process runs each micro-batch's training forward, so all of them meet here
-    rows, tokens = trainer.accelerator.reduce(
-        torch.tensor([rows, tokens], device=trainer.accelerator.device), reduction="sum").tolist()
-    trainer._metrics["train"]["treepack/token_ratio"].append(rows / max(tokens, 1))
+    counts = trainer.accelerator.reduce(
+        torch.tensor(lost.counts(), device=trainer.accelerator.device), reduction="sum")
+    metrics = sharing.metrics_from_counts(counts.tolist(), lost.measured)
+    metrics["treepack/token_ratio"] = metrics["treepack/achieved_ratio"]
+    for name, value in metrics.items():
+        trainer._metrics["train"][name].append(value)
 
 
 def _prepare_inputs(self, generation_batch):
@@ -531,7 +550,7 @@ def _warn_if_groups_split_in_processes(trainer, plan: _MicroBatches) -> None:
         return
     one_step = (f"one micro-batch per optimizer step (gradient_accumulation_steps=1 and "
                 f"per_device_train_batch_size={rows * accumulation}, the same batch)")
-    split = (f"so a group's {group} rows are spread over the {parts} micro-batches of a "
+    split = (f"a group's {group} rows are spread over the {parts} micro-batches of a "
              "generation batch and its prompt is computed in each it lands in")
     if not plan.whole_groups:
         fix = one_step
@@ -539,7 +558,7 @@ def _warn_if_groups_split_in_processes(trainer, plan: _MicroBatches) -> None:
             fix += (" or loss_type='dapo' (normalised by the tokens of the whole batch, which "
                     "packs whole groups)")
         warnings.warn(f"treepack keeps TRL's own micro-batches, as stock TRL cuts them, "
-                      f"because {'; '.join(plan.kept_because)}: {split} (the run equals stock "
+                      f"because {'; '.join(plan.kept_because)}: so {split} (the run equals stock "
                       f"TRL's). To pack whole groups, use {fix}", stacklevel=3)
     elif plan.parts_per_step < parts:
         warnings.warn(

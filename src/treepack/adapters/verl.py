@@ -68,6 +68,7 @@ from treepack.adapters.verl_trainer import say_once
 from treepack.core import deprecation
 from treepack.core.outputs import from_logits, per_sequence_temperature
 from treepack.core.tree import TreePack
+from treepack.planning import sharing
 from treepack.planning.parts import split
 from treepack.planning.planner import plan
 
@@ -124,7 +125,10 @@ class TreepackEngine(FSDPEngineWithLMHead):
         sequences = _host_sequences(data)
         planned = self._plan(data, sequences)
         if self._in_parts(planned, group):
-            return self._parts_step(data, sequences, loss_function, forward_only)
+            collected = self._parts_step(data, sequences, loss_function, forward_only)
+            if not forward_only:  # parts compute every row of the rank's batch once
+                self._log_sharing(collected, data, sequences, np.zeros(len(sequences)), group)
+            return collected
         micro = _micro_batches(planned)
         count = torch.tensor([len(micro)], device=_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -159,6 +163,11 @@ class TreepackEngine(FSDPEngineWithLMHead):
                 out.pop("model_output", None)
             outputs.append(out)
         collected = _collect(outputs, micro)
+        if not forward_only:
+            pack_of = np.zeros(len(sequences), dtype=np.int64)
+            for j, rows in enumerate(micro):
+                pack_of[rows] = j
+            self._log_sharing(collected, data, sequences, pack_of, group)
         packed, tokens = np.sum([out["sizes"] for out in outputs if "sizes" in out] or [[0, 0]],
                                 axis=0)
         if forward_only:  # verl's trainer drops a log-prob pass's metrics: report it with the
@@ -166,6 +175,24 @@ class TreepackEngine(FSDPEngineWithLMHead):
         elif getattr(self, "_log_prob_token_ratio", None) is not None:
             collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
         return collected
+
+    def _log_sharing(self, collected: dict, data, sequences, pack_of, group) -> None:
+        """Where this update's sharing was lost (:func:`treepack.sharing.report`), summed over
+        the data-parallel ranks: ``treepack/{ideal,achievable,achieved}_ratio`` (each rank's
+        mini-batch as one forest; as computed), ``treepack/lost_rows/false_forks`` (rollouts
+        of one ``uid`` whose prompts differ within the uid's shortest) and ``treepack/lost_rows/split_and_repeat`` (the
+        rank's mini-batch cut into packs, one per micro-batch). Rows lost across ranks and
+        mini-batches are the trainer's (``treepack/groups_split_*``)."""
+        keys = set(data.keys())
+        uid = list(data["uid"]) if "uid" in keys else None
+        prompts = data["prompts"] if "prompts" in keys else None
+        plen = (prompts.offsets().diff().cpu().numpy()
+                if prompts is not None and prompts.is_nested else None)
+        lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of)
+        counts = torch.tensor(lost.counts(), dtype=torch.float64, device=_device())
+        torch.distributed.all_reduce(counts, group=group)
+        for name, value in sharing.metrics_from_counts(counts.tolist(), lost.measured).items():
+            collected["metrics"][name] = [value]
 
     def _stock_reason(self, data) -> str | None:
         """Why this batch runs verl's stock path, or None to pack it."""

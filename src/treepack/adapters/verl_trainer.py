@@ -23,7 +23,9 @@ Kept from verl: v1's upsampling to a multiple of lcm(dp, mini-batch rows)
 (``upsample_batch_to_divisible_size``), the workload of a row (``calculate_workload(seq_len)``),
 ``batch.reorder`` and the ``global_seqlen/*`` metrics of ``log_seqlen_unbalance``, so the
 numbers users watch stay comparable. Added: ``treepack/groups_split_ranks`` and
-``treepack/groups_split_minibatches``, the groups cut across ranks and across mini-batches.
+``treepack/groups_split_minibatches``, the groups cut across ranks and across mini-batches,
+and (v0, whose trainer holds the token ids) ``treepack/step/*``: where the step's sharing
+was lost, in rows (:func:`treepack.sharing.report`).
 
 - **Groups.** v1: the ``uid`` of the key ``{uid}_{session_id}_{index}``, so an agent
   session's several outputs stay with their prompt's group; padding rows (tag ``is_padding``)
@@ -51,6 +53,7 @@ import logging
 import numpy as np
 import torch
 
+from treepack.planning import sharing
 from treepack.planning.groups import GroupOrder, keep_groups_together
 
 try:
@@ -118,9 +121,38 @@ def _balance_v0(self, batch, metrics, logging_prefix="global_seqlen", keep_minib
     else:  # the rollouts of one prompt carry the same (left-padded) prompt row
         groups = np.unique(batch.batch["prompts"].cpu().numpy(), axis=0,
                            return_inverse=True)[1].reshape(-1)
-    placed = _keep_groups(self.config, groups, seqlen, _dp_size(self.actor_rollout_wg),
-                          metrics, logging_prefix)
+    dp = _dp_size(self.actor_rollout_wg)
+    placed = _keep_groups(self.config, groups, seqlen, dp, metrics, logging_prefix)
+    if "input_ids" in batch.batch.keys():  # groups by prompt row cannot have false forks
+        _log_sharing(self.config, batch, groups if "uid" in batch.non_tensor_batch else None,
+                     placed, dp, metrics)
     batch.reorder(torch.from_numpy(placed.order))
+
+
+def _log_sharing(config, batch, groups, placed: GroupOrder, dp: int, metrics: dict) -> None:
+    """Where the step's sharing was lost, as the trainer places its rows
+    (:func:`treepack.sharing.report` with the ranks and mini-batches of ``placed``):
+    ``treepack/step/{ideal,achievable,achieved}_ratio`` and ``treepack/step/lost_rows/*``,
+    the rows cut across ranks and mini-batches among them (the workers' packs are theirs:
+    ``treepack/lost_rows/split_and_repeat``)."""
+    mask = batch.batch["attention_mask"].bool().cpu().numpy()
+    ids = batch.batch["input_ids"].cpu().numpy()
+    sequences = [row[m] for row, m in zip(ids, mask)]
+    prompt_lengths = None
+    if "prompts" in batch.batch.keys():
+        prompt_lengths = mask[:, :batch.batch["prompts"].shape[1]].sum(1)
+    position = np.empty(len(placed.order), dtype=np.int64)
+    position[placed.order] = np.arange(len(placed.order))  # where each row goes
+    per_rank = len(placed.order) // dp
+    actor = config.actor_rollout_ref.actor
+    minibatch = _minibatch_rows(actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n,
+                                dp, per_rank)
+    lost = sharing.report(sequences, groups=None if groups is None else list(groups),
+                          prompt_lengths=prompt_lengths,
+                          ranks=position // per_rank,
+                          micro_batches=None if minibatch is None else
+                          position % per_rank // minibatch)
+    metrics.update(lost.metrics(prefix="treepack/step/"))
 
 
 def _keep_groups(config, groups: np.ndarray, seqlen: torch.Tensor, dp: int, metrics: dict,
