@@ -12,7 +12,8 @@ from treepack.adapters.hf.prepare import eval_no_grad, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core.softmax import head_logits
 
-__all__ = ["lm_head", "lm_head_kwargs", "logit_transforms", "head_refusal", "head_weights"]
+__all__ = ["lm_head", "check_lm_head", "lm_head_kwargs", "logit_transforms", "head_refusal",
+           "head_weights"]
 
 
 _LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -43,11 +44,22 @@ def lm_head(model, *, check: bool = True) -> dict:
             treepack does not know (the check failed).
     """
     model = unwrap(model)
-    kwargs = lm_head_kwargs(model)
-    if check and model not in _LM_HEAD_CHECKED:
-        _check_lm_head(model, kwargs)
+    if check:
+        check_lm_head(model)
+    return lm_head_kwargs(model)
+
+
+def check_lm_head(model) -> None:
+    """Once per model: one 3-token forward whose logits :func:`lm_head`'s keywords must give
+    (a logit transform treepack does not know fails it).
+
+    Raises:
+        UnsupportedModel: a head treepack cannot read, or a failed check.
+    """
+    model = unwrap(model)
+    if model not in _LM_HEAD_CHECKED:
+        _check_lm_head(model, lm_head_kwargs(model))
         _LM_HEAD_CHECKED[model] = True
-    return kwargs
 
 
 def _full(t):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from treepack.adapters.hf.head import lm_head
+from treepack.adapters.hf.head import check_lm_head, lm_head
 from treepack.adapters.hf.prepare import compute_device, hold_routing, is_prepared, unwrap
 from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, UnsupportedModel,
                                           check_calls, text_config, tree_forward)
@@ -91,7 +91,7 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
         ids, positions = ids[rows], positions[rows]
     heads, hook = [], None
     if output == "hidden":
-        lm_head(model)  # checked once per model, by a forward of its own
+        check_lm_head(core)  # once per model, by a forward of its own
         kwargs = {**kwargs, "logits_to_keep": 1, "output_hidden_states": True}
         # read inside the forward: FSDP1's root points its parameters back at their shards
         # when its forward returns

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.adapters.hf.head import lm_head
+from treepack.adapters.hf.head import check_lm_head, head_refusal
 from treepack.adapters.hf.packed import packed_forward
 from treepack.adapters.hf.parts.carried import Carried, PartForward
 from treepack.adapters.hf.prepare import unwrap
@@ -168,8 +168,10 @@ def _head(model) -> str:
     """Where a part's log-probs come from: the LM head from the part's hidden states where
     treepack can read it (:func:`treepack.hf.lm_head`), else the model's own logits for the
     part's rows (a head it cannot read, a LoRA head with dropout)."""
+    if head_refusal(unwrap(model).get_output_embeddings()) is not None:  # as it is now
+        return "logits"
     try:
-        lm_head(model)
+        check_lm_head(model)
     except UnsupportedModel:
         return "logits"
     return "hidden"
