@@ -205,8 +205,12 @@ def test_a_lora_lm_head_runs_in_parts_and_from_hidden_states():
     sum_loss(want, pack.prediction_mask).backward()
     want_grads = grads_of(model)
     assert any("lm_head.lora_B" in k for k in want_grads)
-    hidden = hf.logprobs(model, pack, head="hidden").logprobs
-    torch.testing.assert_close(hidden, want.logprobs, rtol=0, atol=1e-12)
+    for head in ("hidden", "inside", "auto"):  # auto: inside, where the head is one matrix
+        model.zero_grad()
+        got = hf.logprobs(model, pack, head=head)
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-12)
+        sum_loss(got, pack.prediction_mask).backward()
+        assert_grads_equal(grads_of(model), want_grads, 1e-12)
     model.zero_grad()
     step = hf.backward_in_parts(model, SEQS, sum_loss, max_tokens=4)
     torch.testing.assert_close(step.logprobs, want.logprobs.detach(), rtol=0, atol=1e-12)
