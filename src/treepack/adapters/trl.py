@@ -476,8 +476,9 @@ def patch(trainer: GRPOTrainer, *, backend: str = "auto", max_tokens: int | None
     trains as stock TRL does. The no-grad passes (old and reference log-probs) pack at most as
     many tokens per forward as one of TRL's chunks of ``per_device_train_batch_size`` rows.
     Each optimizer step logs ``treepack/token_ratio`` (packed rows / tokens of its training
-    forwards, summed over its micro-batches and processes) with TRL's metrics; a warning says
-    where the sizes split groups.
+    forwards, summed over its micro-batches and processes) with TRL's metrics, and where it
+    lost sharing (``treepack/{ideal,achievable,achieved}_ratio``, ``treepack/lost_rows/*``:
+    :func:`treepack.sharing.report`); a warning says where the sizes split groups.
 
     Args:
         trainer: a ``trl.GRPOTrainer`` (or a subclass that keeps TRL's
