@@ -132,6 +132,10 @@ def test_verl_worker_runs_trees_over_its_budget_in_parts(model_dir, trainer_batc
         assert_worker_equals_stock(tree, r["stock", path], path)
         parts = tree["update_metrics"]["treepack/parts"]
         assert parts and max(parts) > 1, (path, parts)  # the update ran in parts
+        # every row once: no rows lost to split packs, the achieved ratio the achievable one
+        m = tree["update_metrics"]
+        assert set(m["treepack/lost_rows/split_and_repeat"]) == {0.0}, (path, m)
+        assert m["treepack/achieved_ratio"] == m["treepack/achievable_ratio"], (path, m)
         parts = np.ravel(tree["log_prob_metrics"]["treepack/parts"])
         assert parts.size and parts.max() > 1, (path, parts)  # and the log-prob pass
 

@@ -127,7 +127,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
         if self._in_parts(planned, group):
             collected = self._parts_step(data, sequences, loss_function, forward_only)
             if not forward_only:  # parts compute every row of the rank's batch once
-                self._log_sharing(collected, data, sequences, np.zeros(len(sequences)), group)
+                self._log_sharing(collected, data, sequences,
+                                  np.zeros(len(sequences), dtype=np.int64), group)
             return collected
         micro = _micro_batches(planned)
         count = torch.tensor([len(micro)], device=_device())
