@@ -232,13 +232,12 @@ def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs) -> N
         step = trainer._treepack_step = {"sequences": [], "prompts": [], "micro": [],
                                          "packs": [], "count": 0}
     mask = attention_mask.bool().cpu()
-    ids = input_ids.cpu().numpy()
-    step["sequences"] += [row[m] for row, m in zip(ids, mask.numpy())]
+    step["sequences"] += sharing.unpadded(input_ids, mask, "input_ids", "attention_mask")
     step["prompts"] += mask[:, :mask.shape[1] - logits_to_keep].sum(-1).tolist()
-    pack_of = np.zeros(len(ids), dtype=np.int64)
+    pack_of = np.zeros(len(mask), dtype=np.int64)
     for j, pack in enumerate(packs):
         pack_of[pack.seq_ids.cpu().numpy()] = j
-    step["micro"] += [step["count"]] * len(ids)
+    step["micro"] += [step["count"]] * len(mask)
     step["packs"] += pack_of.tolist()
     step["count"] += 1
     if not trainer.accelerator.sync_gradients:

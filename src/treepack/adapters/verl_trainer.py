@@ -136,8 +136,7 @@ def _log_sharing(config, batch, groups, placed: GroupOrder, dp: int, metrics: di
     the rows cut across ranks and mini-batches among them (the workers' packs are theirs:
     ``treepack/lost_rows/split_and_repeat``)."""
     mask = batch.batch["attention_mask"].bool().cpu().numpy()
-    ids = batch.batch["input_ids"].cpu().numpy()
-    sequences = [row[m] for row, m in zip(ids, mask)]
+    sequences = sharing.unpadded(batch.batch["input_ids"], mask, "input_ids", "attention_mask")
     prompt_lengths = None
     if "prompts" in batch.batch.keys():
         prompt_lengths = mask[:, :batch.batch["prompts"].shape[1]].sum(1)

@@ -56,7 +56,8 @@ from treepack.core.forest import build_layout, ragged_arange, sort_and_lcp
 from treepack.core.tree import validate_sequences
 
 __all__ = ["report", "SharingReport", "Causes", "FalseFork", "Placement", "placement",
-           "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS", "metrics_from_counts"]
+           "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS", "metrics_from_counts",
+           "unpadded"]
 
 CAUSES = ("false_forks", "across_ranks", "across_micro_batches", "split_and_repeat")
 
@@ -598,13 +599,29 @@ def _numpy(x) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
 
 
-def _unpadded(ids, mask, ids_name: str, mask_name: str) -> list[list[int]]:
+def unpadded(ids, mask, ids_name: str = "ids", mask_name: str = "mask") -> list[np.ndarray]:
+    """The real tokens of each row of a padded batch, on the host.
+
+    Args:
+        ids: ``[B, width]`` token ids (a tensor on any device, or an array).
+        mask: ``[B, width]`` which of them are real (an attention or completion mask).
+        ids_name, mask_name: their names, for the message.
+
+    Returns:
+        B int arrays (one copy of the batch to the host, one split).
+
+    Raises:
+        ValueError: shapes that are not both ``[B, width]``.
+    """
     ids, mask = _numpy(ids), _numpy(mask).astype(bool)
     if ids.ndim != 2 or ids.shape != mask.shape:
         raise ValueError(f"{ids_name} {ids.shape} and {mask_name} {mask.shape} must both be "
                          "[B, width]")
-    counts = mask.sum(1)
-    return [r.tolist() for r in np.split(ids[mask], np.cumsum(counts)[:-1])]
+    return np.split(ids[mask], np.cumsum(mask.sum(1))[:-1])
+
+
+def _unpadded(ids, mask, ids_name: str, mask_name: str) -> list[list[int]]:
+    return [r.tolist() for r in unpadded(ids, mask, ids_name, mask_name)]
 
 
 def _with_fields(rows: list[dict], **fields) -> list[dict]:
