@@ -22,7 +22,11 @@ touches is in :mod:`.compat`.
 
 A tree larger than one forward runs in parts that each compute their rows once
 (:func:`backward_in_parts`, :func:`step_in_parts` for losses of whole sequences,
-:func:`logprobs_in_parts`; :mod:`.parts`).
+:func:`logprobs_in_parts`; :mod:`.parts`). A tree too long for one GPU's activations runs over
+a sequence-parallel group (Ulysses: ``sequence_parallel=group`` in :func:`logprobs` and the
+parts calls; each rank computes a slice of the rows, each attention layer exchanges rows for
+heads; :mod:`.sequence_parallel`), and :func:`average_gradients` averages its gradients over
+the group for a model outside DDP / FSDP.
 """
 
 from treepack.adapters.hf.forwarding import (HEADS, HiddenOutput, forward, forward_hidden,
@@ -35,9 +39,10 @@ from treepack.adapters.hf.prepare import (compute_device, is_prepared, original_
                                           pair_cost, prepare, prepared, restore, unprepare,
                                           unwrap)
 from treepack.adapters.hf.routing import UnsupportedModel
+from treepack.adapters.hf.sequence_parallel import average_gradients
 
 __all__ = ["logprobs", "HEADS", "pair_cost", "forward", "forward_hidden", "HiddenOutput",
            "prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention", "unwrap",
            "lm_head", "row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
            "UnsupportedModel", "compute_device", "forward_lean", "backward_in_parts",
-           "logprobs_in_parts", "step_in_parts", "PartsResult"]
+           "logprobs_in_parts", "step_in_parts", "PartsResult", "average_gradients"]

@@ -13,6 +13,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from treepack.adapters.hf import sequence_parallel as sp
 from treepack.adapters.hf.head import head_refusal, head_weights, logit_transforms
 from treepack.adapters.hf.moe import router_aux_loss
 from treepack.adapters.hf.packed import check_pack, packed_forward
@@ -101,7 +102,7 @@ HEADS = ("auto", "inside", "hidden", "logits")
 def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False,
              temperature=1.0, align: str = "label", backend: str = "auto",
              chunk_size: int | None = None, head_dtype: torch.dtype | None = None,
-             block_size: int = 128, **kwargs) -> TokenLogprobs:
+             block_size: int = 128, sequence_parallel=None, **kwargs) -> TokenLogprobs:
     """Every next-token log-prob (and entropy) of the pack's sequences, from one forward.
 
     The one way to get log-probs from a model on a pack; the TRL and verl adapters call it
@@ -136,6 +137,15 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
         head_dtype: run the head's matmul in this dtype (TRL's ``cast_lm_head_to_fp32``:
             ``torch.float32``); ``"inside"`` and ``"hidden"`` only.
         block_size: FlexAttention's block size (``flex`` only).
+        sequence_parallel: a ``torch.distributed`` process group (Ulysses, see
+            docs/sequence-parallel.md): every rank of it passes the same pack and computes a
+            slice of its rows; each attention layer (and short convolution, Gated DeltaNet
+            scan) exchanges rows for heads across the group. Every rank gets the whole
+            result; each one's parameter gradients are then P times its rows' share, so
+            averaging them over the group (DDP / FSDP over a mesh holding it, or
+            :func:`treepack.hf.average_gradients`) gives the pack's. The head runs after
+            the forward on each rank's rows (``"auto"`` and ``"inside"``: ``"hidden"``
+            where the head can be read, else ``"logits"``).
         **kwargs: passed to the model (e.g. ``output_router_logits=True``).
 
     Returns:
@@ -156,6 +166,11 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
         raise ValueError("head_dtype applies to the lean head (head='inside' or 'hidden'); "
                          "with head='logits' the model's own head runs in its own dtype")
     check_pack(pack)
+    if sequence_parallel is not None:
+        return sp.logprobs(model, pack, sp.sequence_parallel(sequence_parallel), head=head,
+                           entropy=entropy, temperature=temperature, align=align,
+                           backend=backend, chunk_size=chunk_size, head_dtype=head_dtype,
+                           block_size=block_size, kwargs=kwargs)
     temps = per_sequence_temperature(temperature, pack.num_sequences)
     one_temperature = float(temps[0]) if len(temps) else 1.0  # an empty pack has none
     auto = head == "auto"

@@ -13,7 +13,7 @@ from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core.softmax import head_logits
 
 __all__ = ["lm_head", "check_lm_head", "lm_head_kwargs", "logit_transforms", "head_refusal",
-           "head_weights"]
+           "head_weights", "head_after"]
 
 
 _LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -185,3 +185,17 @@ def logit_transforms(model) -> dict:
     if scale != 1.0:
         kwargs["scale"] = scale
     return kwargs
+
+
+def head_after(model) -> str:
+    """Where the log-probs of a forward over some of a pack's rows (a part, a
+    sequence-parallel slice) come from: ``"hidden"``, the LM head on the rows' hidden states,
+    where treepack can read the head (:func:`lm_head`); else ``"logits"``, the model's own
+    logits of the rows (a head it cannot read, a LoRA head with dropout)."""
+    if head_refusal(unwrap(model).get_output_embeddings()) is not None:  # as it is now
+        return "logits"
+    try:
+        check_lm_head(model)
+    except UnsupportedModel:
+        return "logits"
+    return "hidden"

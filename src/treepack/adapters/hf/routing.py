@@ -363,6 +363,11 @@ def _ssd(original):
                 kwargs.get("cu_seqlens") is not None:
             raise UnsupportedModel("a tree forward runs without a cache or sequence boundaries "
                                    "(initial_states / seq_idx / cu_seqlens were given)")
+        if getattr(tree, "sp", None) is not None:
+            raise UnsupportedModel(
+                "a Mamba2 layer (its chunked scan's per-head A and D, and its B and C shared "
+                "by groups of heads) is not split over a sequence-parallel group yet: run "
+                "this model without sequence_parallel (in parts if it outgrows one forward)")
         tree.mixer_calls["ssd"] += 1
         # The step size as the kernel makes it, so that past a segment's end it is exactly 0
         # (no decay, no input: the state carries over unchanged).

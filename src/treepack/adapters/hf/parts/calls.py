@@ -15,6 +15,7 @@ from treepack.adapters.hf.parts.run import (ROUTER_IN_PARTS, Run, loss_tensor, r
                                             set_rng_state)
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel, text_config
+from treepack.adapters.hf.sequence_parallel import sequence_parallel as sequence_parallel_of
 from treepack.core.outputs import TokenLogprobs
 from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
@@ -37,7 +38,8 @@ class PartsResult:
 
 def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                       temperature=1.0, entropy: bool = False, align: str = "label",
-                      recompute: bool | str = "auto", **kwargs) -> PartsResult:
+                      recompute: bool | str = "auto", sequence_parallel=None,
+                      **kwargs) -> PartsResult:
     """One step's forward and backward over a tree too large for one forward.
 
     Args:
@@ -70,6 +72,11 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
         recompute: ``"auto"`` (a part with grandchildren runs its forward twice, keeping
             only what it hands below in between), ``True`` (every part with children) or
             ``False`` (none: every part's activations kept until its backward).
+        sequence_parallel: a ``torch.distributed`` process group whose ranks split each
+            part's rows (as :func:`treepack.hf.logprobs`'s): every rank passes the same
+            sequences; ``loss_fn`` sees the rank's own predictions of each part; the loss,
+            log-probs and entropies returned are the whole step's on every rank, and the
+            gradients P times the rank's share (average them over the group).
         **kwargs: passed to the model's forward, checked as :func:`treepack.hf.logprobs`
             checks them.
 
@@ -90,12 +97,14 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
     parts = tree_parts(model, sequences, max_tokens, kwargs)
     if _router_logits_on(model, kwargs):
         raise UnsupportedModel(f"backward_in_parts: {ROUTER_IN_PARTS}")
-    return _train(model, parts, loss_fn, temperature, entropy, align, recompute, kwargs)
+    return _train(model, parts, loss_fn, temperature, entropy, align, recompute, kwargs,
+                  sp=sequence_parallel_of(sequence_parallel))
 
 
 def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                   temperature=1.0, entropy: bool = False, align: str = "label",
-                  recompute: bool | str = "auto", **kwargs) -> PartsResult:
+                  recompute: bool | str = "auto", sequence_parallel=None,
+                  **kwargs) -> PartsResult:
     """:func:`backward_in_parts` for any loss of the whole batch's outputs: a per-sequence
     mean (``seq-mean-token-mean``), GSPO's sequence ratio, an MoE router loss, anything a
     part holding some of a sequence's tokens cannot compute by itself.
@@ -109,7 +118,10 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
 
     Args:
         model, sequences, max_tokens, temperature, entropy, align, recompute, **kwargs: as
-            :func:`backward_in_parts` (``output_router_logits=True`` allowed).
+            :func:`backward_in_parts` (``output_router_logits=True`` allowed, but not with
+            ``sequence_parallel``).
+        sequence_parallel: as :func:`backward_in_parts`; ``loss_fn`` sees every log-prob
+            of the step on every rank.
         loss_fn: ``loss_fn(outputs) -> scalar tensor``, ``outputs`` a
             :class:`~treepack.TokenLogprobs` of every log-prob (and entropy) of the batch,
             as one forward over it would give, and with router logits on, ``aux_loss``: the
@@ -125,8 +137,9 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
     """
     _needs_gradients("step_in_parts")
     parts = tree_parts(model, sequences, max_tokens, kwargs)
+    sp = sequence_parallel_of(sequence_parallel)
     replay = rng_state(parts.pack.device)
-    first = _score(model, parts, temperature, entropy, align, kwargs)
+    first = _score(model, parts, temperature, entropy, align, kwargs, sp)
     logprobs = first.logprobs.requires_grad_()
     ent = None if first.entropy is None else first.entropy.requires_grad_()
     router = {i: tuple(r.requires_grad_() for r in layers) for i, layers in first.router.items()}
@@ -141,7 +154,8 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
     router_grads = {i: tuple(r.grad for r in layers) for i, layers in router.items()}
     set_rng_state(replay)  # the same dropout masks as the first pass
     step = _train(model, parts, surrogate(logprobs.grad, None if ent is None else ent.grad),
-                  temperature, entropy, align, recompute, kwargs, router_grads=router_grads)
+                  temperature, entropy, align, recompute, kwargs, router_grads=router_grads,
+                  sp=sp)
     return PartsResult(loss.detach(), first.logprobs.detach(),
                        None if first.entropy is None else first.entropy.detach(),
                        step.parts, step.rows)
@@ -163,14 +177,16 @@ def surrogate(grad_logprobs: Tensor | None, grad_entropy: Tensor | None = None):
 
 
 def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temperature=1.0,
-                      entropy: bool = False, align: str = "label", **kwargs) -> TokenLogprobs:
+                      entropy: bool = False, align: str = "label", sequence_parallel=None,
+                      **kwargs) -> TokenLogprobs:
     """Every next-token log-prob of ``sequences`` without gradients (old and reference
     log-probs, scoring), each row of their tree computed once, in forwards of at most
     ``max_tokens`` rows.
 
     Args:
-        model, sequences, max_tokens, temperature, entropy, align, **kwargs: as
-            :func:`backward_in_parts` (``output_router_logits=True`` allowed).
+        model, sequences, max_tokens, temperature, entropy, align, sequence_parallel,
+            **kwargs: as :func:`backward_in_parts` (``output_router_logits=True`` allowed,
+            but not with ``sequence_parallel``).
 
     Returns:
         :class:`~treepack.TokenLogprobs` in the pack's layout and ``align``; with router
@@ -181,7 +197,8 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temper
     """
     parts = tree_parts(model, sequences, max_tokens, kwargs)
     with torch.no_grad():
-        run = _score(model, parts, temperature, entropy, align, kwargs)
+        run = _score(model, parts, temperature, entropy, align, kwargs,
+                     sequence_parallel_of(sequence_parallel))
         aux = _aux_loss(model, parts, run.router)
     return TokenLogprobs(run.logprobs, run.entropy, align, aux_loss=aux)
 
@@ -258,11 +275,11 @@ def _router_logits_on(model, kwargs: dict) -> bool:
 
 
 def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute, kwargs,
-           router_grads=None) -> PartsResult:
+           router_grads=None, sp=None) -> PartsResult:
     with sync.unsharded(model):
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
                   align=align, train=True, kwargs=kwargs, loss_fn=loss_fn,
-                  recompute=recompute, router_grads=router_grads)
+                  recompute=recompute, router_grads=router_grads, sp=sp)
         run.all()
     sync.finish(model)
     return PartsResult(run.loss.detach(), run.logprobs.detach(),
@@ -270,12 +287,12 @@ def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute,
                        len(parts.parts), parts.rows_computed)
 
 
-def _score(model, parts: Parts, temperature, entropy, align, kwargs) -> Run:
+def _score(model, parts: Parts, temperature, entropy, align, kwargs, sp=None) -> Run:
     """Every output of the parts without gradients (a pass that keeps each part's router
     logits)."""
     with sync.unsharded(model, train=False), torch.no_grad():
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
-                  align=align, train=False, kwargs=kwargs)
+                  align=align, train=False, kwargs=kwargs, sp=sp)
         run.all()
     return run
 

@@ -11,23 +11,21 @@ backward, replaying the random generators' state so that dropout draws the same 
 from __future__ import annotations
 
 import collections
-from typing import NamedTuple
 
-import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from treepack.adapters.hf.head import check_lm_head, head_refusal
+from treepack.adapters.hf.head import head_after
 from treepack.adapters.hf.packed import packed_forward
 from treepack.adapters.hf.parts.carried import Carried, PartForward
+from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
-from treepack.core.derived import derived_from_pack
-from treepack.core.outputs import (TokenLogprobs, check_align, per_sequence_temperature,
-                                   sequence_of)
-from treepack.core.softmax import Head, Logits, normalise
-from treepack.core.tree import TreePack
-from treepack.planning.parts import Parts, split
+from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, SequenceParallel,
+                                                    ShardedForward, check_same_pack)
+from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
+from treepack.planning.parts import Parts
 
 __all__ = ["Run", "rng_state", "set_rng_state", "loss_tensor", "ROUTER_IN_PARTS"]
 
@@ -39,21 +37,25 @@ class Run:
 
     def __init__(self, model, parts: Parts, *, temperature, entropy: bool, align: str,
                  train: bool, kwargs: dict, loss_fn=None, recompute: bool | str = False,
-                 router_grads: dict | None = None):
+                 router_grads: dict | None = None, sp: SequenceParallel | None = None):
         check_align(align)
         if recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={recompute!r}: use 'auto', True or False")
         self.model, self.parts, self.train, self.loss_fn = model, parts, train, loss_fn
         self.kwargs, self.want_entropy, self.align = kwargs, entropy, align
         self.router_grads = router_grads  # part -> per layer d(loss)/d(router logits)
+        self.sp = sp  # each part's rows split over a sequence-parallel group
+        self.slices: dict[int, tuple[int, int]] = {}  # part -> this rank's rows of it
         pack = parts.pack
+        if sp is not None:
+            check_same_pack(pack, sp)
         self.device = pack.device
         self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
         self.children = collections.defaultdict(list)  # part -> the parts hanging off it
         for j, part in enumerate(parts.parts):
             self.children[part.parent].append(j)
         self.carried = Carried(parts, train)
-        self.head = _head(model) if parts.parts else "hidden"
+        self.head = head_after(model) if parts.parts else "hidden"
         self.recomputed = set()
         if train and recompute:
             below = {j for j in self.children if j >= 0}  # parts with parts below them
@@ -79,6 +81,10 @@ class Run:
             self._enter(i)
             stack.append((i, True))
             stack.extend((c, False) for c in reversed(self.children[i]))
+        if self.sp is not None:  # every rank's predictions, everywhere
+            for t in (self.logprobs, self.entropy, self.loss):
+                if t is not None:
+                    dist.all_reduce(t, group=self.sp.group)
 
     def _enter(self, i: int) -> None:
         if i in self.recomputed:  # a first forward for the parts below only: no graph kept
@@ -98,8 +104,9 @@ class Run:
         loss = self._losses.pop(i, None)
         if self.train:
             tensors, grads = self.carried.backward_inputs(i)
-            if loss is not None and loss.requires_grad:
-                tensors, grads = [loss, *tensors], [torch.ones_like(loss), *grads]
+            if loss is not None and loss.requires_grad:  # P times a rank's share, as
+                seed = torch.ones_like(loss) * (1 if self.sp is None else self.sp.size)
+                tensors, grads = [loss, *tensors], [seed, *grads]  # sum_over's backward
             if tensors:
                 torch.autograd.backward(tensors, grads)
         self.carried.release(i)
@@ -107,16 +114,25 @@ class Run:
     def forward(self, i: int):
         """Part ``i``'s forward: the packed forward's output and the part's router logits."""
         rows = torch.from_numpy(self.parts.parts[i].rows).to(self.device)
+        mixers = PartForward(self.carried, i)
+        if self.sp is not None:
+            mixers = ShardedForward(mixers, self.sp, rows.shape[0])
+            rows, *self.slices[i] = self.sp.rows(rows)
         out = packed_forward(self.model, self.parts.pack, self.kwargs, rows=rows,
-                             mixers=PartForward(self.carried, i), output=self.head)
+                             mixers=mixers, output=self.head)
         router = getattr(out.output, "router_logits", None)
+        if router is not None and self.sp is not None:
+            raise UnsupportedModel(ROUTER_UNDER_SP)
         if router is not None and self.train and self.router_grads is None:
             raise UnsupportedModel(ROUTER_IN_PARTS)
         return out, router
 
     def outputs(self, i: int, out, router) -> Tensor | None:
         """Part ``i``'s predictions placed in the pack's layout, and its loss."""
-        where, seq, source, token, real = self.predictions[i]
+        predictions = self.predictions[i]
+        if self.sp is not None:
+            predictions = predictions.within(*self.slices[i])
+        where, source = predictions.where, predictions.source
         loss = None
         if router is not None:
             self.router[i] = tuple(r.detach() for r in router)
@@ -124,31 +140,18 @@ class Run:
             if grads is not None:  # the surrogate of a whole-step router loss
                 loss = sum((r * g).sum() for r, g in zip(router, grads) if g is not None)
         if source.shape[0] == 0:
+            if self.sp is not None and self.train and loss is None:
+                loss = zero_of(out)
             return loss
-        # one normalised row per (source row, temperature), rows ascending
-        normalised, pick = np.unique(np.stack((source, self.temperature[seq])), axis=1,
-                                     return_inverse=True)
-        pick = pick.reshape(-1)
-        if self.head == "hidden":
-            h = out.head
-            logits = Head(out.hidden, h["weight"], h.get("bias"), scale=h.get("scale", 1.0),
-                          softcap=h.get("softcap"))
-        else:
-            logits = Logits(out.output.logits[0])
-        logp, ent = normalise(logits, normalised[0].astype(np.int64), normalised[1], pick,
-                              token, entropy=self.want_entropy)
-        if real is not None:  # a sequence's last row: its entropy only
-            logp = logp.where(real, 0)
         shape, numel = self.logprobs.shape, self.logprobs.numel()
+        logprobs, entropy = place(predictions, out, self.temperature,
+                                  entropy=self.want_entropy, numel=numel)
         mask = torch.zeros(numel, dtype=torch.bool, device=self.device)
         mask[where] = True
-        logprobs = logp.new_zeros(numel).index_put((where,), logp)
-        self.logprobs.view(-1)[where] = logp.detach().to(self.logprobs.dtype)
-        entropy = None
-        if ent is not None:
-            ent = ent[torch.from_numpy(pick).to(ent.device)]  # per prediction
-            entropy = ent.new_zeros(numel).index_put((where,), ent).view(shape)
-            self.entropy.view(-1)[where] = ent.detach().to(self.entropy.dtype)
+        self.logprobs.view(-1)[where] = logprobs[where].detach().to(self.logprobs.dtype)
+        if entropy is not None:
+            self.entropy.view(-1)[where] = entropy[where].detach().to(self.entropy.dtype)
+            entropy = entropy.view(shape)
         if self.loss_fn is None:
             return loss
         part_loss = loss_tensor(self.loss_fn(TokenLogprobs(logprobs.view(shape), entropy,
@@ -164,19 +167,6 @@ ROUTER_IN_PARTS = (
     "or pass output_router_logits=False to train without it")
 
 
-def _head(model) -> str:
-    """Where a part's log-probs come from: the LM head from the part's hidden states where
-    treepack can read it (:func:`treepack.hf.lm_head`), else the model's own logits for the
-    part's rows (a head it cannot read, a LoRA head with dropout)."""
-    if head_refusal(unwrap(model).get_output_embeddings()) is not None:  # as it is now
-        return "logits"
-    try:
-        check_lm_head(model)
-    except UnsupportedModel:
-        return "logits"
-    return "hidden"
-
-
 def loss_tensor(value, name: str = "loss_fn") -> Tensor:
     """``value`` if it is a scalar tensor; else the error naming what it is."""
     if not isinstance(value, Tensor):
@@ -187,45 +177,6 @@ def loss_tensor(value, name: str = "loss_fn") -> Tensor:
         raise ValueError(f"{name} returned a tensor of shape {tuple(value.shape)}: reduce it "
                          "to a scalar (a sum over predictions)")
     return value
-
-
-class PartPredictions(NamedTuple):
-    """One part's predictions: where they go in the pack's (flattened) layout, their
-    sequences and source rows among the part's rows (host), their target tokens, and which of
-    them predict a token (None: all; ``"prediction"`` alignment also normalises each
-    sequence's last row, for its entropy)."""
-
-    where: Tensor
-    seq: np.ndarray
-    source: np.ndarray
-    token: Tensor
-    real: Tensor | None
-
-
-@derived_from_pack
-def part_predictions(pack: TreePack, budget: int, align: str) -> list[PartPredictions]:
-    parts = split(pack, budget)
-    h = pack.host
-    if align == "label":
-        where, source, token = h.prediction_index, h.prediction_source, h.prediction_target
-        real = np.ones(where.shape[0], dtype=bool)
-    else:  # every position; the log-prob of the next token where there is one
-        flat_rows = h.rows.reshape(-1)
-        where = np.flatnonzero(flat_rows >= 0)
-        source = flat_rows[where]
-        token_at = np.zeros(flat_rows.shape[0], dtype=np.int64)
-        real_at = np.zeros(flat_rows.shape[0], dtype=bool)
-        token_at[h.prediction_index - 1] = h.prediction_target
-        real_at[h.prediction_index - 1] = True
-        token, real = token_at[where], real_at[where]
-    seq = sequence_of(h, where)
-    local = parts.local[source]
-    order = np.lexsort((local, parts.part_of[source]))  # by part, then source row
-    counts = np.bincount(parts.part_of[source], minlength=len(parts.parts))
-    move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(pack.device)  # noqa: E731
-    return [PartPredictions(move(where[sel]), seq[sel], local[sel], move(token[sel]),
-                            None if real[sel].all() else move(real[sel]))
-            for sel in np.split(order, np.cumsum(counts)[:-1])]
 
 
 def rng_state(device: torch.device) -> tuple:
