@@ -327,7 +327,8 @@ def _unpinned_cpu_offload():
 
 
 def _calls(actor, ref, batches: dict, rank: int) -> dict:
-    """What the trainer calls, in its order; each call gets its own copy of the batch."""
+    """What the trainer calls, in its order; each call gets its own copy of the batch
+    (``rank``: the data-parallel rank whose share it is)."""
     import copy
 
     def batch(name):
@@ -397,6 +398,83 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
                     "log_prob_metrics": out["log_prob"]["metrics"],
                 }
             del actor, ref
+        result["messages"] = [r.getMessage() for r in records]
+        if rank == 0:
+            torch.save(result, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def ulysses_overrides(size: int) -> list[str]:
+    """verl's Ulysses switch for the actor and the reference model."""
+    return [f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={size}",
+            f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={size}"]
+
+
+def compare_ulysses(rank: int, world: int, port: int, model_dir: str, batches_path: str,
+                    out_path: str, sp: int, budget: int | None = None) -> None:
+    """verl's worker on one data-parallel share (the trainer's batches for one rank): stock
+    verl without sequence parallelism (``sp=1``, one rank), or treepack under Ulysses with
+    ``sp`` ranks holding that share. Rank 0 saves the outputs, update metrics and log; with
+    treepack every rank records, per forward, the rows of the pack, the rows it computes, and
+    the rows its embedding layer took. ``budget``: every token budget per rank (verl's
+    Ulysses budget for a forward is it times ``sp``)."""
+    import torch.distributed as dist
+
+    from verl_workers import captured_log
+
+    init(rank, world, port)
+    try:
+        _unpinned_cpu_offload()
+        records = captured_log()
+        batches = torch.load(batches_path, weights_only=False)
+        import treepack.verl as treepack_verl
+        from treepack.adapters.hf import sequence_parallel
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+        slices, embedded = [], []
+        real_rows = sequence_parallel.SequenceParallel.rows
+
+        def rows(self, all_rows):  # what each rank computes of each forward
+            mine, start, stop = real_rows(self, all_rows)
+            slices.append((int(all_rows.shape[0]), stop - start, int(mine.shape[0])))
+            return mine, start, stop
+
+        sequence_parallel.SequenceParallel.rows = rows
+        tree = sp > 1
+        engine = treepack_verl.TreepackEngine if tree else FSDPEngineWithLMHead
+        extra = ulysses_overrides(sp) + (budget_overrides(budget) if budget else [])
+        config = compose_config(model_dir, treepack=tree, world=world, extra=extra)
+        actor, ref = _workers(config, engine)
+        def embed(module, args, out):  # a packed forward's rows (not the head's 3-token check)
+            if args[0].shape[-1] != 3 or args[0].flatten().tolist() != [1, 2, 3]:
+                embedded.append(int(args[0].numel()))
+
+        for worker in (actor.actor, ref.ref):
+            worker.engine.module.get_input_embeddings().register_forward_hook(embed)
+        result = {"engines": (type(actor.actor.engine).__name__, type(ref.ref.engine).__name__),
+                  "sp": (actor.actor.engine.ulysses_sequence_parallel_size,
+                         ref.ref.engine.ulysses_sequence_parallel_size)}
+        share = rank // sp  # every rank of a Ulysses group holds its data-parallel share
+        for path in ("v1", "v0"):
+            out = _calls(actor, ref, batches[path], share)
+
+            def local(nested, last=True):  # this share's rows (every rank of it holds all)
+                return [t.detach().float()[:-1] if last else t.detach().float()
+                        for t in nested.unbind()]
+
+            if out["log_prob"] is None:  # verl collects from each group's first rank only
+                continue
+            result[path] = {"log_probs": local(out["log_prob"]["log_probs"]),
+                            "entropy": local(out["log_prob"]["entropy"], last=False),
+                            "ref_log_probs": local(out["ref"]["log_probs"]),
+                            "log_probs_after": local(out["log_prob_after"]["log_probs"]),
+                            "update_metrics": out["update"]["metrics"],
+                            "log_prob_metrics": out["log_prob"]["metrics"]}
+        every = [None] * world
+        dist.all_gather_object(every, {"slices": slices, "embedded": embedded})
+        result["ranks"] = every
         result["messages"] = [r.getMessage() for r in records]
         if rank == 0:
             torch.save(result, out_path)

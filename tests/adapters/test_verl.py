@@ -47,13 +47,14 @@ def trainer_batches(model_dir, tmp_path_factory):
     code = ("import sys, verl_workers, verl_trainer_path as t\n"
             "for world in (1, 2):\n"
             f"    t.trainer_batches({model_dir!r}, world, f'{root}/batches{{world}}.pt')\n"
-            f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n")
+            f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n"
+            f"t.trainer_batches({model_dir!r}, 1, '{root}/long1.pt', scale=4)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
     return {**{world: str(root / f"batches{world}.pt") for world in (1, 2)},
-            "long": str(root / "long2.pt")}
+            "long": str(root / "long2.pt"), "long1": str(root / "long1.pt")}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -114,6 +115,77 @@ def assert_worker_equals_stock(tree, stock, path):
         got, want = (torch.tensor(np.asarray(m["update_metrics"][key], dtype=float))
                      for m in (tree, stock))
         assert torch.allclose(got, want, rtol=TOLERANCE, atol=0), (path, key, got, want)
+
+
+def test_verl_worker_under_ulysses_packs_and_equals_stock(model_dir, trainer_batches,
+                                                         tmp_path):
+    """verl's worker from the docs' command with ulysses_sequence_parallel_size=2 on 2 ranks
+    (one data-parallel share, held by both): treepack packs (no fallback), each rank embeds
+    only its slice of every pack's rows, and compute_log_prob, compute_ref_log_prob,
+    update_actor and compute_log_prob again equal stock verl without sequence parallelism on
+    the same share. (Stock verl's own Ulysses is no reference on a CPU: its patch wraps only
+    flash attention, so with sdpa each rank would attend within its own slice.)"""
+    stock, tree = tmp_path / "stock.pt", tmp_path / "tree.pt"
+    spawn(verl_trainer_path.compare_ulysses, 1, model_dir, trainer_batches[1], str(stock), 1)
+    spawn(verl_trainer_path.compare_ulysses, 2, model_dir, trainer_batches[1], str(tree), 2)
+    stock, tree = (torch.load(p, weights_only=False) for p in (stock, tree))
+    assert tree["engines"] == ("TreepackEngine", "TreepackEngine"), tree["engines"]
+    assert tree["sp"] == (2, 2) and stock["sp"] == (1, 1), (tree["sp"], stock["sp"])
+    assert not any("stock engine path" in m for m in tree["messages"]), tree["messages"]
+    for path in ("v1", "v0"):
+        assert_worker_equals_stock(tree[path], stock[path], path)
+        ratios = tree[path]["update_metrics"]["treepack/token_ratio"]
+        assert ratios and all(0 < x < 1 for x in ratios), (path, ratios)
+        assert tree[path]["update_metrics"]["treepack/log_prob_token_ratio"]
+    # every forward of both ranks: a slice of ceil(T'/2) rows, and the embedding took it
+    ranks = tree["ranks"]
+    assert ranks[0]["slices"] and len(ranks[0]["slices"]) == len(ranks[1]["slices"])
+    for (total, own0, width0), (total1, own1, width1) in zip(ranks[0]["slices"],
+                                                             ranks[1]["slices"]):
+        assert total == total1 and width0 == width1 == -(-total // 2), (total, width0)
+        assert own0 + own1 == total, (total, own0, own1)
+    for r in ranks:
+        assert_embeds_slices(r)
+
+
+def assert_embeds_slices(rank: dict) -> None:
+    """Every forward's embedding took the rank's slice of the pack's rows: the slices' widths
+    in order, besides forwards of a row or two (treepack's head check, FSDP's one-row
+    forward that reduce-scatters after parts)."""
+    widths = iter(width for _, _, width in rank["slices"])
+    expected, extra = next(widths, None), []
+    for rows in rank["embedded"]:
+        if rows == expected:
+            expected = next(widths, None)
+        else:
+            extra.append(rows)
+    assert expected is None, ("a slice was not embedded", rank)
+    assert all(rows <= 3 for rows in extra), (extra, rank)
+
+
+def test_verl_worker_under_ulysses_runs_trees_over_its_budget_in_parts(model_dir,
+                                                                      trainer_batches,
+                                                                      tmp_path):
+    """The long batches' GRPO trees (about 200 rows) under Ulysses on 2 ranks at 64 tokens a
+    rank (128 a forward, verl's Ulysses budget): each tree runs in parts, each part's rows
+    split over the two ranks; equal to stock verl without sequence parallelism at 128."""
+    stock, tree = tmp_path / "stock.pt", tmp_path / "tree.pt"
+    spawn(verl_trainer_path.compare_ulysses, 1, model_dir, trainer_batches["long1"], str(stock),
+          1, 128)
+    spawn(verl_trainer_path.compare_ulysses, 2, model_dir, trainer_batches["long1"], str(tree),
+          2, 64)
+    stock, tree = (torch.load(p, weights_only=False) for p in (stock, tree))
+    assert not any("is split" in m or "stock engine path" in m for m in tree["messages"]), \
+        tree["messages"]
+    for path in ("v1", "v0"):
+        assert_worker_equals_stock(tree[path], stock[path], path)
+        assert np.ravel(tree[path]["log_prob_metrics"]["treepack/parts"]).max() > 1, path
+        assert np.ravel(tree[path]["update_metrics"]["treepack/parts"]).max() > 1, path
+    ranks = tree["ranks"]
+    assert ranks[0]["slices"] and all(total <= 128 for total, _, _ in ranks[0]["slices"]), \
+        ranks[0]["slices"]
+    for r in ranks:
+        assert_embeds_slices(r)
 
 
 def test_verl_worker_runs_trees_over_its_budget_in_parts(model_dir, trainer_batches, tmp_path):

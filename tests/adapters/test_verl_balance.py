@@ -83,6 +83,21 @@ def test_groups_stay_on_one_rank_and_mini_batch_as_on_one_rank(workload, stock_a
         stock_at_least * one_rank
 
 
+def test_under_ulysses_groups_stay_on_one_data_parallel_share(installed):
+    """8 ranks in Ulysses groups of 2: verl's dispatch info maps ranks to 4 data-parallel
+    shares (each sent to both ranks of its group), and the balancing deals whole groups to
+    those 4 shares, as on 4 ranks without sequence parallelism."""
+    batch = bench.grpo_batch("a")
+    trainer = bench.v1_trainer(8, "treepack.verl")
+    trainer.actor_rollout_wg._dispatch_info = {"actor": [r // 2 for r in range(8)]}
+    meta, metrics = bench.balance(trainer, batch)
+    assert sorted(meta.keys) == sorted(batch.meta.keys)
+    assert split_groups([chunk.keys for chunk in meta.chunk(4)]) == 0
+    assert metrics["treepack/groups_split_ranks"] == 0
+    assert bench.measure(batch, meta, metrics, 4) == \
+        bench.measure(batch, *bench.balance(bench.v1_trainer(4, "treepack.verl"), batch), 4)
+
+
 @pytest.mark.parametrize("external_lib", [None, "my.lib", ["my.lib"]])
 def test_without_treepack_in_external_lib_verl_runs_unchanged(external_lib, installed):
     batch = bench.grpo_batch("b", prompts=32)

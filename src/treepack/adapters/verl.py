@@ -28,11 +28,19 @@ What changes, and what does not:
   KL, entropy) runs unchanged on them, normalised by verl's global token counts. The last
   position of each row (which verl's losses never read, and whose value in stock verl
   depends on the micro-batch's next row) is 0.
+- **Ulysses sequence parallelism packs too** (``ulysses_sequence_parallel_size = P > 1``):
+  the P ranks of verl's ``sp`` mesh dimension hold one data-parallel share, plan the same
+  packs under verl's Ulysses budget (``max_token_len_per_gpu`` x P) and each computes a
+  slice of every pack's rows, exchanging rows for heads at each attention layer
+  (``sequence_parallel=`` of :func:`treepack.hf.logprobs` and the parts calls; see
+  docs/sequence-parallel.md). Every rank gets the whole micro-batch's outputs and runs
+  verl's loss on them, as stock verl's Ulysses does; FSDP's average over every rank gives
+  the gradient. Trees over that budget run in parts, each part split the same way.
 - **Transparent fallback.** Batches or models that cannot be packed — multi-modal
-  inputs, mrope position ids, position ids other than ``0 .. length - 1``, Ulysses sequence
-  parallelism, fused kernels, distillation outputs, a temperature that is not finite and
-  > 0, a model :func:`treepack.hf.prepare` refuses — run verl's stock path, with one log
-  line saying why (logger ``treepack.verl``). The decision is all-reduced: if one rank
+  inputs, mrope position ids, position ids other than ``0 .. length - 1``, fused kernels,
+  distillation outputs, a temperature that is not finite and > 0, a model
+  :func:`treepack.hf.prepare` refuses — run verl's stock path, with one log line saying why
+  (logger ``treepack.verl``). The decision is all-reduced: if one rank
   falls back, every rank does, so collectives stay in step.
 - **Metrics.** Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens);
   verl's trainer logs an update's as ``actor/treepack/token_ratio``. It drops the metrics of
@@ -199,8 +207,6 @@ class TreepackEngine(FSDPEngineWithLMHead):
         """Why this batch runs verl's stock path, or None to pack it."""
         if self._treepack_refused:
             return f"the model cannot be tree-packed ({self._treepack_refused})"
-        if self.use_ulysses_sp:
-            return "Ulysses sequence parallelism splits rows across ranks"
         flags = {k: tu.get_non_tensor_data(data=data, key=k, default=False)
                  for k in ("use_fused_kernels", "distillation_use_topk", "distillation_only",
                            "calculate_sum_pi_squared")}
@@ -296,7 +302,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
             metrics.update(loss_metrics)
             return loss
 
-        settings = dict(temperature=temperature, entropy=entropy, align="prediction")
+        settings = dict(temperature=temperature, entropy=entropy, align="prediction",
+                        sequence_parallel=self._sequence_parallel())
         with self._autocast():
             if forward_only:
                 out = hf.logprobs_in_parts(self.module, parts, **settings)
@@ -331,7 +338,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
             pack = TreePack.from_sequences(sequences, layout="flat", device=values.device)
             out = hf.logprobs(self.module, pack, head=self._head(pack, temperature),
                               entropy=entropy, temperature=temperature,
-                              align="prediction", backend=self.treepack_backend)
+                              align="prediction", backend=self.treepack_backend,
+                              sequence_parallel=self._sequence_parallel())
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.logprobs,
                                                                                 offsets)}
             if entropy:
@@ -348,6 +356,12 @@ class TreepackEngine(FSDPEngineWithLMHead):
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(),
                       "metrics": metrics,
                       "sizes": (pack.num_packed_rows, pack.num_original_tokens)}
+
+    def _sequence_parallel(self):
+        """The Ulysses group whose ranks split each pack's rows (verl's ``sp`` mesh
+        dimension), or None. Its ranks hold the same batch (verl dispatches one data-parallel
+        share to all of them), so they plan the same packs."""
+        return self.ulysses_parallel_group if self.use_ulysses_sp else None
 
     def _head(self, pack, temperature) -> str:
         """Where the log-probs come from: the lean head inside the forward (the lean engine)
