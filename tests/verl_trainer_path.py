@@ -364,7 +364,7 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
     PrefixGrouper switch as a third run."""
     import torch.distributed as dist
 
-    from verl_workers import captured_log, gather_rows
+    from verl_workers import captured_log, gather_rows, save
 
     init(rank, world, port)
     try:
@@ -398,9 +398,7 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
                     "log_prob_metrics": out["log_prob"]["metrics"],
                 }
             del actor, ref
-        result["messages"] = [r.getMessage() for r in records]
-        if rank == 0:
-            torch.save(result, out_path)
+        save(result, records, rank, out_path)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -422,7 +420,7 @@ def compare_ulysses(rank: int, world: int, port: int, model_dir: str, batches_pa
     Ulysses budget for a forward is it times ``sp``)."""
     import torch.distributed as dist
 
-    from verl_workers import captured_log
+    from verl_workers import captured_log, save
 
     init(rank, world, port)
     try:
@@ -475,9 +473,7 @@ def compare_ulysses(rank: int, world: int, port: int, model_dir: str, batches_pa
         every = [None] * world
         dist.all_gather_object(every, {"slices": slices, "embedded": embedded})
         result["ranks"] = every
-        result["messages"] = [r.getMessage() for r in records]
-        if rank == 0:
-            torch.save(result, out_path)
+        save(result, records, rank, out_path)
     finally:
         dist.barrier()
         dist.destroy_process_group()

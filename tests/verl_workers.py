@@ -303,6 +303,13 @@ def full_grads(module) -> dict[str, torch.Tensor]:
     return out
 
 
+def save(result: dict, log, rank: int, out_path: str) -> None:
+    """Rank 0 saves ``result`` with the messages ``log`` (:func:`captured_log`) caught."""
+    result["messages"] = [r.getMessage() for r in log]
+    if rank == 0:
+        torch.save(result, out_path)
+
+
 def gather_rows(nested: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's rows of a nested output, in global batch order."""
     every = [None] * dist.get_world_size()
@@ -437,9 +444,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
         want_lp, _, _ = outputs(stock)
         got_lp, _, _ = outputs(tree)
         result["log_probs_after_step"] = relative_error(got_lp, want_lp)
-        result["messages"] = [r.getMessage() for r in log]
-        if rank == 0:
-            torch.save(result, out_path)
+        save(result, log, rank, out_path)
     finally:
         dist.barrier()
         dist.destroy_process_group()
