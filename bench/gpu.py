@@ -24,11 +24,16 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
 6. hybrid    the same step on the hybrid preset (Qwen3.5's layer pattern).
 7. parts     bench/parts.py's trees larger than one forward: parts (every row once) against
              the whole tree in one pack, the split-and-repeat plan and padding-free.
+8. sp        bench/sp.py on two GPUs (nccl, ``--ranks 1 2``): sequence parallelism's per-rank
+             activation memory, CUDA peak, step time and all-to-all bytes at SP=1 and SP=2,
+             tree beside padding-free. Skipped, saying so, on fewer than 2 GPUs.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
-1.1x the time of full logits at no more than 1/10 of their memory. Parts stop early when the
-time budget (--budget seconds) runs out, saying so.
+1.1x the time of full logits at no more than 1/10 of their memory; with 2 GPUs, SP=2's
+per-rank activation memory at most 0.6x SP=1's on the trajectory and the SP tree step never
+slower than padding-free. Parts stop early when the time budget (--budget seconds) runs out,
+saying so.
 """
 
 from __future__ import annotations
@@ -385,6 +390,45 @@ def part_parts(device, dry, scale, repeats):
             torch.cuda.empty_cache()
 
 
+def part_sp(device, dry):
+    """bench/sp.py at SP=1 and SP=2, one process per GPU (nccl), in a subprocess held to the
+    time budget; its rows recorded here."""
+    import subprocess
+
+    count = torch.cuda.device_count() if device.type == "cuda" else 0
+    if count < 2:
+        record("sp", note=f"skipped: sequence parallelism needs 2 GPUs, found {count}")
+        return
+    out = os.path.join(os.environ.get("OUT") or ".", "sp.json")
+    command = [sys.executable, os.path.join(ROOT, "bench", "sp.py"), "--device", "cuda",
+               "--ranks", "1", "2", "--json", out] + (["--quick"] if dry else ["--scale", "4"])
+    timeout = min(240.0, max(120.0, BUDGET[0] - elapsed()))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        record("sp", error=f"bench/sp.py exited {done.returncode}: {done.stderr[-300:]}")
+        return
+    print(done.stdout, flush=True)  # bench/sp.py's own tables
+    with open(out) as f:
+        record_sp(json.load(f))
+
+
+def record_sp(report: dict) -> None:
+    """One ``sp`` row per P and workload of bench/sp.py's JSON report."""
+    errors = report["gradient_errors"]
+    for ranks, rows in report["results"].items():
+        for name, row in rows.items():
+            tree, free = row["tree"], row["padding_free"]
+            record("sp", workload=name, ranks=int(ranks), rows=tree["rows"],
+                   padding_free_rows=free["rows"],
+                   activation_mb={k: round(row[k]["activation_bytes"] / 2**20, 1) for k in row},
+                   peak_mb={k: round(row[k]["peak_bytes"] / 2**20, 1) for k in row},
+                   tree_s=tree["seconds"], padding_free_s=free["seconds"],
+                   tree_vs_padding_free=tree["vs_padding_free"]["median"],
+                   alltoall_forward_mb=tree["traffic"]["forward"]["sent"] / 2**20,
+                   alltoall_formula_mb=tree["formula"]["sent"] / 2**20,
+                   grad_rel_error=max(errors[f"{name}/{k}/P{ranks}"] for k in row))
+
+
 # ---------------------------------------------------------------------- summary
 
 
@@ -393,7 +437,7 @@ def fmt(x, spec=".3f"):
 
 
 ROW_KEYS = {"verify": "family", "attention": "workload", "lean": "variant", "flex": "pack",
-            "step": "workload"}  # a row without its key is a part that failed as a whole
+            "step": "workload", "sp": "workload"}  # a row without it: the part failed whole
 
 
 def summary() -> list[str]:
@@ -437,6 +481,9 @@ def summary() -> list[str]:
             f"(limit {row['limit']:.3f}, {row['over_limit']:.2f}x)  "
             f"tree/padding-free {fmt(row['tree_vs_padding_free'])}  loss {row['loss_rel_error']:.1e}"
             f"  grads {row['grad_rel_error']:.1e}")
+    for row in rows_of("sp"):
+        cells = ", ".join(f"{k} {fmt(v)}" for k, v in row.items() if k != "workload")
+        lines.append(f"sp        {row['workload']:<12}{cells}")
     return lines
 
 
@@ -507,6 +554,16 @@ def bars() -> list[str]:
         out.append(f"bar: every attention backend ran: "
                    f"{verdict(not failed, [r for r in attention if 'error' in r])}"
                    f"{' (' + ', '.join(failed) + ')' if failed else ''}")
+    sp = rows_of("sp")
+    trajectory = {r["ranks"]: r for r in sp if r["workload"] == "trajectory"}
+    if 1 in trajectory and 2 in trajectory:
+        m = trajectory[2]["activation_mb"]["tree"] / trajectory[1]["activation_mb"]["tree"]
+        out.append(f"bar: SP=2 per-rank activation memory <= 0.6x SP=1 (trajectory): "
+                   f"{verdict(m <= 0.6, sp)} ({m:.3f}x)")
+    if sp:
+        worst = max(r["tree_vs_padding_free"] for r in sp)
+        out.append(f"bar: SP tree step never slower than padding-free: "
+                   f"{verdict(worst <= 1.0, sp)} (worst {worst:.3f})")
     verify = rows_of("verify")
     if verify:
         bad = [r for r in verify if r["result"] in ("FAIL", "ERROR")]
@@ -520,7 +577,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="toy sizes (for a CPU)")
     parser.add_argument("--parts", nargs="+", default=["verify", "lean", "step", "attention",
-                                                       "flex", "hybrid", "parts"])
+                                                       "flex", "hybrid", "parts", "sp"])
     parser.add_argument("--budget", type=float, default=360, help="seconds for all parts")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -543,6 +600,8 @@ def main():
                                     preset=HYBRID_PRESET, flex=False),
         # a tree larger than one forward (bench/parts.py): parts vs whole, split, padding-free
         "parts": lambda: part_parts(device, dry, 64 if dry else 1, 1 if dry else args.repeats),
+        # sequence parallelism over 2 GPUs (bench/sp.py): SP=1 vs SP=2, tree vs padding-free
+        "sp": lambda: part_sp(device, dry),
     }
     for name in args.parts:
         if elapsed() > BUDGET[0]:
