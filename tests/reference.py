@@ -22,7 +22,7 @@ class NaiveTrie:
         for seq in sequences:
             node, path = 0, []
             for tok in seq:
-                tok = int(tok)
+                tok = tuple(map(int, tok)) if isinstance(tok, tuple) else int(tok)
                 nxt = self.children[node].get(tok)
                 if nxt is None:
                     nxt = len(self.parent)

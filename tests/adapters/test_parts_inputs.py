@@ -341,3 +341,16 @@ def test_a_deep_copy_of_a_prepared_hybrid_runs_after_the_original_is_restored():
     hf.restore(reference)
     hf.restore(model)
     assert isinstance(out, TokenLogprobs)
+
+
+def test_a_padded_keyed_pack_keeps_its_keys_in_parts():
+    """Parts rebuild a padded pack without its padding: its content keys come along, so
+    rows with equal ids and different keys stay apart."""
+    from treepack.adapters.hf.parts.calls import _as_pack
+
+    seqs, keys = [[1, 9, 9, 3], [1, 9, 9, 4]], [[0, 5, 5, 0], [0, 6, 6, 0]]
+    padded = TreePack.from_sequences(seqs, keys=keys, pad_to_multiple_of=16)
+    rebuilt = _as_pack(padded, torch.device("cpu"))
+    plain = TreePack.from_sequences(seqs, keys=keys)
+    assert rebuilt.num_rows == plain.num_rows == 7
+    assert rebuilt.host.row_keys.tolist() == plain.host.row_keys.tolist()

@@ -125,6 +125,7 @@ class HostLayout(NamedTuple):
     prediction_index: np.ndarray  # [M] s * L + p, or offsets[s] + p in the flat layout
     num_packed_rows: int  # T: distinct rows, padding excluded
     num_prediction_rows: int  # packed rows with at least one child
+    row_keys: np.ndarray | None = None  # [T'] each row's content key (0: none), or None
 
     @classmethod
     def empty(cls, num_rows: int) -> HostLayout:
@@ -150,19 +151,21 @@ class HostLayout(NamedTuple):
 
 
 def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True,
-                 flat: bool = False) -> HostLayout:
+                 flat: bool = False, keys: list[np.ndarray] | None = None) -> HostLayout:
     """The whole layout from validated 1-D int64 id arrays (see the module doc).
 
     With ``share=False`` nothing is merged: the sequences are laid out back to back in input
     order, each its own tree (padding-free packing), as if no two shared a prefix. With
     ``flat`` the per-token tables (``rows``, ``prediction_mask`` and the prediction indices)
     are [total tokens], sequence after sequence (``offsets``), instead of [N, L]: nothing
-    costs N x the longest length. Rows are padded to a multiple of ``multiple``.
+    costs N x the longest length. Rows are padded to a multiple of ``multiple``. With
+    ``keys`` (one int64 array per sequence, its tokens' content keys) two tokens are the same
+    only if their ids and keys both are: the tree is built over (id, key) pairs.
     """
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
     if share:
-        order, lcp = sort_and_lcp(ids)
+        order, lcp = sort_and_lcp(ids if keys is None else identities(ids, keys))
     else:
         order, lcp = np.arange(n), np.zeros(n, dtype=np.int64)
     new = lengths[order] - lcp  # rows each sorted sequence adds; 0 only for a duplicate
@@ -176,6 +179,10 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
     tables = _per_token(values, lengths, np.concatenate(ids), flat)
     T = int(base[-1])
     pad = np.arange(T, -(-T // multiple) * multiple)
+    row_keys = None
+    if keys is not None:
+        row_keys = np.concatenate([keys[i][c:] for i, c in zip(order, lcp)]
+                                  + [np.zeros_like(pad)])
     return HostLayout(
         input_ids=np.concatenate((input_ids, np.zeros_like(pad))),
         position_ids=np.concatenate((position_ids, np.zeros_like(pad))),
@@ -189,7 +196,18 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
         segment_sequence=seg.sequence,
         num_packed_rows=T,
         num_prediction_rows=seg.rows_with_children,
+        row_keys=row_keys,
     )
+
+
+def identities(ids: list[np.ndarray], keys: list[np.ndarray]) -> list[np.ndarray]:
+    """Each token as one integer standing for its (id, key) pair: equal exactly where both
+    are, so the prefix tree over them merges a row only where its whole context, ids and
+    keys, is the same."""
+    lengths = [a.shape[0] for a in ids]
+    pairs = np.stack((np.concatenate(ids), np.concatenate(keys)))
+    _, inverse = np.unique(pairs, axis=1, return_inverse=True)
+    return np.split(inverse.reshape(-1).astype(np.int64), np.cumsum(lengths)[:-1])
 
 
 class _Segments(NamedTuple):

@@ -158,6 +158,7 @@ class TreePack:
         seq_ids=None,
         share_prefixes: bool = True,
         layout: str = "dense",
+        keys=None,
     ) -> TreePack:
         """Merge token sequences into one prefix forest.
 
@@ -182,6 +183,13 @@ class TreePack:
                 (:attr:`offsets`, as ``cu_seqlens``), so a batch of very uneven lengths never
                 costs N x the longest; the layout of padding-free trainers (verl's nested
                 tensors).
+            keys: per-token content keys, one integer sequence per sequence of the same
+                length (0: the token is its id alone), for any model input that makes
+                tokens with one id differ: the content hash of the image an image
+                placeholder stands for, an audio clip's, a token type. Two tokens are then one
+                row only where their ids, their keys and everything before them are equal:
+                the same text with different images never merges, the same image in two
+                prompts does. The rows' keys are ``pack.host.row_keys``.
 
         Returns:
             The :class:`TreePack` (immutable).
@@ -193,6 +201,7 @@ class TreePack:
         """
         ids = validate_sequences(sequences)
         seq_ids = _check_seq_ids(seq_ids, len(ids))
+        keys = None if keys is None else validate_keys(keys, ids)
         if pad_to_multiple_of is not None:
             pad_to_multiple_of = positive_int(
                 pad_to_multiple_of, "pad_to_multiple_of", maximum=MAX_PAD_MULTIPLE,
@@ -203,7 +212,7 @@ class TreePack:
             raise ValueError(f"layout={layout!r}: choose 'dense' ([N, L] outputs) or 'flat' "
                              "([total tokens] outputs, sequence after sequence)")
         tables = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes,
-                              flat=layout == "flat")
+                              flat=layout == "flat", keys=keys)
         pack = cls._from_host(tables, seq_ids)
         return pack if device is None else pack.to(device)
 
@@ -572,6 +581,29 @@ def _check_seq_ids(seq_ids, n: int) -> np.ndarray:
     if n and out.dtype == np.uint64 and out.max() > np.iinfo(np.int64).max:
         raise ValueError(f"seq_ids holds {out.max()}, beyond int64: use indices into your batch")
     return out.astype(np.int64, copy=False)
+
+
+def validate_keys(keys, ids: list[np.ndarray]) -> list[np.ndarray]:
+    """Per-token content keys as int64 arrays, one per sequence and of its length (raises
+    naming the sequence, the value and the fix)."""
+    if isinstance(keys, (Tensor, np.ndarray)):
+        raise TypeError("keys must be a list with one key sequence per sequence (a "
+                        f"{type(keys).__name__} was given)")
+    keys = list(keys)
+    if len(keys) != len(ids):
+        raise ValueError(f"keys has {len(keys)} sequences for {len(ids)} sequences: give one "
+                         "key sequence per sequence (zeros where no token has a key)")
+    out = []
+    for i, (k, seq) in enumerate(zip(keys, ids)):
+        arr = k.detach().cpu().numpy() if isinstance(k, Tensor) else np.asarray(k)
+        if arr.ndim != 1 or arr.shape[0] != seq.shape[0]:
+            raise ValueError(f"keys[{i}] has shape {tuple(arr.shape)} but sequence {i} has "
+                             f"{seq.shape[0]} tokens: one key per token (0 for none)")
+        if arr.shape[0] and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"keys[{i}] has dtype {arr.dtype}; keys must be integers (e.g. "
+                            "a 63-bit hash of an image's pixels and grid)")
+        out.append(arr.astype(np.int64))
+    return out
 
 
 def validate_sequences(sequences) -> list[np.ndarray]:

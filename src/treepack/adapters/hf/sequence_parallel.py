@@ -269,7 +269,8 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
 def _fingerprint(pack: TreePack) -> int:
     h = pack.host
     digest = hashlib.blake2b(digest_size=8)
-    for a in (h.input_ids, h.parent_row, h.position_ids, h.rows):
+    keys = () if h.row_keys is None else (h.row_keys,)
+    for a in (h.input_ids, h.parent_row, h.position_ids, h.rows, *keys):
         digest.update(np.ascontiguousarray(a).tobytes())
         digest.update(str(a.shape).encode())
     return int.from_bytes(digest.digest(), "little", signed=True)

@@ -249,11 +249,12 @@ def _as_pack(sequences, device) -> TreePack:
         pack = sequences if sequences.device == device else sequences.to(device)
         if pack.num_sequences and pack.num_rows != pack.num_packed_rows:
             h = pack.host  # its sequences, in its order and layout, without the padding
-            seqs = ([h.input_ids[h.rows[a:b]] for a, b in zip(h.offsets[:-1], h.offsets[1:])]
+            rows = ([h.rows[a:b] for a, b in zip(h.offsets[:-1], h.offsets[1:])]
                     if pack.layout == "flat" else
-                    [h.input_ids[h.rows[s, :n]] for s, n in enumerate(h.lengths)])
-            pack = TreePack.from_sequences(seqs, layout=pack.layout, seq_ids=pack.seq_ids,
-                                           device=device)
+                    [h.rows[s, :n] for s, n in enumerate(h.lengths)])
+            keys = None if h.row_keys is None else [h.row_keys[r] for r in rows]
+            pack = TreePack.from_sequences([h.input_ids[r] for r in rows], layout=pack.layout,
+                                           seq_ids=pack.seq_ids, device=device, keys=keys)
         return pack
     sequences = list(sequences)
     if not sequences:
