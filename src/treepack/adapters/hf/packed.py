@@ -45,6 +45,15 @@ _REFUSED_KWARGS = {
     "max_length_k": "flash 'padding-free' boundaries would let siblings see each other",
     "seq_idx": "flash 'padding-free' boundaries would let siblings see each other",
 }
+_NOT_TEXT = ("treepack does not encode images, video or audio yet: their placeholder rows "
+             "would need each input encoded once and scattered into them (planned); run "
+             "multimodal prompts unpacked, and text-only sequences through the pack")
+for _key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
+             "image_sizes", "input_features", "mm_token_type_ids"):
+    _REFUSED_KWARGS[_key] = _NOT_TEXT
+# Config fields naming the token ids that stand for non-text inputs, by family.
+_PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "image_token_index",
+                       "video_token_index", "audio_token_id", "audio_token_index")
 
 
 class PackedOutput(NamedTuple):
@@ -155,7 +164,29 @@ def check_inputs(model, pack: TreePack, kwargs: dict):
             f"has {vocab} rows: tokenize with the model's own tokenizer (ids 0 .. {vocab - 1})"
         )
     _check_rope(core, pack)
+    _check_placeholders(core, pack)
     return core
+
+
+def _check_placeholders(model, pack: TreePack) -> None:
+    """Refuse a pack holding a multimodal model's image / video / audio placeholder ids: the
+    model would embed them as text tokens, without their image, and say nothing."""
+    config = model.config
+    ids = {getattr(config, f, None) for f in _PLACEHOLDER_FIELDS} - {None}
+    if not ids or not pack.num_packed_rows:
+        return
+    found = _placeholders(pack, tuple(sorted(ids)))
+    if found:
+        raise UnsupportedModel(
+            f"the pack holds {type(model).__name__}'s non-text placeholder token ids "
+            f"{found} (its {[f for f in _PLACEHOLDER_FIELDS if getattr(config, f, None) in found]}"
+            f"): {_NOT_TEXT}")
+
+
+@derived_from_pack
+def _placeholders(pack: TreePack, ids: tuple) -> list[int]:
+    rows = pack.host.input_ids[:pack.num_packed_rows]
+    return [i for i in ids if (rows == i).any()]
 
 
 @derived_from_pack
