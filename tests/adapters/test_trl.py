@@ -609,10 +609,13 @@ def launch(mode, model_dir, out, per_device, accumulation, config=None):
     import sys
     from pathlib import Path
 
+    from test_distributed import free_port
+
     script = Path(__file__).resolve().parents[1] / "trl_ranks.py"
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
          "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+         "--main_process_port", str(free_port()),  # not 29500, which another run may hold
          str(script), mode, model_dir, str(out), str(per_device), str(accumulation),
          json.dumps(config or {})],
         capture_output=True, text=True, timeout=600)
