@@ -216,7 +216,8 @@ class ShardedForward(TreeForward):
             raise UnsupportedModel(f"a recurrent scan whose inputs have {counts} heads: "
                                    "sequence parallelism splits a scan by heads")
         self._split(heads, "heads", "a recurrent scan (Gated DeltaNet)")
-        inputs = {k: self._to_heads(t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
+        inputs = {k: self._to_heads(t if t.shape[1] == heads else
+                                    t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
                   for k, t in inputs.items()}
         return self._to_rows(self.inner.scan(kernel, inputs), 0, 1)
 
