@@ -28,7 +28,7 @@ SECTIONS = [
                      "unwrap", "lm_head", "compute_device", "row_multiplicity",
                      "router_aux_loss", "batch_router_aux_loss", "UnsupportedModel",
                      "backward_in_parts", "step_in_parts", "logprobs_in_parts", "PartsResult",
-                     "average_gradients"]),
+                     "average_gradients", "Images"]),
     ("treepack.parts", ["split", "Parts", "Part"]),
     ("treepack.logprobs", ["outputs_from_hidden", "RowLogprobs"]),
     ("treepack.core.outputs", ["from_logits", "token_outputs", "row_outputs", "take_columns",
@@ -46,7 +46,8 @@ SECTIONS = [
     ("treepack.trl", ["TreepackGRPOTrainer", "patch", "per_token_logps_and_entropies",
                       "shuffle_whole_groups"]),
     ("treepack.zoo", ["FAMILIES", "tiny_config", "tiny_model", "qwen2_40m_config",
-                      "qwen25_05b_config", "MODELS"]),
+                      "qwen25_05b_config", "MODELS", "VISION_FAMILIES", "tiny_vision_model",
+                      "ImageBatch", "image_batch"]),
     ("treepack.synthetic", ["grpo_batch", "agent_batch", "agentic_batch"]),
 ]
 

@@ -31,8 +31,11 @@ falcon_h1  hybrid: attention and Mamba2 side by side in every layer, muP multipl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 __all__ = ["FAMILIES", "HYBRIDS", "tiny_config", "tiny_model", "qwen2_40m_config",
-           "qwen25_05b_config", "qwen35_40m_config", "MODELS"]
+           "qwen25_05b_config", "qwen35_40m_config", "MODELS", "VISION_FAMILIES",
+           "VISION_IDS", "tiny_vision_model", "ImageBatch", "image_batch"]
 
 VOCAB = 97
 _IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -219,3 +222,124 @@ def qwen35_40m_config():
 
 MODELS = {"qwen2-40m": qwen2_40m_config, "qwen2.5-0.5b": qwen25_05b_config,
           "qwen3.5-40m": qwen35_40m_config}  # bench presets
+
+
+# ---------------------------------------------------------------------- vision-language
+
+# Image placeholder ids of the tiny vision-language models (vocabulary VISION_VOCAB).
+VISION_IDS = dict(image_token_id=100, video_token_id=101, vision_start_token_id=102,
+                  vision_end_token_id=103)
+VISION_VOCAB = 128
+PATCH_DIM = 12  # a pixel row: 3 channels x 1 frame x a 2x2 patch
+_TOWER = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
+              patch_size=2, spatial_merge_size=2, temporal_patch_size=1, in_channels=3)
+_VL_TEXT = dict(_IDS, vocab_size=VISION_VOCAB, hidden_size=64, intermediate_size=96,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+_MROPE = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+_INTERLEAVED = dict(_MROPE, mrope_interleaved=True)
+VISION_FAMILIES = {  # family: (config class, text config, vision config, layer cycle)
+    # mrope; a ViT without window attention
+    "qwen2_vl": ("Qwen2VLConfig", dict(_VL_TEXT, rope_scaling={"type": "mrope",
+                                                                "mrope_section": [2, 3, 3]}),
+                 dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2,
+                      spatial_merge_size=2, temporal_patch_size=1, in_channels=3), None),
+    # mrope; window attention in the vision tower, one full-attention block
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(_VL_TEXT, rope_scaling=dict(_MROPE, type="mrope")),
+                   dict(_TOWER, window_size=8, fullatt_block_indexes=[1]), None),
+    # interleaved mrope; deepstack features added to the first decoder layers
+    "qwen3_vl": ("Qwen3VLConfig", dict(_VL_TEXT, head_dim=16, rope_scaling=_INTERLEAVED),
+                 dict(_TOWER, num_position_embeddings=16, deepstack_visual_indexes=[0]), None),
+    # interleaved mrope on a Gated DeltaNet hybrid
+    "qwen3_5_vl": ("Qwen3_5Config", dict(_VL_TEXT, head_dim=16, linear_num_key_heads=2,
+                                         linear_num_value_heads=4, linear_key_head_dim=8,
+                                         linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                         rope_parameters=dict(_INTERLEAVED,
+                                                              partial_rotary_factor=0.5)),
+                   dict(_TOWER, num_position_embeddings=16), _HYBRID_LAYERS),
+}
+
+
+def tiny_vision_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
+                      attn_implementation: str | None = None):
+    """A random-init tiny vision-language model of ``family`` (:data:`VISION_FAMILIES`):
+    vocabulary :data:`VISION_VOCAB` with the placeholders of :data:`VISION_IDS`, a vision
+    tower of 2x2 patches merged 2x2 into one token (an image of h x w patches is h*w/4
+    placeholder tokens), pixel rows of :data:`PATCH_DIM`.
+
+    Args:
+        family: a key of :data:`VISION_FAMILIES`.
+        layers: decoder layers (a hybrid cycles its layer types).
+        seed: the weights' random seed.
+        dtype: the parameters' dtype (default float32).
+        attn_implementation: transformers' attention implementation (default: its own).
+
+    Returns:
+        An unprepared ``...ForConditionalGeneration`` model.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    import torch
+    import transformers
+
+    if family not in VISION_FAMILIES:
+        raise ValueError(f"unknown vision family {family!r}; choose one of "
+                         f"{sorted(VISION_FAMILIES)}")
+    name, text, vision, cycle = VISION_FAMILIES[family]
+    text = dict(text, num_hidden_layers=layers)
+    if cycle:
+        text["layer_types"] = [cycle[i % len(cycle)] for i in range(layers)]
+    config = getattr(transformers, name)(text_config=text, vision_config=vision, **VISION_IDS)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForImageTextToText.from_config(
+            config, attn_implementation=attn_implementation, dtype=dtype or torch.float32)
+    return model.eval()
+
+
+class ImageBatch(NamedTuple):
+    """Sequences with images, as a processor lays them out."""
+
+    sequences: list  # N token-id lists, each image a run of placeholders
+    pixel_values: object  # [patches, PATCH_DIM], every image of every sequence, in order
+    image_grid_thw: object  # [images, 3]
+    images: list  # per sequence, the indices of its images in the distinct-image list
+
+
+def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=None):
+    """Sequences with images for the tiny vision-language models.
+
+    Args:
+        layout: per sequence, a list of items: an ``int`` is a text token, ``("image", k)``
+            distinct image ``k`` (``vision_start``, its placeholders, ``vision_end``).
+        sizes: each distinct image's (height, width) in patches.
+        seed: the pixels' random seed.
+        dtype: the pixels' dtype (default float32).
+
+    Returns:
+        An :class:`ImageBatch`; an image used twice is given twice (as processors do).
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = [torch.randn(h * w, PATCH_DIM, generator=g, dtype=dtype or torch.float32)
+              for h, w in sizes]
+    sequences, rows, grids, images = [], [], [], []
+    for items in layout:
+        seq, mine = [], []
+        for item in items:
+            if isinstance(item, int):
+                seq.append(item)
+                continue
+            k = item[1]
+            h, w = sizes[k]
+            seq += ([VISION_IDS["vision_start_token_id"]] + [VISION_IDS["image_token_id"]]
+                    * (h * w // 4) + [VISION_IDS["vision_end_token_id"]])
+            rows.append(pixels[k])
+            grids.append([1, h, w])
+            mine.append(k)
+        sequences.append(seq)
+        images.append(mine)
+    pixel_values = torch.cat(rows) if rows else torch.zeros(0, PATCH_DIM)
+    return ImageBatch(sequences, pixel_values, torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
+                      images)

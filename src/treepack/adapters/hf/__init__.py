@@ -40,9 +40,10 @@ from treepack.adapters.hf.prepare import (compute_device, is_prepared, original_
                                           unwrap)
 from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.adapters.hf.sequence_parallel import average_gradients
+from treepack.adapters.hf.vision import Images
 
 __all__ = ["logprobs", "HEADS", "pair_cost", "forward", "forward_hidden", "HiddenOutput",
            "prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention", "unwrap",
            "lm_head", "row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
            "UnsupportedModel", "compute_device", "forward_lean", "backward_in_parts",
-           "logprobs_in_parts", "step_in_parts", "PartsResult", "average_gradients"]
+           "logprobs_in_parts", "step_in_parts", "PartsResult", "average_gradients", "Images"]

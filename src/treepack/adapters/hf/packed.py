@@ -18,6 +18,7 @@ from torch import Tensor
 
 from treepack.adapters.hf.head import check_lm_head, lm_head
 from treepack.adapters.hf.prepare import compute_device, hold_routing, is_prepared, unwrap
+from treepack.adapters.hf.vision import image_token_ids, vision_forward
 from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, UnsupportedModel,
                                           check_calls, text_config, tree_forward)
 from treepack.core.derived import derived_from_pack
@@ -45,15 +46,13 @@ _REFUSED_KWARGS = {
     "max_length_k": "flash 'padding-free' boundaries would let siblings see each other",
     "seq_idx": "flash 'padding-free' boundaries would let siblings see each other",
 }
-_NOT_TEXT = ("treepack does not encode images, video or audio yet: their placeholder rows "
-             "would need each input encoded once and scattered into them (planned); run "
-             "multimodal prompts unpacked, and text-only sequences through the pack")
+_NOT_TEXT = ("a pack takes its images as images=treepack.hf.Images(model, sequences, "
+             "pixel_values=..., image_grid_thw=...), built with the pack "
+             "(images.pack()), which encodes each distinct image once and keys the tree by "
+             "image content; video and audio inputs do not pack yet: run those unpacked")
 for _key in ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
-             "image_sizes", "input_features", "mm_token_type_ids"):
+             "image_sizes", "input_features", "mm_token_type_ids", "mm_encoder_outputs"):
     _REFUSED_KWARGS[_key] = _NOT_TEXT
-# Config fields naming the token ids that stand for non-text inputs, by family.
-_PLACEHOLDER_FIELDS = ("image_token_id", "video_token_id", "image_token_index",
-                       "video_token_index", "audio_token_id", "audio_token_index")
 
 
 class PackedOutput(NamedTuple):
@@ -90,7 +89,9 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
             rotary scaling that reads the longest position, or a head ``"hidden"`` cannot
             read.
     """
-    core = check_inputs(model, pack, kwargs)
+    images = kwargs.get("images")
+    kwargs = {k: v for k, v in kwargs.items() if k != "images"}
+    core = check_inputs(model, pack, kwargs, images=images)
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} must be one of {OUTPUTS}")
     if mixers is None:
@@ -107,8 +108,9 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
         hook = core.register_forward_hook(
             lambda module, args, out: heads.append(lm_head(model, check=False)))
     try:
-        with tree_forward():
-            out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+        with tree_forward(), vision_forward(model, pack, images, rows) as rope:
+            positions = positions[None] if rope is None else rope
+            out = model(input_ids=ids[None], position_ids=positions, use_cache=False,
                         **{TREE_FORWARD_KWARG: mixers}, **kwargs)
     finally:
         if hook is not None:
@@ -126,10 +128,11 @@ def check_pack(pack) -> None:
                         "treepack.TreePack.from_sequences(sequences)")
 
 
-def check_inputs(model, pack: TreePack, kwargs: dict):
+def check_inputs(model, pack: TreePack, kwargs: dict, images=None):
     """Refuse what would make a packed forward wrong: a non-pack, keyword arguments that
-    break the tree, an unprepared model, another device, token ids past the embedding, or a
-    rotary scaling that reads the longest position. Returns the transformers model."""
+    break the tree, an unprepared model, another device, token ids past the embedding, a
+    rotary scaling that reads the longest position, or image placeholders without their
+    ``images``. Returns the transformers model."""
     check_pack(pack)
     for key in kwargs:
         if key in _REFUSED_KWARGS:
@@ -164,23 +167,26 @@ def check_inputs(model, pack: TreePack, kwargs: dict):
             f"has {vocab} rows: tokenize with the model's own tokenizer (ids 0 .. {vocab - 1})"
         )
     _check_rope(core, pack)
-    _check_placeholders(core, pack)
+    _check_placeholders(core, pack, images)
     return core
 
 
-def _check_placeholders(model, pack: TreePack) -> None:
-    """Refuse a pack holding a multimodal model's image / video / audio placeholder ids: the
-    model would embed them as text tokens, without their image, and say nothing."""
-    config = model.config
-    ids = {getattr(config, f, None) for f in _PLACEHOLDER_FIELDS} - {None}
+def _check_placeholders(model, pack: TreePack, images) -> None:
+    """Refuse a pack holding a multimodal model's placeholder ids that no input fills: the
+    model would embed them as text tokens, without their image, and say nothing. With
+    ``images``, image placeholders are theirs (each one checked when the images were built)."""
+    fields = image_token_ids(model.config)
+    if images is not None:
+        fields = {f: i for f, i in fields.items() if f not in ("image_token_id",
+                                                               "image_token_index")}
+    ids = set(fields.values())
     if not ids or not pack.num_packed_rows:
         return
     found = _placeholders(pack, tuple(sorted(ids)))
     if found:
         raise UnsupportedModel(
             f"the pack holds {type(model).__name__}'s non-text placeholder token ids "
-            f"{found} (its {[f for f in _PLACEHOLDER_FIELDS if getattr(config, f, None) in found]}"
-            f"): {_NOT_TEXT}")
+            f"{found} (its {[f for f, i in fields.items() if i in found]}): {_NOT_TEXT}")
 
 
 @derived_from_pack

@@ -238,13 +238,17 @@ def tree_parts(model, sequences, max_tokens: int | None, kwargs: dict | None = N
             raise ValueError("max_tokens (the most rows one forward computes) is needed, "
                              "unless sequences is the Parts of a pack "
                              "(treepack.planning.parts.split(pack, max_rows))")
-        parts = split(_as_pack(sequences, device), max_tokens)
-    check_inputs(model, parts.pack, dict(kwargs or {}))
+        images = (kwargs or {}).get("images")
+        parts = split(_as_pack(sequences, device, images), max_tokens)
+    kwargs = dict(kwargs or {})
+    check_inputs(model, parts.pack, {k: v for k, v in kwargs.items() if k != "images"},
+                 images=kwargs.get("images"))
     return parts
 
 
-def _as_pack(sequences, device) -> TreePack:
-    """``sequences`` as a pack on ``device`` without padding rows (but an empty pack)."""
+def _as_pack(sequences, device, images=None) -> TreePack:
+    """``sequences`` as a pack on ``device`` without padding rows (but an empty pack), keyed
+    by their ``images`` where given."""
     if isinstance(sequences, TreePack):
         pack = sequences if sequences.device == device else sequences.to(device)
         if pack.num_sequences and pack.num_rows != pack.num_packed_rows:
@@ -259,7 +263,8 @@ def _as_pack(sequences, device) -> TreePack:
     sequences = list(sequences)
     if not sequences:
         return TreePack.empty(1, device=device)
-    return TreePack.from_sequences(sequences, device=device)
+    keys = getattr(images, "keys", None)
+    return TreePack.from_sequences(sequences, device=device, keys=keys)
 
 
 def _needs_gradients(caller: str) -> None:

@@ -1,0 +1,457 @@
+"""Images on a pack: every distinct image encoded once per forward, its features scattered into
+the placeholder rows that stand for it, each row at the position its token has in its own
+sequence.
+
+A vision-language model's processor turns an image into a run of placeholder tokens (one id,
+``<|image_pad|>``, for every image) and the pixels the vision tower encodes into one feature
+per placeholder. Three things make that exact on a pack:
+
+- **Content keys.** The tree is built over (id, key) pairs (:meth:`TreePack.from_sequences`'s
+  ``keys=``), each placeholder keyed by its image's content (a hash of its pixels and grid):
+  two prompts with the same text and different images never share a row; the same image in
+  two sequences does, wherever their contexts agree.
+- **One encoding per distinct image.** Inside the model's forward, when it embeds the pack's
+  rows, the vision tower runs once over the distinct images this forward's rows need, with the
+  model's own attention (never the tree's), and each placeholder row takes its image's
+  feature. A shared row is one row, so its feature's gradient is the sum over the sequences
+  through it, as unpacked; an image placeholder that appears in two unshared places reads the
+  one encoding twice, so the vision tower's gradient collects both.
+- **Positions.** A model with multimodal rotary positions (Qwen2-VL's mrope: temporal, height
+  and width) gets, for each row, the positions the model itself gives that token in its own
+  sequence (``get_rope_index``, per sequence, mapped to rows; equal for a shared row, whose
+  context is the same). The attention's structure and sliding windows still count depth.
+
+:class:`Images` holds a batch's images and the per-token tables; :func:`treepack.hf.logprobs`
+and every other packed call take it as ``images=``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from treepack.adapters.hf.prepare import unwrap
+from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel
+from treepack.core.derived import derived_from_pack
+from treepack.core.tree import TreePack, validate_sequences
+
+__all__ = ["Images", "MROPE_FAMILIES", "REFUSED_FAMILIES", "vision_forward", "image_token_ids"]
+
+# Families whose processor gives one pixel row per patch and an image_grid_thw per image, whose
+# vision tower is ``model.visual`` and whose rotary positions are 3-D (mrope).
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                  "qwen3_5_moe")
+REFUSED_FAMILIES = {
+    "gemma3": "Gemma 3's image tokens attend to each other bidirectionally (every token of an "
+              "image sees the whole image, later tokens included), which the tree's "
+              "ancestor-only attention does not express",
+    "gemma3n": "Gemma 3n's image tokens attend to each other bidirectionally, which the "
+               "tree's ancestor-only attention does not express",
+    "paligemma": "PaliGemma's prefix (image and prompt) attends bidirectionally, which the "
+                 "tree's ancestor-only attention does not express",
+}
+_KEY_MASK = (1 << 62) - 1
+
+
+def image_token_ids(config) -> dict[str, int]:
+    """A model config's image / video / audio placeholder ids, by field name."""
+    fields = ("image_token_id", "video_token_id", "image_token_index", "video_token_index",
+              "audio_token_id", "audio_token_index")
+    return {f: getattr(config, f) for f in fields if getattr(config, f, None) is not None}
+
+
+class Images:
+    """The images of a batch of sequences, for a vision-language model on a pack.
+
+    Build it from what the model's processor gives for the batch, then build the pack with its
+    keys and pass it to any packed call::
+
+        images = hf.Images(model, sequences, pixel_values=batch["pixel_values"],
+                           image_grid_thw=batch["image_grid_thw"])
+        pack = images.pack()                      # TreePack.from_sequences(sequences, keys=...)
+        out = hf.logprobs(model, pack, images=images)
+
+    Images are read in order: sequence 0's images first, each sequence's in the order of its
+    placeholder runs (as processors lay them out). The same image given several times (each
+    GRPO rollout carries a copy) is stored and encoded once.
+
+    Args:
+        model: the vision-language model (prepared or not, or a wrapper of one): Qwen2-VL,
+            Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``...ForConditionalGeneration``).
+        sequences: N token-id sequences holding the image placeholders (the processor's
+            ``input_ids`` without their padding).
+        pixel_values: ``[patches, D]``, one row per patch of every image of the batch, in
+            order (the processor's ``pixel_values``).
+        image_grid_thw: ``[images, 3]``, each image's (temporal, height, width) patch grid.
+        num_images: optional, images per sequence (TRL's ``num_images``), checked against the
+            placeholders.
+
+    Raises:
+        UnsupportedModel: a model that encodes no images, or a family treepack does not run
+            (Gemma 3's bidirectional image attention, by name).
+        ValueError: pixel rows that disagree with the grids, a sequence whose placeholders do
+            not match its images (naming the sequence), placeholders without an image, images
+            left over.
+    """
+
+    def __init__(self, model, sequences, *, pixel_values: Tensor, image_grid_thw: Tensor,
+                 num_images: Sequence[int] | None = None):
+        core = unwrap(model)
+        self.family = _family(core)
+        config = core.config
+        self.image_token_id = int(config.image_token_id)
+        self.video_token_id = getattr(config, "video_token_id", None)
+        self.merge = int(config.vision_config.spatial_merge_size)
+        ids = validate_sequences(sequences)
+        grid = _as_grid(image_grid_thw)
+        pixel_values = _as_pixels(pixel_values, grid)
+        patches = grid.prod(1)
+        tokens = patches // self.merge ** 2
+        bad = np.flatnonzero((patches % self.merge ** 2 != 0) | (grid[:, 1:] % self.merge != 0)
+                             .any(1)) if len(grid) else []
+        if len(bad):
+            raise ValueError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: height and "
+                             f"width must be multiples of the spatial merge size {self.merge} "
+                             "(the processor's own output is)")
+        starts = np.concatenate(([0], np.cumsum(patches)))
+        # one content key per image: its pixels and its grid
+        keys = np.array([_content_key(pixel_values[starts[i]:starts[i + 1]], grid[i])
+                         for i in range(len(grid))], dtype=np.int64)
+        self.unique_key, first, self.occurrence = np.unique(keys, return_index=True,
+                                                            return_inverse=True)
+        self.occurrence = self.occurrence.reshape(-1)
+        self.grid = torch.as_tensor(grid[first])  # [U, 3]
+        self.tokens = tokens[first]  # [U]
+        self.feature_start = np.concatenate(([0], np.cumsum(self.tokens)))  # [U + 1]
+        self.patch_start = np.concatenate(([0], np.cumsum(patches[first])))  # [U + 1]
+        self.pixel_values = (torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in first])
+                             if len(first) else pixel_values[:0])
+        self.keys, self.features, self.images_of = _assign(ids, self.image_token_id, tokens,
+                                                           keys, self.occurrence, self.feature_start,
+                                                           num_images)
+        self.sequences = ids
+        self.positions = _rope_positions(core, ids, grid, self.images_of,
+                                         self.image_token_id, self.video_token_id)
+
+    # ------------------------------------------------------------------ batches
+
+    @property
+    def num_sequences(self) -> int:
+        """N, the sequences these images belong to."""
+        return len(self.sequences)
+
+    @property
+    def num_images(self) -> int:
+        """Distinct images (each encoded once per forward that needs it)."""
+        return len(self.unique_key)
+
+    def pack(self, **kwargs) -> TreePack:
+        """The pack of these sequences, keyed by their images.
+
+        Args:
+            **kwargs: as :meth:`TreePack.from_sequences` (``layout``, ``device``, ...).
+
+        Returns:
+            ``TreePack.from_sequences(sequences, keys=self.keys, **kwargs)``.
+        """
+        return TreePack.from_sequences(self.sequences, keys=self.keys, **kwargs)
+
+    def select(self, indices) -> Images:
+        """The images of sequences ``indices`` (a micro-batch, a plan's pack's ``seq_ids``).
+
+        Args:
+            indices: sequence indices into this batch.
+
+        Returns:
+            An :class:`Images` over those sequences, in that order (the distinct-image table
+            is shared, and only the images a forward's rows need are encoded).
+        """
+        out = object.__new__(Images)
+        out.__dict__.update(self.__dict__)
+        index = [int(i) for i in np.asarray(torch.as_tensor(indices).cpu()).reshape(-1)]
+        for name in ("sequences", "keys", "features", "images_of", "positions"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(out, name, [value[i] for i in index])
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Images(sequences={self.num_sequences}, images={sum(map(len, self.images_of))}, "
+                f"distinct={self.num_images}, family={self.family!r})")
+
+
+# ---------------------------------------------------------------------- the forward
+
+
+class _RowTables:
+    """An :class:`Images` laid out on a pack's rows."""
+
+    def __init__(self, feature: np.ndarray, positions: np.ndarray | None):
+        self.feature = feature  # [T'] feature index of each row, -1 for a text row
+        self.positions = positions  # [3, T'] multimodal rotary positions, or None
+
+
+@derived_from_pack
+def _row_tables(pack: TreePack, images: Images) -> _RowTables:
+    h = pack.host
+    if images.num_sequences != pack.num_sequences:
+        raise ValueError(f"images holds {images.num_sequences} sequences but the pack "
+                         f"{pack.num_sequences}: pass the images of the pack's sequences, in "
+                         "its order (images.select(pack.seq_ids) for a plan's pack)")
+    rows = ([h.rows[a:b] for a, b in zip(h.offsets[:-1], h.offsets[1:])]
+            if pack.layout == "flat" else [h.rows[s, :n] for s, n in enumerate(h.lengths)])
+    for s, (r, seq) in enumerate(zip(rows, images.sequences)):
+        if len(r) != len(seq) or not np.array_equal(h.input_ids[r], seq):
+            raise ValueError(f"sequence {s} of the pack is not sequence {s} of the images: "
+                             "build the pack with images.pack() (or images.select(...) for a "
+                             "subset)")
+    every = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    keys = np.concatenate(images.keys) if rows else np.zeros(0, np.int64)
+    if keys.any() and (h.row_keys is None or not np.array_equal(h.row_keys[every], keys)):
+        raise ValueError("the pack was built without these images' content keys, so rows of "
+                         "different images may have merged: build it with images.pack(), or "
+                         "TreePack.from_sequences(sequences, keys=images.keys)")
+    feature = np.full(pack.num_rows, -1, dtype=np.int64)
+    positions = None
+    if rows:
+        feature[every] = np.concatenate(images.features)
+        _check_rows_agree(feature[every], np.concatenate(images.features))
+    if images.positions is not None:
+        positions = np.zeros((3, pack.num_rows), dtype=np.int64)
+        if rows:
+            positions[:, every] = np.concatenate(images.positions, axis=1)
+    return _RowTables(feature, positions)
+
+
+def _check_rows_agree(placed: np.ndarray, wanted: np.ndarray) -> None:
+    """Every token's row holds that token's feature: no row stands for two images."""
+    if not np.array_equal(placed, wanted):
+        raise ValueError("rows of the pack hold placeholders of different images (its keys "
+                         "do not tell the images apart): build it with images.pack()")
+
+
+@contextlib.contextmanager
+def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | None):
+    """While it lasts, the model's input embedding of this forward's rows (``rows`` of
+    ``pack``, all by default) puts each image placeholder row's feature in place, from one
+    encoding of the distinct images those rows need. Yields the rows' position ids for the
+    model: ``[3, 1, n]`` multimodal rotary positions, or None (depths, as for text)."""
+    if images is None:
+        yield None
+        return
+    if not isinstance(images, Images):
+        raise TypeError(f"images must be a treepack.hf.Images, got {type(images).__name__}: "
+                        "build it with hf.Images(model, sequences, pixel_values=..., "
+                        "image_grid_thw=...)")
+    core = unwrap(model)
+    if _family(core) != images.family:
+        raise ValueError(f"these images were built for a {images.family} model, not "
+                         f"{type(core).__name__}")
+    tables = _row_tables(pack, images)
+    index = slice(None) if rows is None else rows.cpu().numpy()
+    feature = tables.feature[index]
+    positions = None
+    if tables.positions is not None:
+        positions = torch.as_tensor(tables.positions[:, index][:, None], device=pack.device)
+    where = np.flatnonzero(feature >= 0)
+    if not len(where):
+        yield positions
+        return
+    deepstack: list = []
+    handles = [core.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: _place(core, images, feature[where], where, out, deepstack))]
+    text_model = _text_model(core)
+    if text_model is not None and "deepstack_visual_embeds" in inspect.signature(
+            text_model.forward).parameters:
+        handles.append(text_model.register_forward_pre_hook(
+            lambda module, args, kwargs: _deepstack(kwargs, deepstack, where),
+            with_kwargs=True))
+    try:
+        yield positions
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _place(core, images: Images, feature: np.ndarray, where: np.ndarray, out: Tensor,
+           deepstack: list) -> Tensor:
+    """The embedding output ``[1, n, H]`` with the image rows ``where`` set to their features
+    (global indices ``feature``), from one encoding of the images they belong to."""
+    needed = np.unique(np.searchsorted(images.feature_start, feature, side="right") - 1)
+    encoded, layers = _encode(core, images, needed)
+    local_start = np.concatenate(([0], np.cumsum(images.tokens[needed])))
+    local = np.empty(len(images.unique_key), dtype=np.int64)
+    local[needed] = local_start[:-1] - images.feature_start[needed]
+    image_of = np.searchsorted(images.feature_start, feature, side="right") - 1
+    pick = torch.as_tensor(feature + local[image_of], device=out.device)
+    at = torch.as_tensor(where, device=out.device)
+    deepstack[:] = [layer[pick] for layer in layers]
+    return out.index_put((torch.zeros_like(at), at), encoded[pick].to(out.dtype))
+
+
+def _deepstack(kwargs: dict, deepstack: list, where: np.ndarray):
+    """Qwen3-VL's deepstack: the visual features of the earlier vision layers, added to the
+    first decoder layers' hidden states at the image rows."""
+    if not deepstack:
+        return None
+    n = kwargs["inputs_embeds"].shape[1]
+    mask = torch.zeros(1, n, dtype=torch.bool, device=deepstack[0].device)
+    mask[0, torch.as_tensor(where, device=mask.device)] = True
+    return (), {**kwargs, "visual_pos_masks": mask,
+                "deepstack_visual_embeds": [d.to(kwargs["inputs_embeds"].dtype)
+                                            for d in deepstack]}
+
+
+def _encode(core, images: Images, needed: np.ndarray) -> tuple[Tensor, list[Tensor]]:
+    """The distinct images ``needed`` through the vision tower, with its own attention: the
+    features ``[tokens, H]`` and any deepstack features (each ``[tokens, H]``)."""
+    visual = _visual(core)
+    parts = [images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
+             for u in needed]
+    device = next(visual.parameters()).device
+    pixels = torch.cat(parts).to(device=device, dtype=next(visual.parameters()).dtype)
+    token = TREE_FORWARD.set(False)  # mask functions build the vision tower's own masks
+    try:
+        out = visual(pixels, grid_thw=images.grid[torch.as_tensor(needed)].to(device))
+    finally:
+        TREE_FORWARD.reset(token)
+    if isinstance(out, Tensor):
+        return out, []
+    if isinstance(out, tuple) and not hasattr(out, "pooler_output"):  # older: (features, deep)
+        return out[0], list(out[1] or []) if len(out) > 1 else []
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+
+
+def _visual(core):
+    visual = getattr(getattr(core, "model", None), "visual", None) or getattr(core, "visual",
+                                                                              None)
+    if visual is None:
+        raise UnsupportedModel(f"{type(core).__name__} has no vision tower (model.visual)")
+    return visual
+
+
+def _text_model(core):
+    inner = getattr(core, "model", core)
+    return getattr(inner, "language_model", None)
+
+
+# ---------------------------------------------------------------------- building
+
+
+def _family(core) -> str:
+    kind = getattr(core.config, "model_type", None)
+    if kind in REFUSED_FAMILIES:
+        raise UnsupportedModel(f"{type(core).__name__} cannot run images on a pack: "
+                               f"{REFUSED_FAMILIES[kind]}. Run its image prompts unpacked")
+    if not image_token_ids(core.config) or getattr(core.config, "vision_config", None) is None:
+        raise UnsupportedModel(f"{type(core).__name__} ({kind}) encodes no images (its config "
+                               "has no image_token_id and vision_config): give it text "
+                               "sequences without images=")
+    if kind not in MROPE_FAMILIES:
+        raise UnsupportedModel(f"{type(core).__name__} ({kind}): treepack runs the images of "
+                               f"{list(MROPE_FAMILIES)} on a pack; run this model's image "
+                               "prompts unpacked")
+    return kind
+
+
+def _as_grid(image_grid_thw) -> np.ndarray:
+    grid = np.asarray(torch.as_tensor(image_grid_thw).detach().cpu(), dtype=np.int64)
+    if grid.ndim != 2 or grid.shape[1] != 3 or (grid < 1).any():
+        raise ValueError(f"image_grid_thw must be [images, 3] positive (t, h, w) patch counts, "
+                         f"got shape {tuple(grid.shape)}")
+    return grid
+
+
+def _as_pixels(pixel_values, grid: np.ndarray) -> Tensor:
+    if not isinstance(pixel_values, Tensor) or pixel_values.ndim != 2:
+        raise ValueError("pixel_values must be the processor's [patches, D] tensor (one row "
+                         f"per patch), got {getattr(pixel_values, 'shape', type(pixel_values))}")
+    want = int(grid.prod(1).sum())
+    if pixel_values.shape[0] != want:
+        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patch rows but "
+                         f"image_grid_thw's {len(grid)} grids make {want}: pass the "
+                         "processor's pixel_values and image_grid_thw of the same images")
+    return pixel_values.detach()
+
+
+def _content_key(pixels: Tensor, grid: np.ndarray) -> int:
+    digest = hashlib.blake2b(grid.tobytes(), digest_size=8)
+    digest.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return (int.from_bytes(digest.digest(), "little") & _KEY_MASK) % _KEY_MASK + 1
+
+
+def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.ndarray,
+            occurrence: np.ndarray, feature_start: np.ndarray, num_images):
+    """Each sequence's images in order, their placeholder runs checked: per-token content
+    keys, per-token feature indices (-1 for text), the distinct image of each of its images."""
+    if num_images is not None:
+        num_images = [int(n) for n in num_images]
+        if len(num_images) != len(ids) or sum(num_images) != len(tokens):
+            raise ValueError(f"num_images={num_images} must give each of the {len(ids)} "
+                             f"sequences its image count, {len(tokens)} in all")
+    out_keys, out_features, images_of = [], [], []
+    nxt = 0
+    for s, seq in enumerate(ids):
+        at = np.flatnonzero(seq == image_id)
+        key = np.zeros(len(seq), dtype=np.int64)
+        feature = np.full(len(seq), -1, dtype=np.int64)
+        mine, used = [], 0
+        while used < len(at):
+            if nxt >= len(tokens):
+                raise ValueError(f"sequence {s} has {len(at) - used} image placeholder tokens "
+                                 f"(id {image_id}) beyond the {len(tokens)} images given: every "
+                                 "placeholder needs its image's pixel_values and grid")
+            n = int(tokens[nxt])
+            run = at[used:used + n]
+            if len(run) < n or run[-1] - run[0] != n - 1:
+                raise ValueError(
+                    f"sequence {s}: image {nxt} of the batch needs {n} consecutive "
+                    f"placeholders (its grid's tokens) at its turn, but the sequence has "
+                    f"{len(run)} there, from position {int(run[0])}: the sequence's "
+                    "placeholders and the images' grids disagree")
+            key[run] = keys[nxt]
+            u = occurrence[nxt]
+            feature[run] = np.arange(feature_start[u], feature_start[u + 1])
+            mine.append(nxt)
+            used += n
+            nxt += 1
+        if num_images is not None and len(mine) != num_images[s]:
+            raise ValueError(f"sequence {s}: num_images says {num_images[s]} images but its "
+                             f"placeholders hold {len(mine)}")
+        out_keys.append(key)
+        out_features.append(feature)
+        images_of.append(mine)
+    if nxt != len(tokens):
+        raise ValueError(f"{len(tokens) - nxt} of the {len(tokens)} images given have no "
+                         "placeholders in the sequences: pass the images of these sequences "
+                         "only, in order")
+    return out_keys, out_features, images_of
+
+
+def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray, images_of: list,
+                    image_id: int, video_id: int | None) -> list[np.ndarray]:
+    """Each sequence's ``[3, L]`` multimodal rotary positions, as the model computes them
+    (its ``get_rope_index``), one padded batch."""
+    if not ids:
+        return []
+    inner = getattr(core, "model", core)
+    n, longest = len(ids), max(len(a) for a in ids)
+    input_ids = torch.zeros(n, longest, dtype=torch.long)
+    mask = torch.zeros(n, longest, dtype=torch.long)
+    for s, seq in enumerate(ids):
+        input_ids[s, :len(seq)] = torch.as_tensor(seq)
+        mask[s, :len(seq)] = 1
+    kwargs = dict(image_grid_thw=torch.as_tensor(grid), attention_mask=mask)
+    if "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters:
+        types = (input_ids == image_id).long()
+        if video_id is not None:
+            types += 2 * (input_ids == video_id).long()
+        kwargs["mm_token_type_ids"] = types
+    positions = inner.get_rope_index(input_ids, **kwargs)[0]  # [3, N, L]
+    return [positions[:, s, :len(seq)].numpy().astype(np.int64) for s, seq in enumerate(ids)]

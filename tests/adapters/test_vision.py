@@ -1,0 +1,297 @@
+"""Vision-language models on a pack, in float64 against each sequence run alone with its own
+images through the model's own forward (``pixel_values``, ``image_grid_thw``): log-probs and
+every gradient, the vision tower's included; content keys (same text with different images
+never merged, one image in two places encoded once); images in the middle of an agent history;
+parts cutting through an image's rows; per-sequence temperatures; bad input refused by name."""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from treepack import TreePack, hf, zoo  # noqa: E402
+from treepack.adapters.hf import vision  # noqa: E402
+from treepack.planning.parts import split  # noqa: E402
+
+from reference import NaiveTrie, naive_gated_delta_rule  # noqa: E402
+
+IMAGE = zoo.VISION_IDS["image_token_id"]
+A, B, C = ("image", 0), ("image", 1), ("image", 2)
+# Sizes: A 4x4 patches (4 tokens), B 4x6 (6), C 6x4 (6).
+LAYOUT = [
+    [1, 5, A, 7, 8, 9],            # a GRPO group on image A ...
+    [1, 5, A, 7, 8, 10, 11],
+    [1, 5, A, 7, 12],
+    [1, 5, B, 7, 8, 9],            # ... the same text on image B: never merged with A's
+    [1, 6, 6, A, 3],               # A again after another context: not merged, encoded once
+    [1, 5, A, 7, 20, C, 21, 22],   # an agent history: a screenshot C after a turn ...
+    [1, 5, A, 7, 20, C, 21, 23, B, 4],  # ... and the next turn, with B further on
+    [1, 5, 9, 9],                  # text only
+]
+
+
+def tiny(family, attn_implementation=None):
+    return zoo.tiny_vision_model(family, dtype=torch.float64,
+                                 attn_implementation=attn_implementation)
+
+
+def exact_kernel(monkeypatch, model):
+    """The gated-delta-rule kernel in float64 (transformers' casts to float32)."""
+    layer = hf.unwrap(model).model.language_model.layers[0]
+    module = sys.modules[type(layer).__module__]
+    if hasattr(module, "torch_chunk_gated_delta_rule"):
+        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", naive_gated_delta_rule)
+
+
+def alone(model, batch, s, temperature=1.0):
+    """Sequence ``s``'s log-probs, run alone with its images through the model's forward."""
+    ids = torch.tensor([batch.sequences[s]])
+    mine = [i for i, _ in enumerate(batch.images[s])]
+    kwargs = {}
+    if mine:
+        start = sum(len(x) for x in batch.images[:s])
+        grid = batch.image_grid_thw[start:start + len(mine)]
+        rows = batch.image_grid_thw[:start].prod(-1).sum()
+        kwargs = dict(pixel_values=batch.pixel_values[rows:rows + grid.prod(-1).sum()],
+                      image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).long())
+    logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0].double() / temperature
+    return logits[:-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+def images_of(model, batch, **kwargs):
+    return hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
+                     image_grid_thw=batch.image_grid_thw, **kwargs)
+
+
+def unpacked(model, batch, weights, temperatures):
+    model.zero_grad()
+    logps = [alone(model, batch, s, float(t)) for s, t in enumerate(temperatures)]
+    sum((lp * w).sum() for lp, w in zip(logps, weights)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return [lp.detach() for lp in logps], grads
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+def setup(family, monkeypatch):
+    batch = zoo.image_batch(LAYOUT, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(len(s) - 1, generator=g, dtype=torch.float64) for s in batch.sequences]
+    temperatures = torch.linspace(0.7, 1.3, len(LAYOUT), dtype=torch.float64)
+    model, eager = tiny(family), tiny(family, "eager")
+    for m in (model, eager):
+        exact_kernel(monkeypatch, m)
+    want_lp, want = unpacked(model, batch, weights, temperatures)
+    # transformers computes norms and the vision tower's rotary in float32 even in float64
+    # models: gradients are float32-accurate there; the spread between two unpacked runs
+    # (sdpa and eager attention) bounds what that costs
+    _, other = unpacked(eager, batch, weights, temperatures)
+    grad_tol = max(1e-7, 4 * max(rel(other[n], w) for n, w in want.items()))
+    return batch, weights, temperatures, model, want_lp, want, grad_tol
+
+
+def packed(model, batch, weights, temperatures, images=None, pack=None, **kwargs):
+    images = images or images_of(model, batch)
+    pack = pack or images.pack()
+    model.zero_grad()
+    out = hf.logprobs(model, pack, images=images, temperature=temperatures, head="logits",
+                      **kwargs).logprobs
+    got = [out[s, 1:len(seq)] for s, seq in enumerate(batch.sequences)]
+    sum((lp * w).sum() for lp, w in zip(got, weights)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [lp.detach() for lp in got], grads
+
+
+@pytest.mark.parametrize("family", sorted(zoo.VISION_FAMILIES))
+def test_images_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
+    batch, weights, temperatures, model, want_lp, want, grad_tol = setup(family, monkeypatch)
+    hf.prepare(model)
+    images = images_of(model, batch)
+    assert images.num_images == 3 and sum(map(len, images.images_of)) == 10
+    encoded = []
+    tower = vision._visual(hf.unwrap(model))
+    handle = tower.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
+    got_lp, got = packed(model, batch, weights, temperatures, images)
+    handle.remove()
+    assert encoded == [16 + 24 + 24]  # one call: each distinct image's patches once
+    for s, (a, b) in enumerate(zip(got_lp, want_lp)):
+        assert float((a - b).abs().max()) <= 1e-9, s
+    assert set(got) == set(want) and any(".visual." in n or n.startswith("model.visual")
+                                         for n in want)
+    for name, w in want.items():
+        assert rel(got[name], w) <= grad_tol, (name, rel(got[name], w), grad_tol)
+
+
+def test_rows_are_keyed_by_image_content():
+    """The pack has the rows of the naive trie over (id, image) pairs: the same text on
+    different images forks at the first placeholder, one image in two prompts merges."""
+    model = tiny("qwen2_vl")
+    batch = zoo.image_batch(LAYOUT)
+    images = images_of(model, batch)
+    pack = images.pack()
+    trie = NaiveTrie([list(zip(seq, key.tolist()))
+                      for seq, key in zip(batch.sequences, images.keys)])
+    assert pack.num_packed_rows == trie.num_nodes
+    first = [r for r, seq in zip(pack.host.rows, batch.sequences)]
+    assert first[0][3] == first[1][3] == first[2][3]  # the group's image rows: one
+    assert first[0][3] != first[3][3]  # same text, image B: its own rows
+    # the same pixels given again (each rollout's copy) are one image
+    twice = images_of(model, zoo.image_batch([[1, A, 2], [1, A, 3]]))
+    assert twice.num_images == 1 and twice.pack().num_packed_rows == 1 + 6 + 2
+
+
+def test_parts_cut_through_an_image_and_equal_the_whole_pack(monkeypatch):
+    batch, weights, temperatures, model, want_lp, want, grad_tol = setup("qwen3_vl",
+                                                                         monkeypatch)
+    hf.prepare(model)
+    images = images_of(model, batch)
+    pack = images.pack()
+    cut = 12
+    parts = split(pack, cut)
+    # some image's placeholder rows are computed by two parts
+    feature = np.full(pack.num_rows, -1)
+    for rows, f in zip(pack.host.rows, images.features):
+        feature[rows[:len(f)]] = f
+    image_of = np.searchsorted(images.feature_start, feature, side="right") - 1
+    split_images = [u for u in range(images.num_images)
+                    if len(np.unique(parts.part_of[(feature >= 0) & (image_of == u)])) > 1]
+    assert split_images
+
+    dense = torch.zeros(pack.num_sequences, pack.max_length, dtype=torch.float64)
+    for s, w in enumerate(weights):
+        dense[s, 1:len(w) + 1] = w
+    model.zero_grad()
+    result = hf.backward_in_parts(model, parts, lambda out, mask: (out.logprobs * dense).sum(),
+                                  temperature=temperatures, images=images)
+    for s, want_s in enumerate(want_lp):
+        got = result.logprobs[s, 1:len(batch.sequences[s])]
+        assert float((got - want_s).abs().max()) <= 1e-9, s
+    for name, w in want.items():
+        assert rel(model.get_parameter(name).grad, w) <= grad_tol, name
+
+
+@pytest.mark.parametrize("control", ["keys", "positions", "one_occurrence"])
+def test_negative_controls_fail(control, monkeypatch):
+    """Each shortcut a VLM pack could take is caught: images keyed by placeholder id alone
+    (rows of different images merge), depth positions on an mrope model, and the features of
+    an image placed twice with gradients through one place only."""
+    batch, weights, temperatures, model, want_lp, want, grad_tol = setup("qwen2_vl",
+                                                                         monkeypatch)
+    hf.prepare(model)
+    images = images_of(model, batch)
+    if control == "keys":  # and without the check that the pack's rows agree with them
+        images.keys = [np.zeros_like(k) for k in images.keys]
+        monkeypatch.setattr(vision, "_check_rows_agree", lambda *args: None)
+    if control == "positions":
+        images.positions = None
+    if control == "one_occurrence":
+        place = vision._place
+
+        def first_only(core, images, feature, where, out, deepstack):
+            placed = place(core, images, feature, where, out, deepstack)
+            seen = np.unique(feature, return_index=True)[1]
+            keep = torch.zeros(out.shape[1], dtype=torch.bool)
+            keep[torch.as_tensor(where)] = True
+            keep[torch.as_tensor(where[seen])] = False  # the first place of each feature
+            return torch.where(keep[None, :, None], placed.detach(), placed)
+
+        monkeypatch.setattr(vision, "_place", first_only)
+    got_lp, got = packed(model, batch, weights, temperatures, images)
+    lp_err = max(float((a - b).abs().max()) for a, b in zip(got_lp, want_lp))
+    grad_err = max(rel(got[n], w) for n, w in want.items())
+    assert lp_err > 1e-4 or grad_err > 1e-3
+
+
+def test_sequences_without_images_on_a_vision_language_model_equal_each_alone():
+    model = hf.prepare(tiny("qwen2_vl"))
+    batch = zoo.image_batch([[1, 5, 6, 7, 8], [1, 5, 6, 9], [1, 4]])
+    out = hf.logprobs(model, TreePack.from_sequences(batch.sequences), head="logits").logprobs
+    for s, seq in enumerate(batch.sequences):
+        torch.testing.assert_close(out[s, 1:len(seq)], alone(model, batch, s), rtol=0,
+                                   atol=1e-12)
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+def test_placeholders_without_images_are_refused_by_name():
+    model = hf.prepare(tiny("qwen2_vl"))
+    batch = zoo.image_batch([[1, A, 7], [1, A, 8]])
+    with pytest.raises(hf.UnsupportedModel, match=r"ids \[100\] \(its \['image_token_id'\]\)"
+                                                  r".*images=treepack.hf.Images"):
+        hf.logprobs(model, TreePack.from_sequences(batch.sequences))
+
+
+@pytest.mark.parametrize("key", ["pixel_values", "image_grid_thw", "mm_token_type_ids"])
+def test_image_inputs_as_model_keywords_are_refused_by_name(key):
+    model = hf.prepare(tiny("qwen2_vl"))
+    pack = TreePack.from_sequences([[1, 5, 6], [1, 5, 7]])
+    with pytest.raises(ValueError, match=f"does not take '{key}'.*hf.Images"):
+        hf.logprobs(model, pack, **{key: torch.zeros(1)})
+
+
+def test_bad_images_are_refused_naming_the_sequence():
+    model = tiny("qwen2_vl")
+    batch = zoo.image_batch([[1, A, 7], [1, B, 8]])
+    with pytest.raises(ValueError, match="pixel_values has 39 patch rows but image_grid_thw's "
+                                         "2 grids make 40"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values[:-1],
+                  image_grid_thw=batch.image_grid_thw)
+    short = [batch.sequences[0], batch.sequences[1][:5] + batch.sequences[1][6:]]
+    with pytest.raises(ValueError, match="sequence 1: image 1 of the batch needs 6 consecutive"):
+        hf.Images(model, short, pixel_values=batch.pixel_values,
+                  image_grid_thw=batch.image_grid_thw)
+    with pytest.raises(ValueError, match="sequence 1 has 6 image placeholder tokens .* beyond"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values[:16],
+                  image_grid_thw=batch.image_grid_thw[:1])
+    with pytest.raises(ValueError, match="1 of the 2 images given have no placeholders"):
+        hf.Images(model, batch.sequences[:1], pixel_values=batch.pixel_values,
+                  image_grid_thw=batch.image_grid_thw)
+    with pytest.raises(ValueError, match="sequence 0: num_images says 2"):
+        images_of(model, zoo.image_batch([[1, A, 7], [1, B, A, 8]]), num_images=[2, 1])
+    with pytest.raises(ValueError, match=r"image_grid_thw\[0\] = \[1, 3, 4\]"):
+        hf.Images(model, [[1] + [IMAGE] * 3], pixel_values=torch.zeros(12, 12),
+                  image_grid_thw=torch.tensor([[1, 3, 4]]))
+
+
+def test_a_pack_built_without_the_image_keys_is_refused():
+    model = hf.prepare(tiny("qwen2_vl"))
+    batch = zoo.image_batch([[1, A, 7], [1, B, 8]])
+    images = images_of(model, batch)
+    with pytest.raises(ValueError, match="built without these images' content keys"):
+        hf.logprobs(model, TreePack.from_sequences(batch.sequences), images=images)
+    with pytest.raises(ValueError, match="images holds 2 sequences but the pack 1"):
+        hf.logprobs(model, images.select([0]).pack(), images=images)
+    sub = images.select([1])
+    out = hf.logprobs(model, sub.pack(), images=sub, head="logits").logprobs
+    torch.testing.assert_close(out[0, 1:], alone(model, batch, 1), rtol=0, atol=1e-12)
+    images.keys = [np.zeros_like(k) for k in images.keys]  # as if keyed by placeholder id
+    with pytest.raises(ValueError, match="rows of the pack hold placeholders of different"):
+        hf.logprobs(model, images.pack(), images=images)
+
+
+def test_images_for_a_text_model_are_refused():
+    model = zoo.tiny_model("llama")
+    with pytest.raises(hf.UnsupportedModel, match="encodes no images"):
+        hf.Images(model, [[1, 2]], pixel_values=torch.zeros(0, 12),
+                  image_grid_thw=torch.zeros(0, 3))
+
+
+def test_gemma3_images_are_refused_by_name():
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=8, patch_size=4),
+        mm_tokens_per_image=4, image_token_index=260)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with pytest.raises(hf.UnsupportedModel, match="bidirectionally"):
+        hf.Images(model, [[1, 2]], pixel_values=torch.zeros(0, 12),
+                  image_grid_thw=torch.zeros(0, 3))
