@@ -82,3 +82,22 @@ def test_zero_keys_change_nothing():
 def test_bad_keys_are_refused_by_name(keys, error, match):
     with pytest.raises(error, match=match):
         TreePack.from_sequences([[1, 2], [1, 3]], keys=keys)
+
+
+def test_a_plan_shares_and_builds_over_keys():
+    """plan(keys=) plans sharing over (id, key) pairs and builds every pack keyed: its packs
+    hold the rows of the naive trie over their sequences' pairs."""
+    from treepack import plan
+
+    prompt = [1, 2, IMAGE, IMAGE, 3]
+    seqs = [prompt + [t] for t in (4, 5, 6, 7)]
+    keys = [[0, 0, k, k, 0, 0] for k in (11, 11, 12, 12)]
+    planned = plan(seqs, max_tokens=12, keys=keys)
+    unkeyed = plan(seqs, max_tokens=12)
+    assert planned.min_rows == NaiveTrie([list(zip(s, k)) for s, k in zip(seqs, keys)]).num_nodes
+    assert unkeyed.min_rows == 5 + 4 < planned.min_rows
+    for pack in planned.packs(0):
+        ids = pack.seq_ids.tolist()
+        trie = NaiveTrie([list(zip(seqs[i], keys[i])) for i in ids])
+        assert pack.num_packed_rows == trie.num_nodes
+        assert pack.host.row_keys is not None

@@ -36,8 +36,8 @@ import torch
 
 from treepack.core import deprecation
 from treepack.core.checks import positive_int
-from treepack.core.forest import causal_pairs, ragged_arange, sort_and_lcp
-from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack, validate_sequences
+from treepack.core.forest import causal_pairs, identities, ragged_arange, sort_and_lcp
+from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack, validate_keys, validate_sequences
 
 __all__ = ["plan", "Plan", "PackSpec", "PAIR_COST"]
 
@@ -69,6 +69,7 @@ class Plan:
     pad_to_multiple_of: int | None
     _sequences: list[np.ndarray] = dataclasses.field(repr=False)
     _device: torch.device | str | None = dataclasses.field(default=None, repr=False)
+    _keys: list[np.ndarray] | None = dataclasses.field(default=None, repr=False)
     _built: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -132,9 +133,10 @@ class Plan:
         if rank not in self._built:
             pad = self.pad_to_multiple_of
             self._built[rank] = [
-                TreePack.from_sequences([self._sequences[i] for i in spec.seq_ids],
-                                        seq_ids=spec.seq_ids, pad_to_multiple_of=pad,
-                                        device=self._device)
+                TreePack.from_sequences(
+                    [self._sequences[i] for i in spec.seq_ids], seq_ids=spec.seq_ids,
+                    pad_to_multiple_of=pad, device=self._device,
+                    keys=None if self._keys is None else [self._keys[i] for i in spec.seq_ids])
                 if len(spec.seq_ids) else TreePack.empty(pad or 1, device=self._device)
                 for spec in self.specs[rank]
             ]
@@ -250,7 +252,7 @@ class _Sorted(NamedTuple):
 
 def plan(sequences, *, max_tokens: int, world_size: int = 1,
          pad_to_multiple_of: int | None = None, pair_cost: float = PAIR_COST,
-         min_packs: int = 1, device: torch.device | str | None = None) -> Plan:
+         min_packs: int = 1, device: torch.device | str | None = None, keys=None) -> Plan:
     """Split ``sequences`` into packs of at most ``max_tokens`` packed rows over
     ``world_size`` ranks, keeping shared prefixes together and costs balanced.
 
@@ -267,6 +269,9 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
             sequences that share the shortest prefix, nearest the middle (verl needs as many
             micro-batches on every rank).
         device: where the packs' tensors go when built.
+        keys: per-token content keys, as for :meth:`TreePack.from_sequences` (an image
+            placeholder's image, ``treepack.hf.Images.keys``): sharing is planned, and the
+            packs built, over (id, key) pairs.
 
     Returns:
         A :class:`Plan`: ``plan.packs(r)`` is rank r's list of :class:`TreePack` (built on
@@ -284,7 +289,9 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     ids = validate_sequences(sequences)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
     _check_lengths(lengths, max_tokens)
-    order, lcp = sort_and_lcp(ids)
+    if keys is not None:
+        keys = validate_keys(keys, ids)
+    order, lcp = sort_and_lcp(ids if keys is None else identities(ids, keys))
     srt = _Sorted(order, lcp, lengths[order], lengths[order] - lcp)
     pieces = _pieces(srt, max_tokens)
     bins = _spread_and_pack(pieces, pieces.rows + pair_cost * pieces.pairs, world_size,
@@ -296,7 +303,8 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     if min_packs > 1:
         specs = _at_least(specs, min_packs, srt, pair_cost)
     return Plan(specs=specs, min_rows=int(srt.new.sum()), max_tokens=max_tokens,
-                pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device)
+                pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device,
+                _keys=keys)
 
 
 def _at_least(specs: list[list[PackSpec]], count: int, srt: _Sorted,
