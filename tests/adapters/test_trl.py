@@ -166,12 +166,16 @@ def test_one_training_step_equals_the_stock_trainer(tokenizer, tmp_path, model_d
     assert bool(forwards) == (max_tokens is not None) and all(n > 1 for n in forwards), forwards
 
 
-def test_patch_refuses_multimodal_inputs_and_other_trainers(tokenizer, tmp_path, model_dir):
+def test_patch_refuses_images_for_a_text_model_and_other_trainers(tokenizer, tmp_path, model_dir):
     trainer = treepack.trl.patch(make_trainer(tokenizer, tmp_path, model_dir))
     ids, mask = trl_batch()
-    with pytest.raises(NotImplementedError, match="pixel_values"):
+    with pytest.raises(treepack.hf.UnsupportedModel, match="encodes no images"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4,
-                                                   pixel_values=torch.zeros(1))
+                                                   pixel_values=torch.zeros(1, 12),
+                                                   image_grid_thw=torch.ones(1, 3))
+    with pytest.raises(NotImplementedError, match=r"this batch has \['pixel_attention_mask'\]"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4,
+                                                   pixel_attention_mask=torch.zeros(1))
     with pytest.raises(TypeError, match="GRPOTrainer"):
         treepack.trl.patch(object())
 

@@ -25,6 +25,11 @@ Every loss TRL averages per row or over the whole batch is then unchanged. Its e
 token mean per micro-batch, is corrected to the micro-batch TRL would have put each row in; the
 options TRL computes over a micro-batch's rows as a whole (``loss_type="bnpo"``,
 ``top_entropy_quantile < 1``, the router load-balancing loss) keep TRL's own micro-batches.
+
+A vision-language run (prompts with images, a processor as ``processing_class``; the Qwen-VL
+families of :class:`treepack.hf.Images`) packs too: the seam keys the tree by image content
+and encodes each distinct image once per forward, and whole groups are found by prompt and
+image together.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ import torch
 from torch import Tensor
 
 from treepack.adapters import hf
+from treepack.adapters.hf.vision import content_key as image_content_key
+from treepack.core.forest import identities
 from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
 from treepack.planning import sharing
@@ -75,6 +82,9 @@ def per_token_logps_and_entropies(
     max_tokens: int | None = None,
     pad_to_multiple_of: int | None = None,
     cast_lm_head_to_fp32: bool = False,
+    pixel_values: Tensor | None = None,
+    image_grid_thw: Tensor | None = None,
+    num_images: list[int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """TRL's per-token log-probs (and entropies) of a batch, from packed forwards.
 
@@ -91,6 +101,10 @@ def per_token_logps_and_entropies(
         max_tokens: rows per forward (the batch planned into several packs); default one.
         pad_to_multiple_of: pad each pack's rows to a multiple of this.
         cast_lm_head_to_fp32: TRL's option of that name.
+        pixel_values, image_grid_thw, num_images: a vision-language batch's images, as TRL
+            hands them (one pixel row per patch, each row's images in order, each rollout
+            with its copy; :class:`treepack.hf.Images`): the tree is keyed by image content
+            and each distinct image encoded once per forward.
 
     Returns:
         ``(logps [B, K], entropies [B, K] or None, aux_loss or None)``.
@@ -102,12 +116,24 @@ def per_token_logps_and_entropies(
                             temperature=temperature, compute_entropy=compute_entropy,
                             compute_aux_loss=compute_aux_loss, backend=backend,
                             max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
-                            cast_lm_head_to_fp32=cast_lm_head_to_fp32)[:3]
+                            cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+                            images=_images(model, input_ids, attention_mask, pixel_values,
+                                           image_grid_thw, num_images))[:3]
+
+
+def _images(model, input_ids, attention_mask, pixel_values, image_grid_thw, num_images):
+    """A vision-language batch's :class:`treepack.hf.Images` (None for text)."""
+    if pixel_values is None and image_grid_thw is None:
+        return None
+    mask = attention_mask.bool()
+    return hf.Images(model, [ids[m] for ids, m in zip(input_ids, mask)],
+                     pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                     num_images=num_images)
 
 
 def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temperature,
                      compute_entropy, compute_aux_loss, backend, max_tokens, pad_to_multiple_of,
-                     cast_lm_head_to_fp32):
+                     cast_lm_head_to_fp32, images=None):
     """:func:`per_token_logps_and_entropies`, and the packs it ran (none when it ran the
     batch in parts)."""
     mask = attention_mask.bool()
@@ -116,27 +142,31 @@ def _packed_forwards(model, input_ids, attention_mask, logits_to_keep, *, temper
     columns = (mask.cumsum(-1) - 1)[:, S - logits_to_keep:]
     keep = mask[:, S - logits_to_keep:]
     sequences = [ids[m] for ids, m in zip(input_ids, mask)]
+    keys = None if images is None else images.keys
     oversize = max_tokens is not None and max(len(q) for q in sequences) > max_tokens
     planned = None if max_tokens is None or oversize else plan(
         sequences, max_tokens=max_tokens, pad_to_multiple_of=pad_to_multiple_of,
-        pair_cost=hf.pair_cost(model), device=input_ids.device)
+        pair_cost=hf.pair_cost(model), device=input_ids.device, keys=keys)
     if _in_parts(planned, oversize, compute_aux_loss, pad_to_multiple_of, cast_lm_head_to_fp32):
         out = hf.logprobs_in_parts(model, sequences, max_tokens=max_tokens,
-                                   temperature=temperature, entropy=compute_entropy)
+                                   temperature=temperature, entropy=compute_entropy,
+                                   **({} if images is None else {"images": images}))
         return (take_columns(out.logprobs, columns, keep),
                 take_columns(out.entropy, columns, keep) if compute_entropy else None, None, [])
     if max_tokens is None:
         packs = [TreePack.from_sequences(sequences, pad_to_multiple_of=pad_to_multiple_of,
-                                         device=input_ids.device)]
+                                         device=input_ids.device, keys=keys)]
     else:  # with a sequence over the budget, plan refuses it and says so
-        packs = (planned or plan(sequences, max_tokens=max_tokens)).packs(0)
+        packs = (planned or plan(sequences, max_tokens=max_tokens, keys=keys)).packs(0)
     width = int(mask.sum(-1).max())
     logps, entropies, router, seq_ids = [], [], [], []
     for pack in packs:
+        extra = {} if images is None else {"images": images.select(pack.seq_ids)}
+        if compute_aux_loss:
+            extra["output_router_logits"] = True
         out = hf.logprobs(model, pack, entropy=compute_entropy, temperature=temperature,
                           backend=backend,
-                          head_dtype=torch.float32 if cast_lm_head_to_fp32 else None,
-                          **({"output_router_logits": True} if compute_aux_loss else {}))
+                          head_dtype=torch.float32 if cast_lm_head_to_fp32 else None, **extra)
         pad = width - out.logprobs.shape[1]  # every pack to the batch's longest row
         logps.append(torch.nn.functional.pad(out.logprobs, (0, pad)))
         if compute_entropy:
@@ -185,6 +215,7 @@ class _Settings(NamedTuple):
 # the key of inputs that holds, per row, the completion tokens of the micro-batch stock TRL
 # would have put the row in (its entropy bonus's denominator)
 _STOCK_TOKENS = "treepack_stock_micro_batch_tokens"
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images")
 
 
 @profiling_decorator  # TRL's timer of the method this replaces, under the same name
@@ -193,17 +224,21 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
                                        compute_aux_loss=False, **extra):
     """TRL's seam, packed (:func:`per_token_logps_and_entropies`); ``batch_size`` (TRL's chunk
     of rows for the no-grad passes) bounds each pack to the tokens of one of TRL's chunks."""
+    images = {k: extra.pop(k, None) for k in _IMAGE_KEYS}
+    extra.pop("mm_token_type_ids", None)  # the model's own rope index is computed from the ids
     unsupported = sorted(k for k, v in extra.items() if v is not None)
     if unsupported:
         raise NotImplementedError(
-            f"treepack's GRPO seam packs text only; this batch has {unsupported}. Use the stock "
-            "GRPOTrainer for multimodal models"
+            f"treepack's GRPO seam packs text and Qwen-VL images (pixel_values, "
+            f"image_grid_thw); this batch has {unsupported}. Use the stock GRPOTrainer for "
+            "this model's inputs"
         )
     settings: _Settings = self._treepack
     max_tokens = settings.max_tokens
     if max_tokens is None and batch_size is not None and batch_size < len(input_ids):
         max_tokens = batch_size * input_ids.shape[1]  # at most what one of TRL's chunks holds
     hf.prepare(model)  # the trainer may hand over a model patch() has not seen (a wrapper)
+    images = _images(model, input_ids, attention_mask, **images)
     with self.accelerator.autocast():
         logps, entropies, aux_loss, packs = _packed_forwards(
             model, input_ids, attention_mask, logits_to_keep,
@@ -211,16 +246,17 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
             compute_aux_loss=compute_aux_loss, backend=settings.backend, max_tokens=max_tokens,
             pad_to_multiple_of=settings.pad_to_multiple_of,
             cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),
-        )
+            images=images)
     if torch.is_grad_enabled() and self.model.training:  # the training forward
-        _log_sharing(self, input_ids, attention_mask, logits_to_keep, packs)
+        _log_sharing(self, input_ids, attention_mask, logits_to_keep, packs, images)
         captured = getattr(self, "_treepack_entropies", None)
         if captured is not None:  # _compute_loss corrects the entropy bonus with them
             captured.append(entropies)
     return logps, entropies, aux_loss
 
 
-def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs) -> None:
+def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs,
+                 images=None) -> None:
     """What packing saved in the training forwards, and where sharing was lost
     (:func:`treepack.sharing.report`): this micro-batch's sequences join its optimizer step's;
     at the step's last micro-batch the step's report (rows per micro-batch and pack, groups by
@@ -232,7 +268,10 @@ def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs) -> N
         step = trainer._treepack_step = {"sequences": [], "prompts": [], "micro": [],
                                          "packs": [], "count": 0}
     mask = attention_mask.bool().cpu()
-    step["sequences"] += sharing.unpadded(input_ids, mask, "input_ids", "attention_mask")
+    sequences = sharing.unpadded(input_ids, mask, "input_ids", "attention_mask")
+    if images is not None:  # a token is its (id, image) pair, as in the packs
+        sequences = identities(sequences, images.keys)
+    step["sequences"] += sequences
     step["prompts"] += mask[:, :mask.shape[1] - logits_to_keep].sum(-1).tolist()
     pack_of = np.zeros(len(mask), dtype=np.int64)
     for j, pack in enumerate(packs):
@@ -327,8 +366,10 @@ def _whole_group_order(batch: dict, parts: int, parts_per_step: int | None) -> _
                          "parts must be a multiple of parts_per_step and divide the rows (TRL's "
                          "steps_per_generation and gradient_accumulation_steps when it divides it)")
     permutation = torch.randperm(size)  # the draw stock TRL makes: its order of the rows
-    prompts = batch["prompt_ids"] * batch["prompt_mask"]
-    group = torch.unique(prompts.cpu(), dim=0, return_inverse=True)[1]
+    prompts = (batch["prompt_ids"] * batch["prompt_mask"]).cpu()
+    if batch.get("pixel_values") is not None:  # the same text on other images: another group
+        prompts = torch.cat((prompts, _image_keys(batch)), dim=1)
+    group = torch.unique(prompts, dim=0, return_inverse=True)[1]
     group = group[permutation]  # rows in TRL's order
     # a row stays in the optimizer step its place in TRL's order gives it; inside a step each
     # group is labelled by its first row in that order: a random order of groups
@@ -343,6 +384,21 @@ def _whole_group_order(batch: dict, parts: int, parts_per_step: int | None) -> _
         for start in range(0, size, rows_per_step)])
     order = torch.from_numpy(order)
     return _Order(permutation[order], order)
+
+
+def _image_keys(batch: dict) -> Tensor:
+    """``[B, 1]``: a content key of each row's images (TRL splits ``pixel_values`` into one
+    tensor per row before its shuffle), so rows group by prompt text and images."""
+    pixels, grids = batch["pixel_values"], batch.get("image_grid_thw")
+    if isinstance(pixels, Tensor):  # one tensor for the batch: split by each row's grids
+        counts = batch["num_images"]
+        patches = grids.prod(-1).cpu()
+        rows = torch.split(patches, list(counts))
+        pixels = torch.split(pixels, [int(r.sum()) for r in rows])
+    grids = [np.zeros(0, np.int64)] * len(pixels) if not isinstance(grids, (list, tuple)) \
+        else [np.asarray(g.cpu() if isinstance(g, Tensor) else g, dtype=np.int64) for g in grids]
+    keys = [image_content_key(p, g) for p, g in zip(pixels, grids)]
+    return torch.tensor(keys, dtype=torch.long)[:, None]
 
 
 def _permute(batch: dict, permutation: Tensor) -> dict:

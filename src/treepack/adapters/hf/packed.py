@@ -173,12 +173,13 @@ def check_inputs(model, pack: TreePack, kwargs: dict, images=None):
 
 def _check_placeholders(model, pack: TreePack, images) -> None:
     """Refuse a pack holding a multimodal model's placeholder ids that no input fills: the
-    model would embed them as text tokens, without their image, and say nothing. With
-    ``images``, image placeholders are theirs (each one checked when the images were built)."""
-    fields = image_token_ids(model.config)
+    model would embed them as text tokens, without their image, and say nothing."""
     if images is not None:
-        fields = {f: i for f, i in fields.items() if f not in ("image_token_id",
-                                                               "image_token_index")}
+        # image placeholders are the images' (each one checked when they were built); any
+        # other placeholder id (a video id a policy sampled into its completion) the model
+        # embeds as text without its input, and so does the pack
+        return
+    fields = image_token_ids(model.config)
     ids = set(fields.values())
     if not ids or not pack.num_packed_rows:
         return

@@ -41,7 +41,8 @@ from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack, validate_sequences
 
-__all__ = ["Images", "MROPE_FAMILIES", "REFUSED_FAMILIES", "vision_forward", "image_token_ids"]
+__all__ = ["Images", "MROPE_FAMILIES", "REFUSED_FAMILIES", "vision_forward", "image_token_ids",
+           "content_key"]
 
 # Families whose processor gives one pixel row per patch and an image_grid_thw per image, whose
 # vision tower is ``model.visual`` and whose rotary positions are 3-D (mrope).
@@ -121,7 +122,7 @@ class Images:
                              "(the processor's own output is)")
         starts = np.concatenate(([0], np.cumsum(patches)))
         # one content key per image: its pixels and its grid
-        keys = np.array([_content_key(pixel_values[starts[i]:starts[i + 1]], grid[i])
+        keys = np.array([content_key(pixel_values[starts[i]:starts[i + 1]], grid[i])
                          for i in range(len(grid))], dtype=np.int64)
         self.unique_key, first, self.occurrence = np.unique(keys, return_index=True,
                                                             return_inverse=True)
@@ -380,7 +381,8 @@ def _as_pixels(pixel_values, grid: np.ndarray) -> Tensor:
     return pixel_values.detach()
 
 
-def _content_key(pixels: Tensor, grid: np.ndarray) -> int:
+def content_key(pixels: Tensor, grid: np.ndarray) -> int:
+    """A 62-bit non-zero key of an image's pixels and grid (equal images, equal keys)."""
     digest = hashlib.blake2b(grid.tobytes(), digest_size=8)
     digest.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return (int.from_bytes(digest.digest(), "little") & _KEY_MASK) % _KEY_MASK + 1
@@ -449,9 +451,7 @@ def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray, images_of: li
         mask[s, :len(seq)] = 1
     kwargs = dict(image_grid_thw=torch.as_tensor(grid), attention_mask=mask)
     if "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters:
-        types = (input_ids == image_id).long()
-        if video_id is not None:
-            types += 2 * (input_ids == video_id).long()
-        kwargs["mm_token_type_ids"] = types
+        # images only: a video id without its video is a text token (as the model runs it)
+        kwargs["mm_token_type_ids"] = (input_ids == image_id).long()
     positions = inner.get_rope_index(input_ids, **kwargs)[0]  # [3, N, L]
     return [positions[:, s, :len(seq)].numpy().astype(np.int64) for s, seq in enumerate(ids)]

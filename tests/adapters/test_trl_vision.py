@@ -1,0 +1,133 @@
+"""TRL's GRPOTrainer on a vision-language model, packed, against stock, through
+``trainer.train()``: prompts with images, a processor built offline (no torchvision, no hub)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("trl")
+from datasets import Dataset  # noqa: E402
+from PIL import Image  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (PreTrainedTokenizerFast, Qwen2VLConfig,  # noqa: E402
+                          Qwen2VLForConditionalGeneration, Qwen2VLProcessor)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: E402
+    Qwen2VLImageProcessorPil)
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import treepack.trl  # noqa: E402
+from treepack.adapters.hf import vision  # noqa: E402
+
+from test_trl import GradientsAtStep, assert_same_training  # noqa: E402
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+           "<|image_pad|>", "<|video_pad|>"]
+WORDS = ["user", "assistant", "what", "color", "is", "this", "red", "blue", "green", "a",
+         "the", "image", "describe", "yes", "no", "?", "."]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+class OfflineQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without its video processor: transformers 5.24 builds one by default,
+    and it needs torchvision, which has no build for this CPU torch. Images only."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+
+def processor():
+    vocab = {t: i for i, t in enumerate(SPECIAL + ["[UNK]"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        padding_side="left")
+    images = Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
+                                      min_pixels=16, max_pixels=256)
+    return OfflineQwen2VLProcessor(image_processor=images, tokenizer=tokenizer,
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def tiny_model(tokenizer):
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]},
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2,
+                           in_channels=3, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=2), **ids)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def dataset():
+    rng = np.random.default_rng(0)
+    image = [Image.fromarray(rng.integers(0, 255, shape, dtype=np.uint8))
+             for shape in ((12, 8, 3), (8, 8, 3), (8, 12, 3))]
+    # the same question on two images: two groups, never one
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": text}] for text in
+                   ("what color is this ?", "what color is this ?", "describe the image .",
+                    "describe the image .")],
+        "image": [image[0], image[1], image[0], image[2]],
+    })
+
+
+@pytest.mark.parametrize("config", [dict(), dict(steps_per_generation=2,
+                                                 gradient_accumulation_steps=2,
+                                                 treepack_max_tokens=40)])
+def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, monkeypatch):
+    """Policy and old-log-prob passes packed, each distinct image encoded once per forward;
+    losses, every gradient (the vision tower's too) and the weights after the step equal stock
+    TRL's. Under accumulation, groups are dealt whole, keyed by prompt and image."""
+    proc = processor()
+    encoded = []
+    place = vision._encode
+
+    def counting(core, images, needed):
+        encoded.append((len(needed), images.num_images))
+        return place(core, images, needed)
+
+    monkeypatch.setattr(vision, "_encode", counting)
+    max_tokens = config.pop("treepack_max_tokens", None)
+    runs = {}
+    for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
+        probe = GradientsAtStep()
+        extra = {"treepack_max_tokens": max_tokens} if name == "packed" and max_tokens else {}
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=4, max_steps=1,
+                          logging_steps=1, report_to="none", use_cpu=True, bf16=False,
+                          save_strategy="no", beta=0.0, learning_rate=1e-2, optim="sgd",
+                          temperature=1.0, seed=0, **config)
+        trainer = cls(model=tiny_model(proc.tokenizer), reward_funcs=lambda completions, **kw:
+                      [float(len(str(c))) + 0.1 * i for i, c in enumerate(completions)],
+                      args=args, train_dataset=dataset(), processing_class=proc,
+                      callbacks=[probe], **extra)
+        torch.manual_seed(0)
+        trainer.train()
+        runs[name] = (trainer, probe.grads)
+    assert_same_training(runs)
+    packed, stock_grads = runs["packed"][0], runs["stock"][1]
+    assert any(k.startswith("model.visual") for k in stock_grads)
+    # every packed forward encoded the distinct images of its rows, each once
+    assert encoded and all(needed <= distinct <= 3 for needed, distinct in encoded)
+    ratios = [h["treepack/token_ratio"] for h in packed.state.log_history
+              if "treepack/token_ratio" in h]
+    assert ratios and 0 < ratios[0] < 1
