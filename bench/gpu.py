@@ -27,6 +27,9 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
 8. sp        bench/sp.py on two GPUs (nccl, ``--ranks 1 2``): sequence parallelism's per-rank
              activation memory, CUDA peak, step time and all-to-all bytes at SP=1 and SP=2,
              tree beside padding-free. Skipped, saying so, on fewer than 2 GPUs.
+9. vlm       bench/vlm.py: vision-language GRPO (1-4 images a prompt) and a screenshot agent,
+             tree vs padding-free vs padded, the FLOP-ratio limit with the vision tower, and
+             the vision tower's share of the step.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
@@ -412,6 +415,27 @@ def part_sp(device, dry):
         record_sp(json.load(f))
 
 
+def part_vlm(device, dry):
+    """bench/vlm.py in a subprocess held to the time budget; one row per workload."""
+    import subprocess
+
+    out = os.path.join(os.environ.get("OUT") or ".", "vlm.json")
+    command = [sys.executable, os.path.join(ROOT, "bench", "vlm.py"), "--device", str(device),
+               "--json", out] + (["--quick", "--repeats", "1"] if dry else [])
+    timeout = min(180.0, max(60.0, BUDGET[0] - elapsed()))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        record("vlm", error=f"bench/vlm.py exited {done.returncode}: {done.stderr[-300:]}")
+        return
+    print(done.stdout, flush=True)
+    with open(out) as f:
+        for name, row in json.load(f)["workloads"].items():
+            record("vlm", workload=name, tree_over_padding_free=row["tree/padding_free"]["median"],
+                   tree_over_padded=row["tree/padded"]["median"], flop_limit=row["flop_limit"],
+                   over_limit=row["tree/padding_free over limit"],
+                   vision_share=row["vision_share"]["tree"])
+
+
 def record_sp(report: dict) -> None:
     """One ``sp`` row per P and workload of bench/sp.py's JSON report."""
     errors = report["gradient_errors"]
@@ -436,8 +460,9 @@ def fmt(x, spec=".3f"):
     return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
 
+# a row without its part's key: the part failed whole
 ROW_KEYS = {"verify": "family", "attention": "workload", "lean": "variant", "flex": "pack",
-            "step": "workload", "sp": "workload"}  # a row without it: the part failed whole
+            "step": "workload", "sp": "workload", "vlm": "workload"}
 
 
 def summary() -> list[str]:
@@ -484,6 +509,9 @@ def summary() -> list[str]:
     for row in rows_of("sp"):
         cells = ", ".join(f"{k} {fmt(v)}" for k, v in row.items() if k != "workload")
         lines.append(f"sp        {row['workload']:<12}{cells}")
+    for row in rows_of("vlm"):
+        cells = ", ".join(f"{k} {fmt(v)}" for k, v in row.items() if k != "workload")
+        lines.append(f"vlm       {row['workload']:<12}{cells}")
     return lines
 
 
@@ -577,7 +605,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="toy sizes (for a CPU)")
     parser.add_argument("--parts", nargs="+", default=["verify", "lean", "step", "attention",
-                                                       "flex", "hybrid", "parts", "sp"])
+                                                       "flex", "hybrid", "parts", "sp",
+                                                       "vlm"])
     parser.add_argument("--budget", type=float, default=360, help="seconds for all parts")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -602,6 +631,8 @@ def main():
         "parts": lambda: part_parts(device, dry, 64 if dry else 1, 1 if dry else args.repeats),
         # sequence parallelism over 2 GPUs (bench/sp.py): SP=1 vs SP=2, tree vs padding-free
         "sp": lambda: part_sp(device, dry),
+        # vision-language models (bench/vlm.py): tree vs padding-free vs padded
+        "vlm": lambda: part_vlm(device, dry),
     }
     for name in args.parts:
         if elapsed() > BUDGET[0]:

@@ -43,6 +43,8 @@ def test_gpu_script_dry_run_every_part(tmp_path):
         assert bar in result.stdout
     results = json.loads((tmp_path / "gpu.json").read_text())["results"]
     assert results["step"] and not any("error" in row for row in results["step"])
+    assert [row["workload"] for row in results["vlm"]] == ["grpo", "agent"]
+    assert all(0 < row["tree_over_padding_free"] < 1 for row in results["vlm"])
     assert all(key not in results for key in ("skipped",))
 
 
