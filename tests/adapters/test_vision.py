@@ -49,11 +49,13 @@ def exact_kernel(monkeypatch, model):
 def alone(model, batch, s, temperature=1.0):
     """Sequence ``s``'s log-probs, run alone with its images through the model's forward."""
     ids = torch.tensor([batch.sequences[s]])
-    mine = [i for i, _ in enumerate(batch.images[s])]
+    mine = len(batch.images[s])
+    start = sum(len(x) for x in batch.images[:s])
     kwargs = {}
-    if mine:
-        start = sum(len(x) for x in batch.images[:s])
-        grid = batch.image_grid_thw[start:start + len(mine)]
+    if mine and batch.image_grid_thw is None:  # one tensor per image
+        kwargs = dict(pixel_values=batch.pixel_values[start:start + mine])
+    elif mine:
+        grid = batch.image_grid_thw[start:start + mine]
         rows = batch.image_grid_thw[:start].prod(-1).sum()
         kwargs = dict(pixel_values=batch.pixel_values[rows:rows + grid.prod(-1).sum()],
                       image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).long())
@@ -64,6 +66,17 @@ def alone(model, batch, s, temperature=1.0):
 def images_of(model, batch, **kwargs):
     return hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
                      image_grid_thw=batch.image_grid_thw, **kwargs)
+
+
+def test_llava_images_are_whole_tensors_and_refuse_a_grid():
+    model = tiny("llava")
+    batch = zoo.image_batch([[1, A, 7], [1, B, 8]], family="llava")
+    assert images_of(model, batch).num_images == 2
+    with pytest.raises(ValueError, match="take no image_grid_thw"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
+                  image_grid_thw=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"\[images, channels, height, width\]"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values.flatten(1))
 
 
 def unpacked(model, batch, weights, temperatures):
@@ -80,7 +93,7 @@ def rel(a, b):
 
 
 def setup(family, monkeypatch):
-    batch = zoo.image_batch(LAYOUT, dtype=torch.float64)
+    batch = zoo.image_batch(LAYOUT, dtype=torch.float64, family=family)
     g = torch.Generator().manual_seed(1)
     weights = [torch.randn(len(s) - 1, generator=g, dtype=torch.float64) for s in batch.sequences]
     temperatures = torch.linspace(0.7, 1.3, len(LAYOUT), dtype=torch.float64)
@@ -119,10 +132,11 @@ def test_images_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
     handle = tower.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
     got_lp, got = packed(model, batch, weights, temperatures, images)
     handle.remove()
-    assert encoded == [16 + 24 + 24]  # one call: each distinct image's patches once
+    # one call: each distinct image's patches (or each distinct image) once
+    assert encoded == [3 if family in zoo.WHOLE_IMAGES else 16 + 24 + 24]
     for s, (a, b) in enumerate(zip(got_lp, want_lp)):
         assert float((a - b).abs().max()) <= 1e-9, s
-    assert set(got) == set(want) and any(".visual." in n or n.startswith("model.visual")
+    assert set(got) == set(want) and any(n.startswith(("model.visual", "model.vision_tower"))
                                          for n in want)
     for name, w in want.items():
         assert rel(got[name], w) <= grad_tol, (name, rel(got[name], w), grad_tol)

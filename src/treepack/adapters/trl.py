@@ -390,11 +390,13 @@ def _image_keys(batch: dict) -> Tensor:
     """``[B, 1]``: a content key of each row's images (TRL splits ``pixel_values`` into one
     tensor per row before its shuffle), so rows group by prompt text and images."""
     pixels, grids = batch["pixel_values"], batch.get("image_grid_thw")
-    if isinstance(pixels, Tensor):  # one tensor for the batch: split by each row's grids
-        counts = batch["num_images"]
-        patches = grids.prod(-1).cpu()
-        rows = torch.split(patches, list(counts))
-        pixels = torch.split(pixels, [int(r.sum()) for r in rows])
+    if isinstance(pixels, Tensor):  # one tensor for the batch: split it by row
+        counts = [int(c) for c in batch["num_images"]]
+        if grids is None:  # one [C, H, W] tensor an image (LLaVA)
+            pixels = torch.split(pixels, counts)
+        else:  # one row a patch: each row's grids give its patches
+            rows = torch.split(grids.prod(-1).cpu(), counts)
+            pixels = torch.split(pixels, [int(r.sum()) for r in rows])
     grids = [np.zeros(0, np.int64)] * len(pixels) if not isinstance(grids, (list, tuple)) \
         else [np.asarray(g.cpu() if isinstance(g, Tensor) else g, dtype=np.int64) for g in grids]
     keys = [image_content_key(p, g) for p, g in zip(pixels, grids)]

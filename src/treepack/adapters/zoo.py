@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 __all__ = ["FAMILIES", "HYBRIDS", "tiny_config", "tiny_model", "qwen2_40m_config",
            "qwen25_05b_config", "qwen35_40m_config", "MODELS", "VISION_FAMILIES",
-           "VISION_IDS", "tiny_vision_model", "ImageBatch", "image_batch"]
+           "VISION_IDS", "WHOLE_IMAGES", "tiny_vision_model", "ImageBatch", "image_batch"]
 
 VOCAB = 97
 _IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -256,15 +256,24 @@ VISION_FAMILIES = {  # family: (config class, text config, vision config, layer 
                                          rope_parameters=dict(_INTERLEAVED,
                                                               partial_rotary_factor=0.5)),
                    dict(_TOWER, num_position_embeddings=16), _HYBRID_LAYERS),
+    # 1-D positions: a CLIP tower, its last layer's patch features, a projector
+    "llava": ("LlavaConfig", dict(_VL_TEXT, model_type="llama"),
+              dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
+                   num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4,
+                   projection_dim=32), None),
 }
+# Families whose pixel_values hold one [3, 8, 8] image each (4 placeholder tokens an image)
+# rather than one row per patch with a grid.
+WHOLE_IMAGES = ("llava",)
 
 
 def tiny_vision_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
                       attn_implementation: str | None = None):
     """A random-init tiny vision-language model of ``family`` (:data:`VISION_FAMILIES`):
-    vocabulary :data:`VISION_VOCAB` with the placeholders of :data:`VISION_IDS`, a vision
-    tower of 2x2 patches merged 2x2 into one token (an image of h x w patches is h*w/4
-    placeholder tokens), pixel rows of :data:`PATCH_DIM`.
+    vocabulary :data:`VISION_VOCAB` with the placeholders of :data:`VISION_IDS`. The Qwen-VL
+    families: a vision tower of 2x2 patches merged 2x2 into one token (an image of h x w
+    patches is h*w/4 placeholder tokens), pixel rows of :data:`PATCH_DIM`; LLaVA
+    (:data:`WHOLE_IMAGES`): a CLIP tower on 8x8 images of 4x4 patches, 4 tokens an image.
 
     Args:
         family: a key of :data:`VISION_FAMILIES`.
@@ -289,7 +298,12 @@ def tiny_vision_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None
     text = dict(text, num_hidden_layers=layers)
     if cycle:
         text["layer_types"] = [cycle[i % len(cycle)] for i in range(layers)]
-    config = getattr(transformers, name)(text_config=text, vision_config=vision, **VISION_IDS)
+    if family in WHOLE_IMAGES:
+        ids = dict(image_token_index=VISION_IDS["image_token_id"], image_seq_length=4,
+                   vision_feature_layer=-1, vision_feature_select_strategy="default")
+    else:
+        ids = VISION_IDS
+    config = getattr(transformers, name)(text_config=text, vision_config=vision, **ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForImageTextToText.from_config(
@@ -302,19 +316,22 @@ class ImageBatch(NamedTuple):
 
     sequences: list  # N token-id lists, each image a run of placeholders
     pixel_values: object  # [patches, PATCH_DIM], every image of every sequence, in order
-    image_grid_thw: object  # [images, 3]
+    image_grid_thw: object  # [images, 3] (None for WHOLE_IMAGES families)
     images: list  # per sequence, the indices of its images in the distinct-image list
 
 
-def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=None):
+def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=None,
+                family: str = "qwen2_vl"):
     """Sequences with images for the tiny vision-language models.
 
     Args:
         layout: per sequence, a list of items: an ``int`` is a text token, ``("image", k)``
             distinct image ``k`` (``vision_start``, its placeholders, ``vision_end``).
-        sizes: each distinct image's (height, width) in patches.
+        sizes: each distinct image's (height, width) in patches (Qwen-VL families).
         seed: the pixels' random seed.
         dtype: the pixels' dtype (default float32).
+        family: the model family the pixels are laid out for (:data:`WHOLE_IMAGES`: one
+            ``[3, 8, 8]`` image each, 4 tokens, no grid).
 
     Returns:
         An :class:`ImageBatch`; an image used twice is given twice (as processors do).
@@ -322,8 +339,11 @@ def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    pixels = [torch.randn(h * w, PATCH_DIM, generator=g, dtype=dtype or torch.float32)
-              for h, w in sizes]
+    whole = family in WHOLE_IMAGES
+    if whole:
+        sizes = [(4, 4)] * len(sizes)  # 4 tokens each: the tiny tower's 2x2 patches
+    pixels = [torch.randn(*((3, 8, 8) if whole else (h * w, PATCH_DIM)), generator=g,
+                          dtype=dtype or torch.float32) for h, w in sizes]
     sequences, rows, grids, images = [], [], [], []
     for items in layout:
         seq, mine = [], []
@@ -340,6 +360,9 @@ def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=
             mine.append(k)
         sequences.append(seq)
         images.append(mine)
+    if whole:
+        pixel_values = torch.stack(rows) if rows else torch.zeros(0, 3, 8, 8)
+        return ImageBatch(sequences, pixel_values, None, images)
     pixel_values = torch.cat(rows) if rows else torch.zeros(0, PATCH_DIM)
     return ImageBatch(sequences, pixel_values, torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
                       images)

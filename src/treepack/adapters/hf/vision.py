@@ -41,13 +41,16 @@ from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack, validate_sequences
 
-__all__ = ["Images", "MROPE_FAMILIES", "REFUSED_FAMILIES", "vision_forward", "image_token_ids",
+__all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "vision_forward", "image_token_ids",
            "content_key"]
 
 # Families whose processor gives one pixel row per patch and an image_grid_thw per image, whose
 # vision tower is ``model.visual`` and whose rotary positions are 3-D (mrope).
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
                   "qwen3_5_moe")
+# Families whose processor gives one [C, H, W] tensor per image, each image a fixed number of
+# placeholder tokens, encoded by a vision tower and a projector; positions 1-D (depth).
+IMAGE_FAMILIES = ("llava",)
 REFUSED_FAMILIES = {
     "gemma3": "Gemma 3's image tokens attend to each other bidirectionally (every token of an "
               "image sees the whole image, later tokens included), which the tree's "
@@ -84,12 +87,14 @@ class Images:
 
     Args:
         model: the vision-language model (prepared or not, or a wrapper of one): Qwen2-VL,
-            Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``...ForConditionalGeneration``).
+            Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``...ForConditionalGeneration``), or LLaVA.
         sequences: N token-id sequences holding the image placeholders (the processor's
             ``input_ids`` without their padding).
-        pixel_values: ``[patches, D]``, one row per patch of every image of the batch, in
-            order (the processor's ``pixel_values``).
-        image_grid_thw: ``[images, 3]``, each image's (temporal, height, width) patch grid.
+        pixel_values: every image of the batch, in order (the processor's
+            ``pixel_values``): Qwen-VL ``[patches, D]``, one row per patch; LLaVA
+            ``[images, C, H, W]``.
+        image_grid_thw: Qwen-VL ``[images, 3]``, each image's (temporal, height, width) patch
+            grid; none for LLaVA (each image is the config's fixed number of tokens).
         num_images: optional, images per sequence (TRL's ``num_images``), checked against the
             placeholders.
 
@@ -101,44 +106,37 @@ class Images:
             left over.
     """
 
-    def __init__(self, model, sequences, *, pixel_values: Tensor, image_grid_thw: Tensor,
-                 num_images: Sequence[int] | None = None):
+    def __init__(self, model, sequences, *, pixel_values: Tensor,
+                 image_grid_thw: Tensor | None = None, num_images: Sequence[int] | None = None):
         core = unwrap(model)
         self.family = _family(core)
         config = core.config
         self.image_token_id = int(config.image_token_id)
-        self.video_token_id = getattr(config, "video_token_id", None)
-        self.merge = int(config.vision_config.spatial_merge_size)
         ids = validate_sequences(sequences)
-        grid = _as_grid(image_grid_thw)
-        pixel_values = _as_pixels(pixel_values, grid)
-        patches = grid.prod(1)
-        tokens = patches // self.merge ** 2
-        bad = np.flatnonzero((patches % self.merge ** 2 != 0) | (grid[:, 1:] % self.merge != 0)
-                             .any(1)) if len(grid) else []
-        if len(bad):
-            raise ValueError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: height and "
-                             f"width must be multiples of the spatial merge size {self.merge} "
-                             "(the processor's own output is)")
-        starts = np.concatenate(([0], np.cumsum(patches)))
-        # one content key per image: its pixels and its grid
-        keys = np.array([content_key(pixel_values[starts[i]:starts[i + 1]], grid[i])
-                         for i in range(len(grid))], dtype=np.int64)
+        if self.family in MROPE_FAMILIES:
+            grid, pixel_values, tokens, starts = _patches(config, pixel_values, image_grid_thw)
+        else:
+            grid, pixel_values, tokens, starts = _per_image(config, pixel_values, image_grid_thw)
+        # one content key per image: its pixels (and its grid)
+        keys = np.array([content_key(pixel_values[starts[i]:starts[i + 1]],
+                                     np.zeros(0, np.int64) if grid is None else grid[i])
+                         for i in range(len(tokens))], dtype=np.int64)
         self.unique_key, first, self.occurrence = np.unique(keys, return_index=True,
                                                             return_inverse=True)
         self.occurrence = self.occurrence.reshape(-1)
-        self.grid = torch.as_tensor(grid[first])  # [U, 3]
+        self.grid = None if grid is None else torch.as_tensor(grid[first])  # [U, 3]
         self.tokens = tokens[first]  # [U]
         self.feature_start = np.concatenate(([0], np.cumsum(self.tokens)))  # [U + 1]
-        self.patch_start = np.concatenate(([0], np.cumsum(patches[first])))  # [U + 1]
+        # each distinct image's rows of pixel_values (patches; one for a whole image)
+        self.patch_start = np.concatenate(([0], np.cumsum(np.diff(starts)[first])))
         self.pixel_values = (torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in first])
                              if len(first) else pixel_values[:0])
         self.keys, self.features, self.images_of = _assign(ids, self.image_token_id, tokens,
                                                            keys, self.occurrence, self.feature_start,
                                                            num_images)
         self.sequences = ids
-        self.positions = _rope_positions(core, ids, grid, self.images_of,
-                                         self.image_token_id, self.video_token_id)
+        self.positions = (_rope_positions(core, ids, grid, self.image_token_id)
+                          if self.family in MROPE_FAMILIES else None)
 
     # ------------------------------------------------------------------ batches
 
@@ -310,8 +308,8 @@ def _deepstack(kwargs: dict, deepstack: list, where: np.ndarray):
 
 
 def _encode(core, images: Images, needed: np.ndarray) -> tuple[Tensor, list[Tensor]]:
-    """The distinct images ``needed`` through the vision tower, with its own attention: the
-    features ``[tokens, H]`` and any deepstack features (each ``[tokens, H]``)."""
+    """The distinct images ``needed`` through the vision tower (and projector), with its own
+    attention: the features ``[tokens, H]`` and any deepstack features (each ``[tokens, H]``)."""
     visual = _visual(core)
     parts = [images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
              for u in needed]
@@ -319,21 +317,33 @@ def _encode(core, images: Images, needed: np.ndarray) -> tuple[Tensor, list[Tens
     pixels = torch.cat(parts).to(device=device, dtype=next(visual.parameters()).dtype)
     token = TREE_FORWARD.set(False)  # mask functions build the vision tower's own masks
     try:
-        out = visual(pixels, grid_thw=images.grid[torch.as_tensor(needed)].to(device))
+        if images.grid is None:  # LLaVA-style: the tower, a layer's features, the projector
+            config = core.config
+            out = getattr(core, "model", core).get_image_features(
+                pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
+                vision_feature_select_strategy=config.vision_feature_select_strategy)
+        else:
+            out = visual(pixels, grid_thw=images.grid[torch.as_tensor(needed)].to(device))
     finally:
         TREE_FORWARD.reset(token)
     if isinstance(out, Tensor):
-        return out, []
-    if isinstance(out, tuple) and not hasattr(out, "pooler_output"):  # older: (features, deep)
-        return out[0], list(out[1] or []) if len(out) > 1 else []
-    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+        return out.reshape(-1, out.shape[-1]), []
+    if isinstance(out, (list, tuple)) and not hasattr(out, "pooler_output"):
+        if out and isinstance(out[0], Tensor) and len(out) == len(needed) and images.grid is None:
+            return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]), []  # one per image
+        return out[0], list(out[1] or []) if len(out) > 1 else []  # older: (features, deep)
+    features = out.pooler_output
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    return features, list(getattr(out, "deepstack_features", None) or [])
 
 
 def _visual(core):
-    visual = getattr(getattr(core, "model", None), "visual", None) or getattr(core, "visual",
-                                                                              None)
+    inner = getattr(core, "model", core)
+    visual = getattr(inner, "visual", None) or getattr(inner, "vision_tower", None)
     if visual is None:
-        raise UnsupportedModel(f"{type(core).__name__} has no vision tower (model.visual)")
+        raise UnsupportedModel(f"{type(core).__name__} has no vision tower (model.visual, "
+                               "model.vision_tower)")
     return visual
 
 
@@ -354,11 +364,47 @@ def _family(core) -> str:
         raise UnsupportedModel(f"{type(core).__name__} ({kind}) encodes no images (its config "
                                "has no image_token_id and vision_config): give it text "
                                "sequences without images=")
-    if kind not in MROPE_FAMILIES:
+    if kind not in MROPE_FAMILIES + IMAGE_FAMILIES:
         raise UnsupportedModel(f"{type(core).__name__} ({kind}): treepack runs the images of "
-                               f"{list(MROPE_FAMILIES)} on a pack; run this model's image "
-                               "prompts unpacked")
+                               f"{list(MROPE_FAMILIES + IMAGE_FAMILIES)} on a pack; run this "
+                               "model's image prompts unpacked")
     return kind
+
+
+def _patches(config, pixel_values, image_grid_thw):
+    """Qwen-VL's layout: one pixel row per patch, a (t, h, w) grid per image, merged
+    ``spatial_merge_size``² patches to a token. Returns the grids, the pixels, each image's
+    tokens and where its rows start (``[images + 1]``)."""
+    if image_grid_thw is None:
+        raise ValueError(f"{config.model_type} images need image_grid_thw (the processor's "
+                         "[images, 3] patch grids) beside pixel_values")
+    merge = int(config.vision_config.spatial_merge_size)
+    grid = _as_grid(image_grid_thw)
+    pixel_values = _as_pixels(pixel_values, grid)
+    patches = grid.prod(1)
+    bad = np.flatnonzero((grid[:, 1:] % merge != 0).any(1)) if len(grid) else []
+    if len(bad):
+        raise ValueError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: height and "
+                         f"width must be multiples of the spatial merge size {merge} (the "
+                         "processor's own output is)")
+    return grid, pixel_values, patches // merge ** 2, np.concatenate(([0], np.cumsum(patches)))
+
+
+def _per_image(config, pixel_values, image_grid_thw):
+    """LLaVA's layout: ``pixel_values`` ``[images, C, H, W]``, each image the same number of
+    placeholder tokens (the config's ``image_seq_length``)."""
+    if image_grid_thw is not None:
+        raise ValueError(f"{config.model_type} images take no image_grid_thw: pixel_values is "
+                         "[images, channels, height, width]")
+    if not isinstance(pixel_values, Tensor) or pixel_values.ndim != 4:
+        raise ValueError(f"{config.model_type} pixel_values must be the processor's [images, "
+                         "channels, height, width] tensor, got "
+                         f"{getattr(pixel_values, 'shape', type(pixel_values))}")
+    vision = config.vision_config
+    tokens = (vision.image_size // vision.patch_size) ** 2 + (
+        config.vision_feature_select_strategy == "full")
+    n = pixel_values.shape[0]
+    return None, pixel_values.detach(), np.full(n, tokens, dtype=np.int64), np.arange(n + 1)
 
 
 def _as_grid(image_grid_thw) -> np.ndarray:
@@ -436,8 +482,8 @@ def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.n
     return out_keys, out_features, images_of
 
 
-def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray, images_of: list,
-                    image_id: int, video_id: int | None) -> list[np.ndarray]:
+def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray,
+                    image_id: int) -> list[np.ndarray]:
     """Each sequence's ``[3, L]`` multimodal rotary positions, as the model computes them
     (its ``get_rope_index``), one padded batch."""
     if not ids:
