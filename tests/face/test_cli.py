@@ -142,6 +142,55 @@ def test_verify_command_exit_status_1_above_tolerance(capsys, monkeypatch):
     assert code == 1 and "FAIL" in out
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_verify_command_passes_on_a_vision_language_family(capsys, family):
+    pytest.importorskip("transformers")
+    code, out, _ = run(capsys, "verify", "--family", family)
+    assert code == 0 and "PASS" in out
+    assert "8 sequences, 112 tokens and 10 images (3 distinct)" in out
+    assert "every sequence alone with its own images" in out
+
+
+@pytest.mark.parametrize("control", ["positions", "vision_gradient"])
+def test_verify_command_fails_a_vision_language_pack_that_cuts_a_corner(capsys, monkeypatch,
+                                                                        control):
+    """Negative controls: depth positions on an mrope model (the images' positions dropped),
+    and image features with no gradient into the vision tower in the packed run."""
+    pytest.importorskip("transformers")
+    from treepack.adapters.hf import vision
+
+    if control == "positions":
+        monkeypatch.setattr(vision, "_rope_positions", lambda *args, **kwargs: None)
+    else:
+        encode = vision._encode
+
+        def detached(*args):
+            features, deepstack = encode(*args)
+            return features.detach(), [d.detach() for d in deepstack]
+
+        monkeypatch.setattr(vision, "_encode", detached)
+    code, out, _ = run(capsys, "verify", "--family", "qwen2_vl")
+    assert code == 1 and "FAIL" in out
+    if control == "vision_gradient":
+        assert "no gradient in one run: model.visual." in out
+
+
+def test_verify_refuses_images_of_other_sequences():
+    pytest.importorskip("transformers")
+    from treepack import hf, zoo
+    from treepack.verification import verification_image_batch, verify
+
+    model = zoo.tiny_vision_model("qwen2_vl")
+    batch = verification_image_batch("qwen2_vl")
+    images = hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
+                       image_grid_thw=batch.image_grid_thw)
+    with pytest.raises(ValueError, match="images holds 8 sequences but verify was given 7"):
+        verify(model, batch.sequences[:7], images=images)
+    with pytest.raises(ValueError, match="sequence 1 is not the images' sequence 1"):
+        verify(model, [batch.sequences[0], batch.sequences[2]] + batch.sequences[2:],
+               images=images)
+
+
 def test_verify_command_reports_flex_cpu_backward_clearly(capsys):
     pytest.importorskip("transformers")
     code, out, err = run(capsys, "verify", "--family", "llama", "--backend", "flex")
@@ -258,7 +307,7 @@ def test_parser_choices_match_the_library():
 
     assert cli.BACKEND_CHOICES == CHOICES
     parser = cli.build_parser()
-    for family in zoo.FAMILIES:
+    for family in [*zoo.FAMILIES, *zoo.VISION_FAMILIES]:
         assert parser.parse_args(["verify", "--family", family]).family == family
     for backend in CHOICES:
         assert parser.parse_args(["bench", "--backend", backend]).backend == backend

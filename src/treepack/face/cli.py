@@ -403,17 +403,25 @@ def _fraction(text: str) -> float:
 def _verify(args) -> int:
     import torch
 
-    from treepack.adapters import zoo
-    from treepack.face.verification import verification_batch, verify
+    from treepack.adapters import hf, zoo
+    from treepack.face.verification import verification_batch, verification_image_batch, verify
 
     dtype = getattr(torch, args.dtype)
     # Low-precision runs are compared against float32 copies: build the model in float32.
     build = dtype if dtype in (torch.float64, torch.float32) else torch.float32
-    model = zoo.tiny_model(args.family, layers=args.layers, seed=args.seed, dtype=build).eval()
-    sequences = verification_batch(zoo.VOCAB, seed=args.seed)
     try:
-        report = verify(model, sequences, backend=args.backend, dtype=dtype,
-                        pad_to_multiple_of=args.pad_to_multiple_of)
+        if args.family in zoo.VISION_FAMILIES:
+            model = zoo.tiny_vision_model(args.family, layers=args.layers, seed=args.seed,
+                                          dtype=build)
+            batch = verification_image_batch(args.family, seed=args.seed, dtype=build)
+            sequences = batch.sequences
+            images = hf.Images(model, sequences, pixel_values=batch.pixel_values,
+                               image_grid_thw=batch.image_grid_thw)
+        else:
+            model = zoo.tiny_model(args.family, layers=args.layers, seed=args.seed, dtype=build)
+            sequences, images = verification_batch(zoo.VOCAB, seed=args.seed), None
+        report = verify(model.eval(), sequences, backend=args.backend, dtype=dtype,
+                        pad_to_multiple_of=args.pad_to_multiple_of, images=images)
     except (RuntimeError, ValueError, NotImplementedError) as e:
         raise InputError(str(e)) from None
     print(report)
@@ -422,7 +430,7 @@ def _verify(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from treepack.version import __version__
-    from treepack.adapters.zoo import FAMILIES, MODELS
+    from treepack.adapters.zoo import FAMILIES, MODELS, VISION_FAMILIES
 
     parser = argparse.ArgumentParser(
         prog="treepack",
@@ -499,9 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="packed vs unpacked equivalence of one training step on a tiny random model",
         description="Build a tiny random model of FAMILY, run one training step (loss, "
         "backward, AdamW) packed and with every sequence alone, and compare log-probs, loss, "
-        "gradients and parameters. Exit status 1 when above tolerance.",
+        "gradients and parameters. A vision-language FAMILY runs a built-in batch with images "
+        "(each sequence alone gets its own images; the vision tower's gradients are "
+        "compared too). Exit status 1 when above tolerance.",
     )
-    verify.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    verify.add_argument("--family", required=True,
+                        choices=sorted(FAMILIES) + sorted(VISION_FAMILIES))
     verify.add_argument("--layers", type=_layers, default=2,
                         help=f"layers of the tiny model (1 .. {MAX_VERIFY_LAYERS})")
     verify.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)

@@ -19,14 +19,23 @@ low-precision run's own error, quantity by quantity. There errors are relative L
 tensor (a max over elements would hinge on single sign flips of AdamW's first step), and an
 error below ``eps(dtype) / 16`` counts as rounding: a wrong reduction or denominator is off
 by far more.
+
+A vision-language model is verified with its images (``images=``, a :class:`treepack.hf.Images`):
+the packed run encodes each distinct image once and places it in the pack's rows; the reference
+gives each sequence alone its own images through the model's forward (``pixel_values``, and
+``image_grid_thw`` and ``mm_token_type_ids`` where the model takes them), so the model computes
+its own image features and multimodal positions. Every gradient is compared, the vision
+tower's included.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -35,7 +44,7 @@ from treepack.adapters.hf import compat
 from treepack.core.tree import TreePack, validate_sequences
 
 __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR", "FLOOR_FACTOR",
-           "verification_batch"]
+           "verification_batch", "verification_image_batch", "IMAGE_LAYOUT"]
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # max relative error, direct comparison
 LOW_PRECISION_FACTOR = 2.0  # packed error <= this x unpacked error, against a float32 reference
@@ -70,6 +79,8 @@ class VerifyReport:
     reference_attention: str = ""  # the attention implementation of the unpacked runs
     # float64: two unpacked implementations against each other (see verify)
     floor_errors: dict[str, Error] | None = None
+    images: int = 0  # image occurrences in the sequences (0: text only)
+    distinct_images: int = 0  # what the packed run encodes
 
     def allowed(self, quantity: str) -> float:
         """Direct comparison: the largest relative error ``quantity`` may have."""
@@ -90,13 +101,16 @@ class VerifyReport:
 
     def __str__(self) -> str:
         low = self.unpacked_errors is not None
+        images = (f" and {self.images} images ({self.distinct_images} distinct)" if self.images
+                  else "")
         head = (f"treepack verify: {self.model}, backend={self.backend}, dtype={self.dtype}: "
-                f"{self.sequences} sequences, {self.original_tokens} tokens -> "
+                f"{self.sequences} sequences, {self.original_tokens} tokens{images} -> "
                 f"{self.packed_rows} packed rows")
         ref = (f"packed ({self.dtype}) and unpacked ({self.dtype}) runs, each against an "
                "unpacked float32 run" if low else
                f"the packed run against every sequence alone, both {self.dtype}")
-        lines = [head, f"  reference: every sequence alone, attention={self.reference_attention}",
+        alone = "every sequence alone" + (" with its own images" if self.images else "")
+        lines = [head, f"  reference: {alone}, attention={self.reference_attention}",
                  f"  errors of {ref}:"]
         if low:
             lines.append(f"  {'':<10}{'packed':>12}{'unpacked':>12}{'ratio':>8}  "
@@ -154,6 +168,40 @@ def verification_batch(vocab: int, *, seed: int = 0, eos: int | None = 2) -> lis
     return batch
 
 
+_A, _B, _C = ("image", 0), ("image", 1), ("image", 2)
+IMAGE_LAYOUT = (  # zoo.image_batch items: ints are text tokens, ("image", k) distinct image k
+    (1, 5, _A, 7, 8, 9, 2),               # a GRPO group sharing image A (one ending in eos) ...
+    (1, 5, _A, 7, 8, 10, 11),
+    (1, 5, _A, 7, 12),
+    (1, 5, _B, 7, 8, 9, 2),               # ... the same text on image B: never merged with A's
+    (1, 6, 6, _A, 3),                     # A after another context: its own rows, one encoding
+    (1, 5, _A, 7, 20, _C, 21, 22),        # an agent history with a screenshot C mid-way ...
+    (1, 5, _A, 7, 20, _C, 21, 23, _B, 4),  # ... and its next turn, with B further on
+    (1, 5, 9, 9, 2),                      # text only
+)
+
+
+def verification_image_batch(family: str, *, seed: int = 0, dtype=None):
+    """The images counterpart of :func:`verification_batch`, for a tiny vision-language model.
+
+    The sequences of :data:`IMAGE_LAYOUT`: a GRPO group sharing an image, the same text on
+    another image, that image after another context, an agent history with a screenshot
+    mid-way (and its next turn), and a text-only sequence.
+
+    Args:
+        family: a key of ``treepack.zoo.VISION_FAMILIES`` (the pixels' layout).
+        seed: the pixels' random seed.
+        dtype: the pixels' dtype (default float32).
+
+    Returns:
+        A ``treepack.zoo.ImageBatch`` (``sequences``, ``pixel_values``, ``image_grid_thw``)
+        for :class:`treepack.hf.Images`.
+    """
+    from treepack.adapters import zoo
+
+    return zoo.image_batch(IMAGE_LAYOUT, seed=seed, dtype=dtype, family=family)
+
+
 def _error(got: Tensor, ref: Tensor, where: str = "", l2: bool = False) -> Error:
     """Max abs difference, and the difference relative to the reference: in max norm (each
     over the tensor's largest magnitude), or with ``l2`` in L2 norm."""
@@ -176,9 +224,15 @@ def _check_deterministic(model: nn.Module) -> None:
     active = [f"{name or type(model).__name__} (p={m.p})" for name, m in model.named_modules()
               if isinstance(m, nn.Dropout) and m.p > 0]
     config = getattr(model, "config", None)
-    for key in ("attention_dropout", "attn_pdrop"):
-        if getattr(config, key, 0) and getattr(config, key) > 0:
-            active.append(f"config.{key}={getattr(config, key)}")
+    # a vision-language model nests its language model's and vision tower's configs
+    configs = {"config": config}
+    for sub in ("text_config", "vision_config"):
+        if getattr(config, sub, None) is not None:
+            configs[f"config.{sub}"] = getattr(config, sub)
+    for where, c in configs.items():
+        for key in ("attention_dropout", "attn_pdrop"):
+            if getattr(c, key, 0) and getattr(c, key) > 0:
+                active.append(f"{where}.{key}={getattr(c, key)}")
     if active:
         raise ValueError(
             f"dropout is on in training mode ({', '.join(active[:4])}): verification needs "
@@ -223,14 +277,32 @@ def _adamw_step(params: list[Tensor], lr: float) -> None:
             p.copy_(master)
 
 
-def _unpacked_loss(sequences: list[Tensor]):
-    """Every sequence alone through the model: log-probs [M] in (sequence, position) order."""
+def _own_images(model, images, s: int, ids: Tensor) -> dict:
+    """Sequence ``s``'s own images as the model's forward takes them, alone: its pixels in
+    placeholder order, with their grids and image-token types where the model takes them."""
+    if images is None or not len(images.images_of[s]):
+        return {}
+    distinct = images.occurrence[images.images_of[s]]
+    pixels = torch.cat([images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
+                        for u in distinct])
+    out = {"pixel_values": pixels.to(ids.device)}
+    if images.grid is not None:
+        out["image_grid_thw"] = images.grid[torch.as_tensor(distinct)].to(ids.device)
+    if "mm_token_type_ids" in inspect.signature(hf.unwrap(model).forward).parameters:
+        out["mm_token_type_ids"] = (ids == images.image_token_id).long()[None]
+    return out
+
+
+def _unpacked_loss(sequences: list[Tensor], images=None):
+    """Every sequence alone through the model, with its own images: log-probs [M] in
+    (sequence, position) order."""
     predictions = sum(len(s) - 1 for s in sequences)
 
     def run(model):
         parts = []
-        for seq in sequences:
-            logits = model(input_ids=seq[None], use_cache=False).logits[0]  # [len, V]
+        for s, seq in enumerate(sequences):
+            logits = model(input_ids=seq[None], use_cache=False,
+                           **_own_images(model, images, s, seq)).logits[0]  # [len, V]
             logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
             parts.append(logp[:-1].gather(-1, seq[1:, None])[:, 0])
         # pack.predictions are ordered by (sequence, position): so is this concatenation.
@@ -240,16 +312,17 @@ def _unpacked_loss(sequences: list[Tensor]):
     return run
 
 
-def _alone_through_dense(sequences: list[Tensor]):
+def _alone_through_dense(sequences: list[Tensor], images=None):
     """Every sequence alone, as a one-sequence pack through treepack's dense attention: plain
     causal attention with the softmax in the model's dtype (no sharing, nothing packed)."""
     predictions = sum(len(s) - 1 for s in sequences)
 
     def run(model):
         parts = []
-        for seq in sequences:
-            pack = TreePack.from_sequences([seq], device=seq.device)
-            logps = pack.token_logprobs(hf.forward(model, pack, "dense").logits[0])
+        for s, seq in enumerate(sequences):
+            own = None if images is None else images.select([s])
+            pack = _pack([seq], own, device=seq.device)
+            logps = pack.token_logprobs(hf.forward(model, pack, "dense", images=own).logits[0])
             parts.append(logps[0, 1:])
         logprobs = torch.cat(parts)
         return logprobs, -logprobs.sum() / max(predictions, 1)
@@ -257,9 +330,15 @@ def _alone_through_dense(sequences: list[Tensor]):
     return run
 
 
-def _packed_loss(pack: TreePack, backend: str):
+def _pack(sequences, images, **kwargs) -> TreePack:
+    """The pack of ``sequences``, keyed by their images' contents where they have images."""
+    return TreePack.from_sequences(sequences, keys=None if images is None else images.keys,
+                                   **kwargs)
+
+
+def _packed_loss(pack: TreePack, backend: str, images=None):
     def run(model):
-        logits = hf.forward(model, pack, backend=backend).logits[0]
+        logits = hf.forward(model, pack, backend=backend, images=images).logits[0]
         flat = pack.token_logprobs(logits).reshape(-1)[pack.predictions.index]  # [M]
         return flat, -flat.sum() / pack.num_predictions
 
@@ -301,6 +380,8 @@ def _compare(got: _Step, ref: _Step, lr: float | None = None, l2: bool = False
             ratios.append(((diff / allowed.clamp_min(1e-300)).max().item(), k))
         worst, name = max(ratios)
         params = params._replace(allowance_ratio=worst, where=name)
+    elif lr is not None:  # a gradient missing in one run: no allowance can explain the step
+        params = params._replace(allowance_ratio=float("inf"))
     return {
         "logprobs": _error(got.logprobs, ref.logprobs, l2=l2),
         "loss": _error(got.loss, ref.loss),
@@ -321,11 +402,13 @@ def _reference_attention(model) -> str:
 
 
 def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
-           lr: float = 1e-3, pad_to_multiple_of: int | None = None) -> VerifyReport:
+           lr: float = 1e-3, pad_to_multiple_of: int | None = None,
+           images: hf.Images | None = None) -> VerifyReport:
     """One training step packed and unpacked from identical copies of ``model``; compare.
 
     Args:
-        model: a transformers causal LM (not modified: the runs use copies).
+        model: a transformers causal LM, or a vision-language model with ``images`` (not
+            modified: the runs use copies).
         sequences: token-id sequences sharing prefixes (as for ``TreePack.from_sequences``).
             The unpacked reference runs on these ids as given (validated), never on ids
             read back from the pack.
@@ -339,19 +422,30 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
             float32 inside float64 models, so float64 is float32-accurate there.
         lr: AdamW learning rate of the compared step (float16 parameters step on float32
             master copies).
+        pad_to_multiple_of: pad the pack's rows to a multiple of this.
+        images: the images of ``sequences`` (a :class:`treepack.hf.Images` built over these
+            sequences). The pack is keyed by their contents and the packed run encodes each
+            distinct image once; the reference runs each sequence alone with its own images
+            through the model's forward (``pixel_values``, and ``image_grid_thw`` and
+            ``mm_token_type_ids`` where the model takes them), so the model computes its own
+            image features and multimodal positions. Gradients include the vision tower's.
 
     Returns:
         A :class:`VerifyReport` (``.passed``, ``str(report)`` for the table).
 
     Raises:
-        ValueError: dropout on in training mode, bad sequences, or sequences with nothing to
-            predict (one token each).
+        ValueError: dropout on in training mode, bad sequences, sequences with nothing to
+            predict (one token each), or ``images`` of other sequences.
+        TypeError: ``images`` that is not a :class:`treepack.hf.Images`.
     """
     _check_deterministic(model)
     dtype = dtype or next(model.parameters()).dtype
     device = next(model.parameters()).device
-    seqs = [torch.as_tensor(a, device=device) for a in validate_sequences(sequences)]
-    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=pad_to_multiple_of, device=device)
+    ids = validate_sequences(sequences)
+    if images is not None:
+        _check_images_match(images, ids)
+    seqs = [torch.as_tensor(a, device=device) for a in ids]
+    pack = _pack(seqs, images, pad_to_multiple_of=pad_to_multiple_of, device=device)
     if len(pack.predictions.index) == 0:
         raise ValueError(f"each of the {len(seqs)} sequences has one token: nothing to predict, "
                          "so nothing to compare; give verify sequences of 2 or more tokens")
@@ -366,24 +460,25 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
             hf.prepare(copy_)
         return _train_step(copy_, lr, loss_fn)
 
-    packed = run(_packed_loss(pack, backend), dtype, tree=True)
+    packed = run(_packed_loss(pack, backend, images), dtype, tree=True)
+    alone = _unpacked_loss(seqs, images)
     low_precision = dtype in (torch.bfloat16, torch.float16)
     floor_errors = None
     if low_precision:
-        reference = run(_unpacked_loss(seqs), torch.float32, reference_attention)
-        unpacked = run(_unpacked_loss(seqs), dtype, reference_attention)
+        reference = run(alone, torch.float32, reference_attention)
+        unpacked = run(alone, dtype, reference_attention)
         unpacked_errors = _compare(unpacked, reference, l2=True)
         tolerance = LOW_PRECISION_FACTOR
     else:
-        reference = run(_unpacked_loss(seqs), dtype, reference_attention)
+        reference = run(alone, dtype, reference_attention)
         unpacked_errors = None
         tolerance = TOLERANCE.get(dtype, 1e-5)
         if dtype in (torch.float64, torch.float32):  # the spread of two unpacked runs
             with compat.other_scan(hf.unwrap(model)):  # a hybrid's scan token by token too
                 if reference_attention == "eager":
-                    other = run(_alone_through_dense(seqs), dtype, tree=True)
+                    other = run(_alone_through_dense(seqs, images), dtype, tree=True)
                 else:
-                    other = run(_unpacked_loss(seqs), dtype, "eager")
+                    other = run(alone, dtype, "eager")
             floor_errors = _compare(other, reference)
     return VerifyReport(
         model=type(hf.unwrap(model)).__name__,
@@ -398,5 +493,21 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
         noise_floor=torch.finfo(dtype).eps / 16 if low_precision else 0.0,
         reference_attention=reference_attention,
         floor_errors=floor_errors,
+        images=0 if images is None else sum(map(len, images.images_of)),
+        distinct_images=0 if images is None else images.num_images,
     )
 
+
+def _check_images_match(images, ids: list) -> None:
+    """``images`` must be those of these sequences, in this order."""
+    if not isinstance(images, hf.Images):
+        raise TypeError(f"images must be a treepack.hf.Images, got {type(images).__name__}: "
+                        "build it with hf.Images(model, sequences, pixel_values=...)")
+    if images.num_sequences != len(ids):
+        raise ValueError(f"images holds {images.num_sequences} sequences but verify was given "
+                         f"{len(ids)}: build them with hf.Images(model, sequences, ...) over "
+                         "the same sequences")
+    for s, (a, b) in enumerate(zip(images.sequences, ids)):
+        if not np.array_equal(a, b):
+            raise ValueError(f"sequence {s} is not the images' sequence {s}: build them with "
+                             "hf.Images(model, sequences, ...) over the same sequences, in order")
