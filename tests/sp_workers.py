@@ -3,6 +3,7 @@ cases, with a group per case, and saves what it got; the tests compare with one 
 
 import contextlib
 import dataclasses
+import sys
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,24 @@ import torch.distributed as dist
 import dist_workers
 
 TEMPERATURES = (0.7, 1.0, 1.3)
+
+_A, _B, _C = ("image", 0), ("image", 1), ("image", 2)  # 4, 6 and 6 placeholder rows
+IMAGE_LAYOUT = [  # 43 rows: a rank boundary inside A at 2 ranks, inside all three at 4
+    [1, 5, _A, 7, 8, 9],              # a GRPO group sharing image A ...
+    [1, 5, _A, 7, 8, 10, 11],
+    [1, 5, _A, 7, 12],
+    [1, 5, _B, 7, 8, 9],              # ... the same text on image B
+    [1, 5, _A, 7, 20, _C, 21, 22],    # an agent history: a screenshot C after a turn ...
+    [1, 5, _A, 7, 20, _C, 21, 23, 4],  # ... and the next turn
+    [1, 3, 9, 9, 9, 9, 9],            # text only (its rows come first)
+]
+
+
+def image_batch():
+    """The images case's sequences and images, as a processor lays them out (float64)."""
+    from treepack import zoo
+
+    return zoo.image_batch(IMAGE_LAYOUT, dtype=torch.float64)
 
 
 def batch(kind: str, seed: int = 0):
@@ -22,6 +41,8 @@ def batch(kind: str, seed: int = 0):
         return verification_batch(zoo.VOCAB, seed=seed)
     if kind == "tiny":  # fewer rows than ranks
         return [torch.tensor([5, 6, 7])]
+    if kind == "images":
+        return [torch.tensor(seq) for seq in image_batch().sequences]
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, zoo.VOCAB, (13,), generator=g)
     return [torch.cat([prompt, torch.randint(3, zoo.VOCAB, (n,), generator=g)])
@@ -34,11 +55,15 @@ def weights(shape, seed: int = 5):
         torch.randn(shape, generator=g, dtype=torch.float64)
 
 
-def model_for(case: dict):
+def model_for(case: dict, attn_implementation: str | None = None):
     from treepack import hf, zoo
 
-    model = zoo.tiny_model(case.get("family", "llama"), seed=1, dtype=torch.float64,
-                           **case.get("config", {}))
+    family = case.get("family", "llama")
+    if family in zoo.VISION_FAMILIES:
+        model = zoo.tiny_vision_model(family, seed=1, dtype=torch.float64,
+                                      attn_implementation=attn_implementation)
+    else:
+        model = zoo.tiny_model(family, seed=1, dtype=torch.float64, **case.get("config", {}))
     hf.prepare(model)
     if case.get("checkpointing"):
         model.gradient_checkpointing_enable(
@@ -47,21 +72,82 @@ def model_for(case: dict):
     return model
 
 
+def inputs(model, case: dict, seed: int):
+    """A case's pack and the keyword arguments every call takes with it (its images)."""
+    from treepack import TreePack, hf
+
+    kind = case.get("batch", "verification")
+    if kind != "images":
+        return TreePack.from_sequences(batch(kind, seed)), {}
+    b = image_batch()
+    images = hf.Images(model, b.sequences, pixel_values=b.pixel_values,
+                       image_grid_thw=b.image_grid_thw)
+    return images.pack(), {"images": images}
+
+
+@contextlib.contextmanager
+def exact_vision_rotary(model):
+    """While it lasts, the vision tower's rotary runs in the model's dtype. transformers
+    applies it in float32 even in a float64 model; its backward then rounds each rank's (each
+    part's) share of a split image's gradient to float32 on its own, 1e-9 from the whole
+    pack's here (test_vision's exact_kernel runs the Gated DeltaNet kernel in float64 alike)."""
+    from treepack import hf
+
+    visual = getattr(getattr(hf.unwrap(model), "model", None), "visual", None)
+    module = sys.modules[type(visual).__module__] if visual is not None else None
+    saved = getattr(module, "apply_rotary_pos_emb_vision", None)
+    if saved is None:
+        yield
+        return
+
+    def rotary(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+        half = module.rotate_half
+        return q * cos + half(q) * sin, k * cos + half(k) * sin
+
+    module.apply_rotary_pos_emb_vision = rotary
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb_vision = saved
+
+
+def alone_inputs(case: dict, s: int) -> dict:
+    """The model's own keyword arguments for sequence ``s`` run alone: its images."""
+    from treepack import zoo
+
+    b = image_batch() if case.get("batch") == "images" else None
+    if b is None or not b.images[s]:
+        return {}
+    first = sum(map(len, b.images[:s]))
+    grid = b.image_grid_thw[first:first + len(b.images[s])]
+    start = int(b.image_grid_thw[:first].prod(-1).sum())
+    ids = torch.tensor(b.sequences[s])[None]
+    return dict(pixel_values=b.pixel_values[start:start + int(grid.prod(-1).sum())],
+                image_grid_thw=grid,
+                mm_token_type_ids=(ids == zoo.VISION_IDS["image_token_id"]).long())
+
+
 def temperatures(n: int, case: dict):
     return [TEMPERATURES[s % 3] for s in range(n)] if case.get("temperatures") else 1.0
 
 
 def run_case(case: dict, group, seed: int) -> dict:
     """One case on this rank: its outputs and its (group-averaged) gradients."""
-    from treepack import TreePack, hf
-
     model = model_for(case)
-    pack = TreePack.from_sequences(batch(case.get("batch", "verification"), seed))
+    with exact_vision_rotary(model):
+        return _run_case(model, case, group, seed)
+
+
+def _run_case(model, case: dict, group, seed: int) -> dict:
+    from treepack import hf
+
+    pack, extra = inputs(model, case, seed)
     w, v = weights(tuple(pack.rows.shape))
     temps = temperatures(pack.num_sequences, case)
     call = case.get("call", "logprobs")
     common = dict(entropy=True, temperature=temps, align=case.get("align", "label"),
-                  sequence_parallel=group)
+                  sequence_parallel=group, **extra)
     if call == "logprobs":
         out = hf.logprobs(model, pack, head=case.get("head", "auto"),
                           backend=case.get("backend", "auto"), **common)
@@ -92,30 +178,45 @@ def run_case(case: dict, group, seed: int) -> dict:
 
 def reference(case: dict, seed: int = 0) -> dict:
     """The same loss in one process: the whole pack in one forward (``"pack"``), and every
-    sequence run alone (``"alone"``, label-aligned cases)."""
-    from treepack import TreePack, hf
+    sequence run alone (``"alone"``, label-aligned cases); with images, the largest gradient
+    difference between running them alone with the model's sdpa and eager attention
+    (``"spread"``, what test_vision's tolerance derives from)."""
+    from treepack import hf
 
-    seqs = batch(case.get("batch", "verification"), seed)
-    pack = TreePack.from_sequences(seqs)
+    model = model_for(case)
+    pack, extra = inputs(model, case, seed)
     w, v = weights(tuple(pack.rows.shape))
     temps = temperatures(pack.num_sequences, case)
     results = {}
-    model = model_for(case)
-    out = hf.logprobs(model, pack, entropy=True, temperature=temps,
-                      align=case.get("align", "label"), head="logits", backend="segment")
-    results["pack"] = _result(model, out.logprobs, out.entropy, w, v)
+    with exact_vision_rotary(model):
+        out = hf.logprobs(model, pack, entropy=True, temperature=temps,
+                          align=case.get("align", "label"), head="logits", backend="segment",
+                          **extra)
+        results["pack"] = _result(model, out.logprobs, out.entropy, w, v)
     if case.get("align", "label") == "label":
-        model = model_for(case)
-        logps, ents = torch.zeros_like(w), torch.zeros_like(w)
-        for s, seq in enumerate(seqs):
+        results["alone"] = _alone(model_for(case), case, seed, temps, w, v)
+    if extra and "alone" in results:
+        eager = _alone(model_for(case, "eager"), case, seed, temps, w, v)["grads"]
+        results["spread"] = max(((g - results["alone"]["grads"][k]).abs().max()
+                                 / g.abs().max().clamp_min(1e-30)).item()
+                                for k, g in eager.items())
+    return results
+
+
+def _alone(model, case: dict, seed: int, temps, w, v) -> dict:
+    """Every sequence run alone, with its images, through the model's own forward."""
+    logps, ents = torch.zeros_like(w), torch.zeros_like(w)
+    with exact_vision_rotary(model):
+        for s, seq in enumerate(batch(case.get("batch", "verification"), seed)):
             t = temps[s] if isinstance(temps, list) else temps
-            logp = (model(input_ids=seq[None], use_cache=False).logits[0] / t).log_softmax(-1)
+            logits = model(input_ids=seq[None], use_cache=False,
+                           **alone_inputs(case, s)).logits[0]
+            logp = (logits / t).log_softmax(-1)
             ent = -(logp.exp() * logp).sum(-1)
             at = (torch.tensor([s]), torch.arange(1, len(seq)))
             logps = logps.index_put(at, logp[:-1].gather(-1, seq[1:, None])[:, 0])
             ents = ents.index_put(at, ent[:-1])
-        results["alone"] = _result(model, logps, ents, w, v)
-    return results
+        return _result(model, logps, ents, w, v)
 
 
 def _result(model, logprobs, entropy, w, v) -> dict:
@@ -129,9 +230,11 @@ def _result(model, logprobs, entropy, w, v) -> dict:
 @contextlib.contextmanager
 def broken(how: str | None):
     """A negative control: the sequence-parallel code with one thing broken."""
+    from treepack.adapters.hf import packed
     from treepack.adapters.hf import sequence_parallel as sp
 
     saved = sp._Exchange.backward, sp.SequenceParallel.rows, sp.packed_forward
+    vision_forward = packed.vision_forward
     try:
         if how == "no_return_backward":  # the exchange back passes no gradient
             def backward(ctx, grad):
@@ -156,9 +259,21 @@ def broken(how: str | None):
                 pack = dataclasses.replace(pack, position_ids=local, _derived={})
                 return saved[2](model, pack, kwargs, rows=rows, mixers=mixers, output=output)
             sp.packed_forward = packed_forward
+        elif how == "image_rows_from_zero":  # every rank places the image features, and
+            # takes the mrope positions, of its slice's rows counted from 0 (rank 0's rows)
+            def from_zero(model, pack, images, rows):
+                return vision_forward(model, pack, images, rows - rows[0])
+            packed.vision_forward = from_zero
+        elif how == "image_depth_positions":  # features placed, positions the depths
+            @contextlib.contextmanager
+            def depths(model, pack, images, rows):
+                with vision_forward(model, pack, images, rows):
+                    yield None
+            packed.vision_forward = depths
         yield
     finally:
         sp._Exchange.backward, sp.SequenceParallel.rows, sp.packed_forward = saved
+        packed.vision_forward = vision_forward
 
 
 def cases_worker(rank: int, world: int, port: int, out: str, cases: dict) -> None:

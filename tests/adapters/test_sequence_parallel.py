@@ -6,6 +6,7 @@ pack in one forward and, for label-aligned cases, every sequence run alone. Nega
 run the same cases with one thing broken and must differ.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,14 @@ TWO = {
         dict(broken="no_return_backward", batch="small"),
     "broken: every rank computes the same rows": dict(broken="same_rows", batch="small"),
     "broken: rotary at each slice's own index": dict(broken="slice_positions", batch="small"),
+    "images (qwen2-vl)": dict(family="qwen2_vl", batch="images", temperatures=True),
+    "images, deepstack (qwen3-vl)": dict(family="qwen3_vl", batch="images"),
+    "images in parts (qwen3-vl)": dict(family="qwen3_vl", batch="images", call="backward",
+                                       budget=16),
+    "broken: image features and positions of rank 0's rows":
+        dict(family="qwen2_vl", batch="images", broken="image_rows_from_zero"),
+    "broken: image rows at depth positions":
+        dict(family="qwen2_vl", batch="images", broken="image_depth_positions"),
 }
 
 FOUR = {
@@ -39,6 +48,7 @@ FOUR = {
     "sp 2 x dp 2 in parts": dict(group=2, average_over="world", call="backward", budget=16),
     "sp 4, fewer key/value heads than ranks": dict(group=4),
     "sp 4, fewer rows than ranks": dict(group=4, batch="tiny"),
+    "sp 4, images (qwen2-vl)": dict(group=4, family="qwen2_vl", batch="images"),
 }
 
 # float64 throughout; models whose norms compute in float32 (gemma2, qwen3.5) sum their
@@ -47,6 +57,15 @@ TOLERANCE = {"gemma2": 1e-6, "qwen3_5": 1e-6}
 # against every sequence alone: transformers' Gated DeltaNet kernel runs in float32, in chunks
 # that start elsewhere alone than in the tree (test_hybrid.py runs it in float64 instead)
 ALONE = {"qwen3_5": 1e-3}
+
+
+def alone_tolerance(case: dict, expect: dict) -> float:
+    """Against every sequence alone: the model's own attention, whose backward is not float64
+    throughout (its eager and sdpa implementations differ by 2e-7 in these gradients); with
+    images, test_vision's tolerance: 4 x that spread, measured on the case."""
+    if "spread" in expect:
+        return max(1e-7, 4 * expect["spread"])
+    return ALONE.get(case.get("family"), 1e-6)
 
 
 def run(cases: dict, world: int, tmp_path) -> list[dict]:
@@ -101,10 +120,7 @@ def test_two_ranks_equal_one_process_and_every_sequence_alone(two, name):
             got = {**got, "grads": {}}
         assert_equal(got, expect["pack"], tol, f"rank {rank} vs one forward")
         if "alone" in expect and case.get("call") != "score":
-            # alone: the model's own attention, whose backward is not float64 throughout
-            # (its eager and sdpa implementations differ by 2e-7 in these gradients)
-            assert_equal({**got, "loss": None}, expect["alone"],
-                         ALONE.get(case.get("family"), 1e-6),
+            assert_equal({**got, "loss": None}, expect["alone"], alone_tolerance(case, expect),
                          f"rank {rank} vs alone")
 
 
@@ -121,13 +137,41 @@ def test_negative_controls_are_caught(two, name):
 def test_four_ranks(four, name):
     case = FOUR[name]
     size = case.get("group", 4)
-    refs = [sp_workers.reference(case, seed)["pack"] for seed in range(4 // size)]
+    refs = [sp_workers.reference(case, seed) for seed in range(4 // size)]
     for rank, results in enumerate(four):
-        got, expect = results[name], refs[rank // size]
+        got, expect = results[name], refs[rank // size]["pack"]
         if case.get("average_over") == "world":  # DDP's average over both batches' grads
-            grads = {k: sum(r["grads"][k] for r in refs) / len(refs) for k in expect["grads"]}
+            grads = {k: sum(r["pack"]["grads"][k] for r in refs) / len(refs)
+                     for k in expect["grads"]}
             expect = {**expect, "grads": grads}
         assert_equal(got, expect, 1e-10, f"rank {rank}")
+        if "spread" in refs[0]:  # images: every sequence alone too
+            assert_equal({**got, "loss": None}, refs[0]["alone"],
+                         alone_tolerance(case, refs[0]), f"rank {rank} vs alone")
+
+
+@pytest.mark.parametrize("ranks, budget", [(2, None), (4, None), (2, 16)])
+def test_images_cases_split_an_image_between_ranks(ranks, budget):
+    """The images batch puts a rank boundary inside an image's placeholder rows (of the pack,
+    and of a part in parts): two ranks each place part of one image's features."""
+    from treepack.planning.parts import split
+
+    model = sp_workers.model_for({"family": "qwen2_vl"})
+    pack, extra = sp_workers.inputs(model, {"batch": "images"}, 0)
+    images = extra["images"]
+    feature = np.full(pack.num_rows, -1)
+    for rows, f in zip(pack.host.rows, images.features):
+        feature[rows[:len(f)]] = f
+    image = np.where(feature >= 0,
+                     np.searchsorted(images.feature_start, feature, side="right") - 1, -1)
+    forwards = [np.arange(pack.num_rows)] if budget is None else \
+        [part.rows for part in split(pack, budget).parts]
+    inside = []
+    for rows in forwards:
+        width = -(-len(rows) // ranks)  # SequenceParallel.share
+        inside += [b for b in range(width, len(rows), width)
+                   if image[rows[b]] >= 0 and image[rows[b - 1]] == image[rows[b]]]
+    assert inside, (ranks, budget)
 
 
 def test_refusals_name_the_problem_on_every_rank(tmp_path):
