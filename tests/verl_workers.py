@@ -136,15 +136,20 @@ def make_model_dir(root: str, family: str = "qwen2") -> str:
 
     path = os.path.join(root, f"tiny_{family}")
     torch.manual_seed(0)
-    if family == "qwen2":
+    from treepack import zoo
+
+    if family in zoo.VISION_FAMILIES:  # vocabulary 128 with the image placeholders 100-103
+        model = zoo.tiny_vision_model(family)
+        model.config.text_config.update(dict(pad_token_id=PAD, eos_token_id=EOS,
+                                             bos_token_id=BOS))
+        model.save_pretrained(path)
+    elif family == "qwen2":
         config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=512, tie_word_embeddings=False,
                              pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
         Qwen2ForCausalLM(config).save_pretrained(path)
     else:
-        from treepack import zoo
-
         model = zoo.tiny_model(family, vocab_size=VOCAB)
         model.config.update(dict(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS))
         model.save_pretrained(path)
@@ -222,6 +227,65 @@ def make_rows(seed: int = 0) -> list[dict]:
     return rows
 
 
+def make_image_rows(seed: int = 0) -> list[dict]:
+    """Rollout rows with images, as verl's agent loop writes them for a Qwen-VL model: each
+    row its own copy of its prompt's images (``images``: (pixels, grid) each). A GRPO group on
+    image 0, the same question on image 1 (another group), and an agent trajectory whose
+    second step repeats the first, a screenshot (image 2) in its first turn's prompt and
+    another (image 1) returned by a tool in its second turn's response."""
+    from treepack import zoo
+
+    g = torch.Generator().manual_seed(seed)
+    batch = zoo.image_batch([[("image", k)] for k in range(3)], seed=seed)
+    pixels = list(torch.split(batch.pixel_values, batch.image_grid_thw.prod(-1).tolist()))
+    images = [(pixels[k], batch.image_grid_thw[k:k + 1]) for k in range(3)]
+    placed = [batch.sequences[k] for k in range(3)]
+
+    def tokens(n):
+        return torch.randint(4, 100, (n,), generator=g).tolist()  # text: below the placeholders
+
+    def between(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=g))
+
+    rows = []
+    question = tokens(6)
+    for uid, k, rollouts in (("prompt0", 0, 6), ("prompt1", 1, 4)):
+        prompt = tokens(3) + placed[k] + question
+        prompt = [BOS] + prompt[1:]
+        for _ in range(rollouts):
+            response = tokens(between(2, 10)) + [EOS]
+            rows.append(dict(uid=uid, prompt=prompt, response=response,
+                             mask=[1] * len(response), images=[images[k]]))
+    history, shown = tokens(5) + placed[2] + tokens(3), [images[2]]
+    for step in range(2):
+        said = tokens(between(2, 4))
+        tool = placed[1] if step == 1 else tokens(3)  # a screenshot from a tool, once
+        more = tokens(between(1, 3)) + [EOS]
+        response = said + tool + more
+        rows.append(dict(uid="agent0", prompt=history, response=response,
+                         mask=[1] * len(said) + [0] * len(tool) + [1] * len(more),
+                         images=shown + ([images[1]] if step == 1 else [])))
+        history = history + response + tokens(2)
+        shown = shown + ([images[1]] if step == 1 else [])
+    return rows
+
+
+def _mrope_positions(engine, rows) -> list[torch.Tensor]:
+    """Each row's ``[4, length]`` position ids as verl's agent loop computes them: the text
+    positions, then the model's own ``get_rope_index`` (its processor's)."""
+    from treepack import hf
+
+    inner = hf.unwrap(engine.module).model
+    out = []
+    for r in rows:
+        ids = torch.tensor([r["prompt"] + r["response"]])
+        grid = torch.cat([grid for _, grid in r["images"]]) if r["images"] else None
+        rope, _ = inner.get_rope_index(ids, mm_token_type_ids=(ids == 100).long(),
+                                       image_grid_thw=grid)
+        out.append(torch.cat([torch.arange(ids.shape[1])[None], rope[:, 0]]))
+    return out
+
+
 def _nested(rows) -> torch.Tensor:
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
@@ -233,13 +297,23 @@ def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=
     ``uid``, the trainer's and the worker's flags."""
     ids = [torch.tensor(r["prompt"] + r["response"]) for r in rows]
     mask = [torch.tensor(r["mask"]) for r in rows]
+    images = "images" in rows[0]
+    positions = (_mrope_positions(engine, rows) if images
+                 else [torch.arange(len(i)) for i in ids])
     tensors = {
-        "input_ids": _nested(ids), "position_ids": _nested(torch.arange(len(i)) for i in ids),
+        "input_ids": _nested(ids), "position_ids": _nested(positions),
         "prompts": _nested(torch.tensor(r["prompt"]) for r in rows),
         "responses": _nested(torch.tensor(r["response"]) for r in rows),
         "response_mask": _nested(mask), "loss_mask": _nested(mask),
         "uid": [r["uid"] for r in rows],
     }
+    if images:  # verl's per-row dict ({} for a row without images)
+        tensors["multi_modal_inputs"] = [
+            dict(pixel_values=torch.cat([p for p, _ in r["images"]]),
+                 image_grid_thw=torch.cat([g for _, g in r["images"]]),
+                 images_seqlens=torch.cat([g for _, g in r["images"]]).prod(-1),
+                 **r.get("inputs", {}))
+            if r["images"] else dict(r.get("inputs", {})) for r in rows]
     for key, value in (("old_log_probs", old_log_probs), ("ref_log_prob", ref_log_prob),
                        ("advantages", advantages)):
         if value is not None:
@@ -353,12 +427,13 @@ def init(rank: int, world: int, port: int) -> None:
 
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: str,
-                    out_path: str, stock_padded: bool = False, budget: int | None = None
-                    ) -> None:
+                    out_path: str, stock_padded: bool = False, budget: int | None = None,
+                    images: bool = False) -> None:
     """Stock engine vs TreepackEngine on the same batches; rank 0 saves the measured errors.
     ``stock_padded``: the stock engine's batches say ``use_remove_padding=False`` (a hybrid:
     verl's padding-free path runs transformers' CPU scan across the sequences it concatenates,
-    which ignores their boundaries)."""
+    which ignores their boundaries). ``images``: rows with images (:func:`make_image_rows`)
+    for a vision-language model."""
     init(rank, world, port)
     try:
         treepack_verl.register(devices=("cpu",))
@@ -366,7 +441,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
                                                  infer_max_token_len_per_gpu=budget)
         stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy, **budgets)
         tree = make_engine(treepack_verl.TreepackEngine, model_dir, strategy, **budgets)
-        rows = make_rows()
+        rows = make_image_rows() if images else make_rows()
         result = {"registered": type(tree).__name__, "messages": []}
         log = captured_log()
 
@@ -444,6 +519,10 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
         want_lp, _, _ = outputs(stock)
         got_lp, _, _ = outputs(tree)
         result["log_probs_after_step"] = relative_error(got_lp, want_lp)
+        if images:  # a video input is not an image: that batch runs stock, saying why
+            video = [dict(r, inputs={"pixel_values_videos": torch.zeros(1, 12)}) for r in rows]
+            result["video_reason"] = tree._stock_reason(shard(make_batch(video, tree, True),
+                                                              rank, world))
         save(result, log, rank, out_path)
     finally:
         dist.barrier()
@@ -631,6 +710,19 @@ def compare_lora(rank: int, world: int, port: int, model_dir: str, out_path: str
                               for k, w in grads["stock"].items())
         if rank == 0:
             torch.save(result, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def refused_model(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
+    """The reason TreepackEngine gives for a model it runs stock (``_treepack_refused``)."""
+    init(rank, world, port)
+    try:
+        treepack_verl.register(devices=("cpu",))
+        tree = make_engine(treepack_verl.TreepackEngine, model_dir, "fsdp2")
+        if rank == 0:
+            torch.save(tree._treepack_refused, out_path)
     finally:
         dist.barrier()
         dist.destroy_process_group()

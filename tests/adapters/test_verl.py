@@ -279,6 +279,43 @@ def test_verl_engine_on_a_hybrid_qwen3_5_equals_stock_padded(world, budget, stra
         assert r["parts"] and r["parts"][0] > 1 and not r["messages"], r
 
 
+@pytest.fixture(scope="module")
+def vision_model_dir(tmp_path_factory):
+    return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("vision")), "qwen3_vl")
+
+
+@pytest.mark.parametrize("world,budget", [(1, None), (2, None), (2, 44)])
+def test_verl_engine_with_images_equals_stock_engine(world, budget, vision_model_dir,
+                                                     tmp_path):
+    """A tiny Qwen3-VL (deepstack) through TreepackEngine on rows as verl's agent loop
+    writes them: each row's ``multi_modal_inputs`` (its copy of its images) and verl's
+    ``[4, length]`` mrope position ids. The rows pack (keyed by image content, each distinct
+    image encoded once a forward) instead of falling back, and log-probs, entropies, losses,
+    gradients (the vision tower's too) and the step equal the stock engine's; at a 44-token
+    budget the trees run in parts, cutting through images."""
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.compare_engines, world, vision_model_dir, "fsdp2", str(out), False,
+          budget, True)
+    r = torch.load(out)
+    assert not any("stock engine path" in m for m in r["messages"]), r["messages"]
+    assert_equals_stock(r)
+    assert r["grad_names_token-mean"]
+    assert all(0 < ratio < 1 for ratio in r["token_ratio"]), r["token_ratio"]
+    if budget is not None:
+        assert r["parts"] and r["parts"][0] > 1, r
+    assert "['pixel_values_videos']" in r["video_reason"], r["video_reason"]
+
+
+def test_verl_runs_qwen2_vl_stock_by_name(tmp_path_factory, tmp_path):
+    """verl replaces Qwen2-VL's attention with its own flash-attention call and its forward
+    with one that takes only 4-row position ids: the engine says so and runs it stock."""
+    model_dir = verl_workers.make_model_dir(str(tmp_path_factory.mktemp("qwen2vl")), "qwen2_vl")
+    out = tmp_path / "reason.pt"
+    spawn(verl_workers.refused_model, 1, model_dir, str(out))
+    reason = torch.load(out)
+    assert reason and "Qwen2VLForConditionalGeneration" in reason, reason
+
+
 @pytest.mark.parametrize("world,strategy", [(2, "fsdp2"), (2, "fsdp")])
 def test_verl_lean_engine_equals_stock_engine(world, strategy, model_dir, tmp_path):
     """external_lib=treepack.verl_lean: the LM head runs inside FSDP's forward on hidden

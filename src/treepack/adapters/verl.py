@@ -36,8 +36,17 @@ What changes, and what does not:
   docs/sequence-parallel.md). Every rank gets the whole micro-batch's outputs and runs
   verl's loss on them, as stock verl's Ulysses does; FSDP's average over every rank gives
   the gradient. Trees over that budget run in parts, each part split the same way.
+- **Images pack too** (a vision-language model :class:`treepack.hf.Images` runs; tested on
+  Qwen3-VL, whose attention verl leaves to transformers): each row's ``multi_modal_inputs`` (its copy of its
+  images) become the batch's images, keyed by content in the plan and the packs, each
+  distinct image encoded once a forward; verl's ``[4, length]`` mrope position ids are read
+  for their text row (depths), the model's own rope index giving the rest. Qwen2-VL and
+  Qwen2.5-VL run stock under verl: verl replaces their attention with its own
+  flash-attention call and their forward with one that takes only its 4-row position ids,
+  which :func:`treepack.hf.prepare` refuses, by name.
 - **Transparent fallback.** Batches or models that cannot be packed — multi-modal
-  inputs, mrope position ids, position ids other than ``0 .. length - 1``, fused kernels,
+  inputs other than images (video, audio), mrope position ids of a model without images,
+  position ids other than ``0 .. length - 1``, fused kernels,
   distillation outputs, a temperature that is not finite and > 0, a model
   :func:`treepack.hf.prepare` refuses — run verl's stock path, with one log line saying why
   (logger ``treepack.verl``). The decision is all-reduced: if one rank
@@ -71,6 +80,7 @@ import torch
 from torch import Tensor
 
 from treepack.adapters import hf, verl_trainer
+from treepack.adapters.hf import vision
 from treepack.adapters.hf.forwarding import inside_refusal
 from treepack.adapters.verl_trainer import say_once
 from treepack.core import deprecation
@@ -131,9 +141,11 @@ class TreepackEngine(FSDPEngineWithLMHead):
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
                              dp_size=self.get_data_parallel_size())
         sequences = _host_sequences(data)
-        planned = self._plan(data, sequences)
+        images = self._images(data, sequences)
+        keys = None if images is None else images.keys
+        planned = self._plan(data, sequences, keys=keys)
         if self._in_parts(planned, group):
-            collected = self._parts_step(data, sequences, loss_function, forward_only)
+            collected = self._parts_step(data, sequences, loss_function, forward_only, images)
             if not forward_only:  # parts compute every row of the rank's batch once
                 self._log_sharing(collected, data, sequences,
                                   np.zeros(len(sequences), dtype=np.int64), group)
@@ -144,7 +156,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
         count = int(count.item())
         if len(micro) < count:  # as many real micro-batches as every other rank: verl
             # aggregates metrics per micro-batch index
-            micro = _micro_batches(self._plan(data, sequences, count))
+            micro = _micro_batches(self._plan(data, sequences, count, keys))
         keep_outputs = forward_only or tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False)  # verl drops them in training
         grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
@@ -160,8 +172,9 @@ class TreepackEngine(FSDPEngineWithLMHead):
                     real = i < len(micro)
                     picked = micro[i] if real else micro[0][:1]
                     batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
-                    loss, out = self._tree_step(batch, [sequences[r] for r in picked],
-                                                loss_function, forward_only)
+                    loss, out = self._tree_step(
+                        batch, [sequences[r] for r in picked], loss_function, forward_only,
+                        None if images is None else images.select(picked))
                     if not real:
                         loss, out["loss"] = loss * 0.0, 0.0
                         out.pop("model_output")
@@ -213,11 +226,18 @@ class TreepackEngine(FSDPEngineWithLMHead):
         if any(flags.values()):
             return f"{[k for k, v in flags.items() if v]} (outputs treepack does not produce)"
         # read as verl's own forward reads it: every row carries one, ``{}`` for text
-        if extract_multi_modal_inputs(data.get("multi_modal_inputs", [])):
-            return "multi-modal inputs"
+        inputs = extract_multi_modal_inputs(data.get("multi_modal_inputs", []))
+        if inputs:
+            refusal = self._images_refusal(inputs)
+            if refusal:
+                return refusal
         positions = data["position_ids"]
         if positions.dim() == 3:
-            return "multi-dimensional (mrope) position ids"
+            # verl's mrope ids, [4, length] a row: text positions, then (t, h, w); the tree
+            # gives the text ones (depths) and hf.Images the others, as the model computes them
+            if self._images_refusal({}) is not None:
+                return "multi-dimensional (mrope) position ids of a model without images"
+            positions = _text_positions(positions)
         pos, offsets = positions.values(), positions.offsets()
         start = torch.repeat_interleave(offsets[:-1], offsets.diff())
         if not torch.equal(pos, torch.arange(len(pos), device=pos.device) - start):
@@ -227,6 +247,31 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return f"temperature {t.tolist()} (verl clamps it to 1e-8; treepack needs > 0)"
         return None
 
+    def _images_refusal(self, inputs: dict) -> str | None:
+        """Why a batch with these multi-modal inputs (``{}``: none) cannot pack, or None."""
+        try:
+            vision.check_family(hf.unwrap(self.module))
+        except hf.UnsupportedModel as e:
+            return f"multi-modal inputs ({e})"
+        other = sorted(set(inputs) - set(_IMAGE_INPUTS))
+        if other:
+            return f"multi-modal inputs {other} (treepack packs images: {list(_IMAGE_INPUTS)})"
+        return None
+
+    def _images(self, data, sequences):
+        """The batch's images as :class:`treepack.hf.Images` (each row's
+        ``multi_modal_inputs``), or None for a batch without any."""
+        stack = data.get("multi_modal_inputs", None)
+        per_row = [] if stack is None else [r or {} for r in stack.tolist()]
+        if not any(r.get("pixel_values") is not None for r in per_row):
+            return None
+        return hf.Images(self.module, sequences,
+                         pixel_values=torch.cat([r["pixel_values"] for r in per_row
+                                                 if r.get("pixel_values") is not None]),
+                         image_grid_thw=torch.cat([r["image_grid_thw"] for r in per_row
+                                                   if r.get("image_grid_thw") is not None]),
+                         num_images=[len(r.get("image_grid_thw", ())) for r in per_row])
+
     def _budget(self, data) -> int:
         """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""
         if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
@@ -234,13 +279,14 @@ class TreepackEngine(FSDPEngineWithLMHead):
         longest = int(data["input_ids"].offsets().diff().max())
         return int(data["micro_batch_size_per_gpu"]) * longest
 
-    def _plan(self, data, sequences: list[np.ndarray], count: int = 1):
+    def _plan(self, data, sequences: list[np.ndarray], count: int = 1, keys=None):
         """The rank's packs: one per micro-batch, trees kept together, at least ``count`` of
-        them where there are that many sequences (None for no sequences)."""
+        them where there are that many sequences (None for no sequences); over (id, key)
+        pairs with an image batch's ``keys``."""
         if not sequences:
             return None
         return plan(sequences, max_tokens=self._budget(data), min_packs=count,
-                    pair_cost=hf.pair_cost(self.module))
+                    pair_cost=hf.pair_cost(self.module), keys=keys)
 
     # ------------------------------------------------------------ trees over budget
 
@@ -267,7 +313,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return "parts run under FSDP (strategy=fsdp or fsdp2); this engine is not"
         return None
 
-    def _parts_step(self, data, sequences, loss_function, forward_only):
+    def _parts_step(self, data, sequences, loss_function, forward_only, images=None):
         """The rank's batch as one micro-batch, its trees run in parts of at most the budget.
 
         verl's losses normalise per sequence (``seq-mean-token-mean``), which a part holding
@@ -282,8 +328,9 @@ class TreepackEngine(FSDPEngineWithLMHead):
         entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
         device = _device()
         offsets = data["input_ids"].offsets().to(device)
-        parts = split(TreePack.from_sequences(sequences, layout="flat", device=device),
-                      self._budget(data))
+        parts = split(TreePack.from_sequences(
+            sequences, layout="flat", device=device,
+            keys=None if images is None else images.keys), self._budget(data))
         tokens = parts.pack.num_original_tokens
         metrics = {"treepack/token_ratio": parts.pack.num_packed_rows / max(tokens, 1),
                    "treepack/parts": len(parts.parts)}
@@ -303,7 +350,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return loss
 
         settings = dict(temperature=temperature, entropy=entropy, align="prediction",
-                        sequence_parallel=self._sequence_parallel())
+                        sequence_parallel=self._sequence_parallel(),
+                        **({} if images is None else {"images": images}))
         with self._autocast():
             if forward_only:
                 out = hf.logprobs_in_parts(self.module, parts, **settings)
@@ -325,9 +373,9 @@ class TreepackEngine(FSDPEngineWithLMHead):
             collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
         return collected
 
-    def _tree_step(self, micro_batch, sequences, loss_function, forward_only):
+    def _tree_step(self, micro_batch, sequences, loss_function, forward_only, images=None):
         """One packed forward over ``micro_batch``, whose token ids ``sequences`` are on the
-        host already (the pack is built there)."""
+        host already (the pack is built there), with its ``images`` (an hf.Images) if any."""
         temperature = micro_batch["temperature"]  # read on the host, before the move
         micro_batch = micro_batch.to(get_device_id())
         ids = micro_batch["input_ids"]
@@ -335,11 +383,13 @@ class TreepackEngine(FSDPEngineWithLMHead):
         entropy = tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy",
                                          default=False)
         with self._autocast():
-            pack = TreePack.from_sequences(sequences, layout="flat", device=values.device)
+            pack = TreePack.from_sequences(sequences, layout="flat", device=values.device,
+                                           keys=None if images is None else images.keys)
             out = hf.logprobs(self.module, pack, head=self._head(pack, temperature),
                               entropy=entropy, temperature=temperature,
                               align="prediction", backend=self.treepack_backend,
-                              sequence_parallel=self._sequence_parallel())
+                              sequence_parallel=self._sequence_parallel(),
+                              **({} if images is None else {"images": images}))
             model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(out.logprobs,
                                                                                 offsets)}
             if entropy:
@@ -396,6 +446,16 @@ class TreepackEngine(FSDPEngineWithLMHead):
 def _device() -> torch.device:
     """The device verl computes on (its parameters may be offloaded to the CPU)."""
     return torch.zeros(0).to(get_device_id()).device
+
+
+# what verl's multi_modal_inputs carry for an image model (images_seqlens: verl's own count)
+_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "images_seqlens")
+
+
+def _text_positions(positions):
+    """Row 0 (the text positions) of verl's nested ``[rows, 4, length]`` mrope ids, nested."""
+    values, offsets = positions.values(), positions.offsets()
+    return torch.nested.nested_tensor_from_jagged(values[0], offsets)
 
 
 def _host_sequences(data) -> list[np.ndarray]:

@@ -41,8 +41,8 @@ from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack, validate_sequences
 
-__all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "vision_forward", "image_token_ids",
-           "content_key"]
+__all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "check_family",
+           "vision_forward", "image_token_ids", "content_key"]
 
 # Families whose processor gives one pixel row per patch and an image_grid_thw per image, whose
 # vision tower is ``model.visual`` and whose rotary positions are 3-D (mrope).
@@ -109,7 +109,7 @@ class Images:
     def __init__(self, model, sequences, *, pixel_values: Tensor,
                  image_grid_thw: Tensor | None = None, num_images: Sequence[int] | None = None):
         core = unwrap(model)
-        self.family = _family(core)
+        self.family = check_family(core)
         config = core.config
         self.image_token_id = int(config.image_token_id)
         ids = validate_sequences(sequences)
@@ -249,7 +249,7 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
                         "build it with hf.Images(model, sequences, pixel_values=..., "
                         "image_grid_thw=...)")
     core = unwrap(model)
-    if _family(core) != images.family:
+    if check_family(core) != images.family:
         raise ValueError(f"these images were built for a {images.family} model, not "
                          f"{type(core).__name__}")
     tables = _row_tables(pack, images)
@@ -355,7 +355,9 @@ def _text_model(core):
 # ---------------------------------------------------------------------- building
 
 
-def _family(core) -> str:
+def check_family(core) -> str:
+    """The model's vision family (``config.model_type``), or :class:`UnsupportedModel`
+    naming why its images cannot run on a pack."""
     kind = getattr(core.config, "model_type", None)
     if kind in REFUSED_FAMILIES:
         raise UnsupportedModel(f"{type(core).__name__} cannot run images on a pack: "
