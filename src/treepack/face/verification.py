@@ -49,6 +49,8 @@ __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # max relative error, direct comparison
 LOW_PRECISION_FACTOR = 2.0  # packed error <= this x unpacked error, against a float32 reference
 FLOOR_FACTOR = 4.0  # float64: errors up to this x the spread of two unpacked runs
+# a gradient tensor below this share of the model's largest is rounding next to it
+SIGNIFICANT_GRADIENT = 1e-3
 QUANTITIES = ("logprobs", "loss", "grads", "params")
 ADAM_EPS = 1e-8
 
@@ -202,13 +204,14 @@ def verification_image_batch(family: str, *, seed: int = 0, dtype=None):
     return zoo.image_batch(IMAGE_LAYOUT, seed=seed, dtype=dtype, family=family)
 
 
-def _error(got: Tensor, ref: Tensor, where: str = "", l2: bool = False) -> Error:
+def _error(got: Tensor, ref: Tensor, where: str = "", l2: bool = False,
+           at_least: float = 0.0) -> Error:
     """Max abs difference, and the difference relative to the reference: in max norm (each
-    over the tensor's largest magnitude), or with ``l2`` in L2 norm."""
+    over the tensor's largest magnitude, or ``at_least``), or with ``l2`` in L2 norm."""
     diff = got.double() - ref.double()
     max_abs = diff.abs().max().item()
     num, den = (diff.norm(), ref.double().norm()) if l2 else (max_abs, ref.double().abs().max())
-    num, den = float(num), float(den)
+    num, den = float(num), max(float(den), at_least)
     rel = num / den if den > 0 else (0.0 if num == 0 else float("inf"))
     return Error(max_abs, rel, where)
 
@@ -364,8 +367,13 @@ def _adam_allowance(before: Tensor, grad: Tensor, grad_diff: Tensor, lr: float) 
 def _compare(got: _Step, ref: _Step, lr: float | None = None, l2: bool = False
              ) -> dict[str, Error]:
     """Errors of ``got`` against ``ref``; with ``lr``, params also get their AdamW allowance."""
+    # a tensor whose gradient is rounding next to the model's (a key bias under softmax:
+    # zero by algebra) is judged against a thousandth of the model's largest gradient, so
+    # its noise neither fails the step nor widens the floor of every other tensor
+    scale = max((float(g.double().abs().max()) for g in ref.grads.values()), default=0.0)
     grads = _missing(got.grads, ref.grads) or _worst(
-        [_error(got.grads[k], g, k, l2) for k, g in ref.grads.items()])
+        [_error(got.grads[k], g, k, l2, at_least=SIGNIFICANT_GRADIENT * scale)
+         for k, g in ref.grads.items()])
     params = _worst([_error(got.params[k], p, k, l2) for k, p in ref.params.items()])
     if lr is not None and grads.max_abs != float("inf"):
         ratios = []
