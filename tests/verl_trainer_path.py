@@ -85,15 +85,22 @@ def compose_config(model_dir: str, *, treepack: bool, world: int, extra=()):
 
 # ------------------------------------------------------------------------- the trainer's side
 
-def agent_loop_rows(seed: int = 0, scale: int = 1):
+def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None):
     """(keys, fields, tags) as ``AgentLoopWorkerTQ._agent_loop_postprocess`` writes them: GRPO
     prompts with ``N`` ragged sessions each, and agent prompts whose sessions emit one output
     per turn (key index > 0), each turn's prompt the whole history, tool tokens masked.
-    ``scale`` multiplies the GRPO prompts' and responses' lengths."""
+    ``scale`` multiplies the GRPO prompts' and responses' lengths. With ``model_dir`` a
+    vision-language model (:func:`verl_workers.make_model_dir`): every prompt holds an image
+    (prompts 0 and 1 the same text on two images, prompt 2 the first image again, the agent
+    prompt a screenshot), each row its copy in ``multi_modal_inputs``, and ``position_ids``
+    verl's ``[4, length]`` (text positions, then the model's rope index, as verl's processor
+    computes them)."""
     g = torch.Generator().manual_seed(seed)
+    images = _ImagePrompts(model_dir) if model_dir is not None else None
 
     def tokens(n):
-        return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+        top = VOCAB if images is None else 100  # text below the image placeholders
+        return torch.randint(4, top, (n,), generator=g).tolist()
 
     def between(lo, hi):
         return int(torch.randint(lo, hi + 1, (1,), generator=g))
@@ -104,11 +111,15 @@ def agent_loop_rows(seed: int = 0, scale: int = 1):
         prompts, responses = torch.tensor(prompt), torch.tensor(response)
         input_ids = torch.cat([prompts, responses])
         keys.append(f"{uid}_{session}_{index}")
+        shown = [] if images is None else images.shown(prompt_index)
         fields.append({
             "prompts": prompts, "responses": responses,
             "response_mask": torch.tensor(mask), "loss_mask": torch.tensor(mask),
-            "input_ids": input_ids, "position_ids": torch.arange(len(input_ids)),
-            "multi_modal_inputs": {}, "num_turns": 2 * index + 2,
+            "input_ids": input_ids,
+            "position_ids": (torch.arange(len(input_ids)) if images is None
+                             else images.positions(input_ids, shown)),
+            "multi_modal_inputs": {} if images is None else images.inputs(shown),
+            "num_turns": 2 * index + 2,
             "metrics": {"generate_sequences": 0.01, "tool_calls": 0.0},
             "extra_fields": {"min_global_steps": 1, "max_global_steps": 1},
             "rm_scores": torch.zeros(len(response)).index_fill_(0, torch.tensor([len(response) - 1]),
@@ -124,13 +135,18 @@ def agent_loop_rows(seed: int = 0, scale: int = 1):
                      "seq_len": len(input_ids), "global_steps": 1, "min_global_steps": 1,
                      "max_global_steps": 1})
 
+    question = tokens(scale * between(8, 14))
     for p in range(3):  # GRPO: one prompt, ragged responses
         uid, prompt = f"g{uuid.UUID(int=p)}", tokens(scale * between(8, 14))
+        if images is not None:  # prompts 0 and 1: one question on two images
+            prompt = tokens(2) + images.placed(p) + (question if p < 2 else prompt)
         for session in range(N):
             response = tokens(scale * between(2, 10)) + [EOS]
             emit(uid, session, 0, prompt, response, [1] * len(response), p)
     for p in range(3, 4):  # an agent prompt: each session emits one output per turn
         uid, system = f"a{uuid.UUID(int=p)}", tokens(10)
+        if images is not None:  # a screenshot in the system prompt
+            system = system + images.placed(p)
         for session in range(N):
             history = list(system)
             for turn in range(2):
@@ -139,6 +155,45 @@ def agent_loop_rows(seed: int = 0, scale: int = 1):
                      [1] * len(said) + [0] * len(tool) + [1] * len(more), p)
                 history = history + said + tool + more + tokens(2)
     return keys, fields, tags
+
+
+class _ImagePrompts:
+    """The images of :func:`agent_loop_rows`'s prompts for a vision-language model: prompt
+    ``p`` shows image ``IMAGE_OF[p]``."""
+
+    IMAGE_OF = {0: 0, 1: 1, 2: 0, 3: 2}
+
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForImageTextToText
+
+        from treepack import zoo
+
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir).model
+        batch = zoo.image_batch([[("image", k)] for k in range(3)])
+        self.runs = batch.sequences
+        sizes = batch.image_grid_thw.prod(-1).tolist()
+        self.pixels = list(torch.split(batch.pixel_values, sizes))
+        self.grids = list(batch.image_grid_thw.split(1))
+
+    def placed(self, p: int) -> list[int]:
+        return list(self.runs[self.IMAGE_OF[p]])
+
+    def shown(self, p: int) -> list[int]:
+        return [self.IMAGE_OF[p]]
+
+    def inputs(self, shown: list[int]) -> dict:
+        grid = torch.cat([self.grids[k] for k in shown])
+        return {"pixel_values": torch.cat([self.pixels[k] for k in shown]),
+                "image_grid_thw": grid, "images_seqlens": grid.prod(-1)}
+
+    def positions(self, input_ids, shown: list[int]):
+        from treepack import zoo
+
+        ids = input_ids[None]
+        rope, _ = self.model.get_rope_index(
+            ids, mm_token_type_ids=(ids == zoo.VISION_IDS["image_token_id"]).long(),
+            image_grid_thw=torch.cat([self.grids[k] for k in shown]))
+        return torch.cat([torch.arange(ids.shape[1])[None], rope[:, 0]])
 
 
 class _TrainerStandIn:
@@ -207,9 +262,11 @@ def _rank_batches(meta, world: int) -> list:
     return [_meta_to_realdata(chunk) for chunk in BatchData(meta).chunk(chunks=world)]
 
 
-def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1) -> None:
+def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1,
+                    images: bool = False) -> None:
     """The v1 trainer's three worker calls' batches, per rank, saved to ``out_path``
-    (``scale``: as :func:`agent_loop_rows`)."""
+    (``scale``: as :func:`agent_loop_rows`; ``images``: its rows with images, for the
+    vision-language model at ``model_dir``, v1 only)."""
     import ray
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -224,7 +281,8 @@ def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1) -
         config = compose_config(model_dir, treepack=True, world=world)
         import treepack.verl  # noqa: F401  (what HFModelConfig's external_lib does in the trainer)
 
-        keys, fields, tags = agent_loop_rows(scale=scale)
+        keys, fields, tags = agent_loop_rows(scale=scale,
+                                             model_dir=model_dir if images else None)
         tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields),
                         tags=tags)
         batch = KVBatchMeta(keys=keys, tags=tags, partition_id="train")
@@ -257,7 +315,8 @@ def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1) -
         update = _rank_batches(batch, world)
         v1 = {"log_prob": log_prob, "ref": ref, "update": update, "keys": batch.keys,
               "metrics": metrics}
-        torch.save({"v1": v1, "v0": v0_batches(config, fields, world)}, out_path)
+        paths = {"v1": v1} if images else {"v1": v1, "v0": v0_batches(config, fields, world)}
+        torch.save(paths, out_path)
     finally:
         tq.close()
         ray.shutdown()
@@ -380,14 +439,15 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
         grouper = ["actor_rollout_ref.actor.use_prefix_grouper=true"]
         runs = [("stock", FSDPEngineWithLMHead, ()), ("tree", treepack_verl.TreepackEngine, ()),
                 ("prefix_grouper", FSDPEngineWithLMHead, grouper)]
-        if budget is not None:
-            runs = [(label, engine, budget_overrides(budget)) for label, engine, _ in runs[:2]]
+        if budget is not None or "v0" not in batches:
+            extra = () if budget is None else budget_overrides(budget)
+            runs = [(label, engine, extra) for label, engine, _ in runs[:2]]
         for label, engine, extra in runs:
             config = compose_config(model_dir, treepack=label == "tree", world=world, extra=extra)
             actor, ref = _workers(config, engine)
             result[f"engines_{label}"] = (type(actor.actor.engine).__name__,
                                           type(ref.ref.engine).__name__)
-            for path in ("v1", "v0"):  # the v0 calls start from the v1 update's weights
+            for path in batches:  # the v0 calls start from the v1 update's weights
                 out = _calls(actor, ref, batches[path], rank)
                 result[label, path] = {
                     "log_probs": _rows(out["log_prob"]["log_probs"]),

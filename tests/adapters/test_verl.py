@@ -306,6 +306,30 @@ def test_verl_engine_with_images_equals_stock_engine(world, budget, vision_model
     assert "['pixel_values_videos']" in r["video_reason"], r["video_reason"]
 
 
+def test_verl_worker_with_images_on_the_trainers_batches_equals_stock(vision_model_dir,
+                                                                     tmp_path):
+    """verl's ActorRolloutRefWorker built from the docs' GRPO command on a tiny Qwen3-VL, fed
+    what the v1 trainer hands it for rows with images (agent-loop rows through TransferQueue:
+    each row's multi_modal_inputs, [4, length] mrope position ids): compute_log_prob,
+    compute_ref_log_prob, update_actor and compute_log_prob again pack and equal stock verl."""
+    batches = tmp_path / "batches.pt"
+    code = ("import verl_trainer_path as t\n"
+            f"t.trainer_batches({vision_model_dir!r}, 2, {str(batches)!r}, images=True)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    out = tmp_path / "result.pt"
+    spawn(verl_trainer_path.compare_workers, 2, vision_model_dir, str(batches), str(out))
+    r = torch.load(out, weights_only=False)
+    assert r["engines_tree"] == ("TreepackEngine", "TreepackEngine"), r["engines_tree"]
+    assert not any("stock engine path" in m for m in r["messages"]), r["messages"]
+    tree, stock = r["tree", "v1"], r["stock", "v1"]
+    assert_worker_equals_stock(tree, stock, "v1")
+    ratios = tree["update_metrics"]["treepack/token_ratio"]
+    assert ratios and all(0 < x < 1 for x in ratios), ratios
+
+
 def test_verl_runs_qwen2_vl_stock_by_name(tmp_path_factory, tmp_path):
     """verl replaces Qwen2-VL's attention with its own flash-attention call and its forward
     with one that takes only 4-row position ids: the engine says so and runs it stock."""

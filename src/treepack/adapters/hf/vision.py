@@ -240,9 +240,15 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
     """While it lasts, the model's input embedding of this forward's rows (``rows`` of
     ``pack``, all by default) puts each image placeholder row's feature in place, from one
     encoding of the distinct images those rows need. Yields the rows' position ids for the
-    model: ``[3, 1, n]`` multimodal rotary positions, or None (depths, as for text)."""
+    model: ``[3, 1, n]`` multimodal rotary positions, or None (depths, as for text).
+
+    Under torch.distributed a vision-language model's forward runs its vision tower once even
+    when these rows need no image (on a dummy image, its output added times 0): FSDP gathers
+    the tower's parameters in collectives every rank must join, and DDP expects every
+    parameter in the graph."""
     if images is None:
-        yield None
+        with _idle_tower(model):
+            yield None
         return
     if not isinstance(images, Images):
         raise TypeError(f"images must be a treepack.hf.Images, got {type(images).__name__}: "
@@ -260,7 +266,8 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
         positions = torch.as_tensor(tables.positions[:, index][:, None], device=pack.device)
     where = np.flatnonzero(feature >= 0)
     if not len(where):
-        yield positions
+        with _idle_tower(model):
+            yield positions
         return
     deepstack: list = []
     handles = [core.get_input_embeddings().register_forward_hook(
@@ -310,27 +317,71 @@ def _deepstack(kwargs: dict, deepstack: list, where: np.ndarray):
 def _encode(core, images: Images, needed: np.ndarray) -> tuple[Tensor, list[Tensor]]:
     """The distinct images ``needed`` through the vision tower (and projector), with its own
     attention: the features ``[tokens, H]`` and any deepstack features (each ``[tokens, H]``)."""
-    visual = _visual(core)
     parts = [images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
              for u in needed]
-    device = next(visual.parameters()).device
-    pixels = torch.cat(parts).to(device=device, dtype=next(visual.parameters()).dtype)
+    grid = None if images.grid is None else images.grid[torch.as_tensor(needed)]
+    return _tower(core, torch.cat(parts), grid)
+
+
+@contextlib.contextmanager
+def _idle_tower(model):
+    """Under torch.distributed, a vision-language model's vision tower runs once in this
+    forward on a dummy image, its features added to the embedding times 0."""
+    core = unwrap(model)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield
+        return
+    try:
+        check_family(core)
+    except UnsupportedModel:  # a text model, or images treepack does not run
+        yield
+        return
+
+    def touch(module, args, out):
+        features, deep = _tower(core, *_dummy_image(core))
+        return out + 0.0 * sum(f.sum() for f in [features, *deep]).to(out.dtype)
+
+    handle = core.get_input_embeddings().register_forward_hook(touch)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _dummy_image(core) -> tuple[Tensor, Tensor | None]:
+    """The smallest image the model's vision tower takes: pixels of zeros (and its grid)."""
+    config = core.config
+    vision = config.vision_config
+    if config.model_type in IMAGE_FAMILIES:
+        size = vision.image_size
+        return torch.zeros(1, getattr(vision, "num_channels", 3), size, size), None
+    merge = int(vision.spatial_merge_size)
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return torch.zeros(merge * merge, width), torch.tensor([[1, merge, merge]])
+
+
+def _tower(core, pixels: Tensor, grid: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+    """Pixels (and their grids) through the vision tower with its own attention: features
+    ``[tokens, H]`` and any deepstack features."""
+    visual = _visual(core)
+    parameter = next(visual.parameters())
+    pixels = pixels.to(device=parameter.device, dtype=parameter.dtype)
     token = TREE_FORWARD.set(False)  # mask functions build the vision tower's own masks
     try:
-        if images.grid is None:  # LLaVA-style: the tower, a layer's features, the projector
+        if grid is None:  # LLaVA-style: the tower, a layer's features, the projector
             config = core.config
             out = getattr(core, "model", core).get_image_features(
                 pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
                 vision_feature_select_strategy=config.vision_feature_select_strategy)
         else:
-            out = visual(pixels, grid_thw=images.grid[torch.as_tensor(needed)].to(device))
+            out = visual(pixels, grid_thw=grid.to(parameter.device))
     finally:
         TREE_FORWARD.reset(token)
     if isinstance(out, Tensor):
         return out.reshape(-1, out.shape[-1]), []
     if isinstance(out, (list, tuple)) and not hasattr(out, "pooler_output"):
-        if out and isinstance(out[0], Tensor) and len(out) == len(needed) and images.grid is None:
-            return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]), []  # one per image
+        if out and isinstance(out[0], Tensor) and grid is None:  # one per image
+            return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]), []
         return out[0], list(out[1] or []) if len(out) > 1 else []  # older: (features, deep)
     features = out.pooler_output
     if isinstance(features, (list, tuple)):
