@@ -92,11 +92,12 @@ def dataset():
 
 @pytest.mark.parametrize("config", [dict(), dict(steps_per_generation=2,
                                                  gradient_accumulation_steps=2,
-                                                 treepack_max_tokens=40)])
+                                                 treepack_max_tokens=40), dict(beta=0.04)])
 def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, monkeypatch):
-    """Policy and old-log-prob passes packed, each distinct image encoded once per forward;
-    losses, every gradient (the vision tower's too) and the weights after the step equal stock
-    TRL's. Under accumulation, groups are dealt whole, keyed by prompt and image."""
+    """Policy, old-log-prob and (with ``beta``, the model loaded from its path) reference
+    passes packed, each distinct image encoded once per forward; losses, every gradient (the
+    vision tower's too) and the weights after the step equal stock TRL's. Under accumulation,
+    groups are dealt whole, keyed by prompt and image."""
     proc = processor()
     encoded = []
     place = vision._encode
@@ -107,6 +108,11 @@ def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, 
 
     monkeypatch.setattr(vision, "_encode", counting)
     max_tokens = config.pop("treepack_max_tokens", None)
+    config = {"beta": 0.0, **config}
+    model_path = None
+    if config["beta"]:  # TRL loads the reference model from the policy's path
+        model_path = str(tmp_path / "model")
+        tiny_model(proc.tokenizer).save_pretrained(model_path)
     runs = {}
     for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
         probe = GradientsAtStep()
@@ -114,9 +120,10 @@ def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, 
         args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8,
                           num_generations=4, max_completion_length=4, max_steps=1,
                           logging_steps=1, report_to="none", use_cpu=True, bf16=False,
-                          save_strategy="no", beta=0.0, learning_rate=1e-2, optim="sgd",
+                          save_strategy="no", learning_rate=1e-2, optim="sgd",
                           temperature=1.0, seed=0, **config)
-        trainer = cls(model=tiny_model(proc.tokenizer), reward_funcs=lambda completions, **kw:
+        trainer = cls(model=model_path or tiny_model(proc.tokenizer),
+                      reward_funcs=lambda completions, **kw:
                       [float(len(str(c))) + 0.1 * i for i, c in enumerate(completions)],
                       args=args, train_dataset=dataset(), processing_class=proc,
                       callbacks=[probe], **extra)

@@ -309,3 +309,24 @@ def test_gemma3_images_are_refused_by_name():
     with pytest.raises(hf.UnsupportedModel, match="bidirectionally"):
         hf.Images(model, [[1, 2]], pixel_values=torch.zeros(0, 12),
                   image_grid_thw=torch.zeros(0, 3))
+
+
+def test_collated_batches_with_images_equal_each_sequence_alone():
+    """treepack.collate(keys=images.keys) plans rollouts with images into batches; each batch
+    with its share of the images (images.select(batch.pack.seq_ids)) equals each alone."""
+    from treepack import collate
+
+    model = hf.prepare(tiny("qwen2_vl"))
+    batch = zoo.image_batch(LAYOUT, dtype=torch.float64)
+    images = images_of(model, batch)
+    rollouts = [{"prompt": seq[:6], "completion": seq[6:]} for seq in batch.sequences]
+    step = collate(rollouts, max_tokens=40, keys=images.keys)
+    seen = []
+    for b in step.batches(0):
+        out = hf.logprobs(model, b.pack, images=images.select(b.pack.seq_ids),
+                          head="logits").logprobs
+        for i, s in enumerate(b.pack.seq_ids.tolist()):
+            n = len(batch.sequences[s])
+            torch.testing.assert_close(out[i, 1:n], alone(model, batch, s), rtol=0, atol=1e-12)
+            seen.append(s)
+    assert sorted(seen) == list(range(len(LAYOUT))) and len(step.batches(0)) > 1

@@ -101,3 +101,21 @@ def test_a_plan_shares_and_builds_over_keys():
         trie = NaiveTrie([list(zip(seqs[i], keys[i])) for i in ids])
         assert pack.num_packed_rows == trie.num_nodes
         assert pack.host.row_keys is not None
+
+
+def test_collate_plans_and_packs_over_keys():
+    """collate(keys=): every batch's pack is keyed, with the naive keyed trie's rows."""
+    from treepack import collate
+
+    prompt = [1, 2, IMAGE, IMAGE, 3]
+    rollouts = [{"prompt": prompt, "completion": [t, 5]} for t in (4, 6, 7, 8)]
+    keys = [[0, 0, k, k, 0, 0, 0] for k in (11, 11, 12, 12)]
+    step = collate(rollouts, max_tokens=12, keys=keys)
+    seqs = [r["prompt"] + r["completion"] for r in rollouts]
+    for batch in step.batches(0):
+        ids = batch.pack.seq_ids.tolist()
+        assert batch.pack.num_packed_rows == NaiveTrie(
+            [list(zip(seqs[i], keys[i])) for i in ids]).num_nodes
+    whole = collate(rollouts, max_tokens=4, parts=True, keys=keys).batches(0)
+    assert [b.pack.num_packed_rows for b in whole] == [NaiveTrie(
+        [list(zip(s, k)) for s, k in zip(seqs, keys)]).num_nodes]

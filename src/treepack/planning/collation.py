@@ -140,7 +140,8 @@ def _ids(x, what: str) -> np.ndarray:
 
 def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1,
             pad_to_multiple_of: int | None = None,
-            device: torch.device | str | None = None, parts: bool = False) -> Collated:
+            device: torch.device | str | None = None, parts: bool = False,
+            keys=None) -> Collated:
     """Plan ``rollouts`` (see the module doc) into packs over ranks.
 
     Args:
@@ -156,6 +157,10 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
             ``max_tokens`` rows (``hf.backward_in_parts(model, batch.pack, ...,
             max_tokens=max_tokens)``), each row once; without, :func:`treepack.plan` splits
             it and every batch repeats the prefix above its cut.
+        keys: per-token content keys of each rollout's prompt + completion, as for
+            :meth:`TreePack.from_sequences` (``treepack.hf.Images(model, sequences, ...).keys``
+            for rollouts with images): planned and packed over (id, key) pairs. Each batch's
+            images are then ``images.select(batch.pack.seq_ids)``.
 
     Returns:
         :class:`Collated`: ``batches(rank)`` gives each rank its :class:`Batch` list and
@@ -182,13 +187,13 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
         if not prompt.size:
             raise ValueError(f"rollout {i} has an empty prompt: the first completion token "
                              "needs a context to be predicted from")
-        keys = sorted(k for k in r if k not in _RESERVED)
+        fields = sorted(k for k in r if k not in _RESERVED)
         if names is None:
-            names = keys
-        elif keys != names:
-            raise ValueError(f"rollout {i} has fields {keys}, rollout 0 has {names}: every "
+            names = fields
+        elif fields != names:
+            raise ValueError(f"rollout {i} has fields {fields}, rollout 0 has {names}: every "
                              "rollout needs the same fields")
-        for k in keys:
+        for k in fields:
             v = _field(r[k], i, k)
             if k == "loss_mask" and v.ndim == 0:  # one value for the whole completion
                 v = np.full(completion.size, v)
@@ -212,18 +217,18 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
         if pad_to_multiple_of:
             raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} with parts=True: parts "
                              "build their own forwards from the whole tree; leave it unset")
-        max_tokens = max(max_tokens, _largest_tree(sequences))
+        max_tokens = max(max_tokens, _largest_tree(sequences, keys))
     p = plan(sequences, max_tokens=max_tokens, world_size=world_size,
-             pad_to_multiple_of=pad_to_multiple_of, device=device)
+             pad_to_multiple_of=pad_to_multiple_of, device=device, keys=keys)
     dtypes = {k: np.result_type(*v) for k, v in per_token.items()}
     return Collated(p, np.array(plen, dtype=np.int64), np.array(clen, dtype=np.int64),
                     per_token, {k: np.stack(v) for k, v in per_sequence.items()}, dtypes,
                     groups, device)
 
 
-def _largest_tree(sequences) -> int:
-    """Rows of the largest tree of the forest ``sequences`` make."""
-    forest = TreePack.from_sequences(sequences)
+def _largest_tree(sequences, keys=None) -> int:
+    """Rows of the largest tree of the forest ``sequences`` (keyed by ``keys``) make."""
+    forest = TreePack.from_sequences(sequences, keys=keys)
     h, n = forest.host, forest.num_packed_rows
     roots = np.flatnonzero(h.parent_row[:n] < 0)
     return int((h.subtree_end[roots] - roots).max())
