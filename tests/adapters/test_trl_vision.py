@@ -102,9 +102,9 @@ def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, 
     encoded = []
     place = vision._encode
 
-    def counting(core, images, needed):
+    def counting(core, images, needed, device):
         encoded.append((len(needed), images.num_images))
-        return place(core, images, needed)
+        return place(core, images, needed, device)
 
     monkeypatch.setattr(vision, "_encode", counting)
     max_tokens = config.pop("treepack_max_tokens", None)

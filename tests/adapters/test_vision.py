@@ -330,3 +330,33 @@ def test_collated_batches_with_images_equal_each_sequence_alone():
             torch.testing.assert_close(out[i, 1:n], alone(model, batch, s), rtol=0, atol=1e-12)
             seen.append(s)
     assert sorted(seen) == list(range(len(LAYOUT))) and len(step.batches(0)) > 1
+
+
+def test_images_refuse_adjacent_runs_another_model_and_a_forward_that_embeds_twice():
+    model = hf.prepare(tiny("qwen2_vl"))
+    batch = zoo.image_batch([[1, A, 7], [1, A, 8]])
+    # two images in one run of placeholders: the rope index could not tell them apart
+    joined = [1, 102] + [IMAGE] * 8 + [103, 7]
+    with pytest.raises(ValueError, match="sequence 0: image 0 of the batch .* is not a whole "
+                                         "run of placeholders at position 2"):
+        hf.Images(model, [joined], pixel_values=torch.cat([batch.pixel_values[:16]] * 2),
+                  image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 4]]))
+    images = images_of(model, batch)
+    with pytest.raises(ValueError, match=r"select\(\[2\]...\): these images hold sequences 0 .. 1"):
+        images.select([2])
+    other = hf.prepare(zoo.tiny_vision_model("qwen3_vl", dtype=torch.float64))
+    with pytest.raises(ValueError, match="built for another model"):
+        hf.logprobs(other, images.pack(), images=images)
+    # a model whose forward embeds the rows twice would encode its images twice
+    embed = hf.unwrap(model).get_input_embeddings()
+
+    def embed_again(module, args, kwargs):
+        embed(torch.ones(1, 1, dtype=torch.long))
+
+    handle = hf.unwrap(model).model.language_model.register_forward_pre_hook(
+        embed_again, with_kwargs=True)
+    try:
+        with pytest.raises(hf.UnsupportedModel, match="embedded the pack's rows 2 times"):
+            hf.logprobs(model, images.pack(), images=images)
+    finally:
+        handle.remove()

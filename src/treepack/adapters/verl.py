@@ -270,7 +270,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
                                                  if r.get("pixel_values") is not None]),
                          image_grid_thw=torch.cat([r["image_grid_thw"] for r in per_row
                                                    if r.get("image_grid_thw") is not None]),
-                         num_images=[len(r.get("image_grid_thw", ())) for r in per_row])
+                         num_images=[0 if r.get("image_grid_thw") is None
+                                     else len(r["image_grid_thw"]) for r in per_row])
 
     def _budget(self, data) -> int:
         """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""

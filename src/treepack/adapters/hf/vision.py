@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from treepack.adapters.hf.prepare import unwrap
-from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel
+from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel, text_config
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack, validate_sequences
 
@@ -112,18 +112,20 @@ class Images:
         self.family = check_family(core)
         config = core.config
         self.image_token_id = int(config.image_token_id)
+        self.model_key = _model_key(core)
         ids = validate_sequences(sequences)
         if self.family in MROPE_FAMILIES:
             grid, pixel_values, tokens, starts = _patches(config, pixel_values, image_grid_thw)
         else:
             grid, pixel_values, tokens, starts = _per_image(config, pixel_values, image_grid_thw)
-        # one content key per image: its pixels (and its grid)
-        keys = np.array([content_key(pixel_values[starts[i]:starts[i + 1]],
+        # one content key per image: its pixels (and its grid), hashed from one host copy
+        host = pixel_values.detach().cpu()
+        keys = np.array([content_key(host[starts[i]:starts[i + 1]],
                                      np.zeros(0, np.int64) if grid is None else grid[i])
                          for i in range(len(tokens))], dtype=np.int64)
-        self.unique_key, first, self.occurrence = np.unique(keys, return_index=True,
-                                                            return_inverse=True)
-        self.occurrence = self.occurrence.reshape(-1)
+        self.unique_key, first, occurrence = np.unique(keys, return_index=True,
+                                                       return_inverse=True)
+        self.occurrence = occurrence.reshape(-1)
         self.grid = None if grid is None else torch.as_tensor(grid[first])  # [U, 3]
         self.tokens = tokens[first]  # [U]
         self.feature_start = np.concatenate(([0], np.cumsum(self.tokens)))  # [U + 1]
@@ -131,9 +133,9 @@ class Images:
         self.patch_start = np.concatenate(([0], np.cumsum(np.diff(starts)[first])))
         self.pixel_values = (torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in first])
                              if len(first) else pixel_values[:0])
-        self.keys, self.features, self.images_of = _assign(ids, self.image_token_id, tokens,
-                                                           keys, self.occurrence, self.feature_start,
-                                                           num_images)
+        self.keys, self.features, self.images_of = _assign(
+            ids, self.image_token_id, tokens, keys, self.occurrence, self.feature_start,
+            num_images, separated=self.family in MROPE_FAMILIES)
         self.sequences = ids
         self.positions = (_rope_positions(core, ids, grid, self.image_token_id)
                           if self.family in MROPE_FAMILIES else None)
@@ -174,6 +176,10 @@ class Images:
         out = object.__new__(Images)
         out.__dict__.update(self.__dict__)
         index = [int(i) for i in np.asarray(torch.as_tensor(indices).cpu()).reshape(-1)]
+        bad = [i for i in index if not 0 <= i < self.num_sequences]
+        if bad:
+            raise ValueError(f"select({bad[:4]}...): these images hold sequences 0 .. "
+                             f"{self.num_sequences - 1}")
         for name in ("sequences", "keys", "features", "images_of", "positions"):
             value = getattr(self, name)
             if value is not None:
@@ -255,9 +261,11 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
                         "build it with hf.Images(model, sequences, pixel_values=..., "
                         "image_grid_thw=...)")
     core = unwrap(model)
-    if check_family(core) != images.family:
-        raise ValueError(f"these images were built for a {images.family} model, not "
-                         f"{type(core).__name__}")
+    if _model_key(core) != images.model_key:
+        raise ValueError(f"these images were built for another model ({images.model_key}: "
+                         "family, image token id, tokens per patch grid, feature width), not "
+                         f"{type(core).__name__} ({_model_key(core)}): build hf.Images with "
+                         "the model that runs them")
     tables = _row_tables(pack, images)
     index = slice(None) if rows is None else rows.cpu().numpy()
     feature = tables.feature[index]
@@ -270,57 +278,75 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
             yield positions
         return
     deepstack: list = []
-    handles = [core.get_input_embeddings().register_forward_hook(
-        lambda module, args, out: _place(core, images, feature[where], where, out, deepstack))]
-    text_model = _text_model(core)
-    if text_model is not None and "deepstack_visual_embeds" in inspect.signature(
-            text_model.forward).parameters:
-        handles.append(text_model.register_forward_pre_hook(
-            lambda module, args, kwargs: _deepstack(kwargs, deepstack, where),
-            with_kwargs=True))
+    placed = []  # one entry per embedding call: exactly one a forward
+
+    def place(module, args, out):
+        placed.append(True)
+        if len(placed) > 1:  # refused after the forward
+            return out
+        return _place(core, images, feature[where], where, out, deepstack)
+
+    handles = []
     try:
+        handles.append(core.get_input_embeddings().register_forward_hook(place))
+        text_model = _text_model(core)
+        if text_model is not None and "deepstack_visual_embeds" in inspect.signature(
+                text_model.forward).parameters:
+            handles.append(text_model.register_forward_pre_hook(
+                lambda module, args, kwargs: _deepstack(args, kwargs, deepstack, where),
+                with_kwargs=True))
         yield positions
     finally:
         for handle in handles:
             handle.remove()
+    if len(placed) != 1:
+        raise UnsupportedModel(
+            f"{type(core).__name__}'s forward embedded the pack's rows {len(placed)} times "
+            "through its input embedding (once is how image features reach their rows): "
+            "its image rows would hold text embeddings or be encoded twice; run this model's "
+            "image prompts unpacked")
 
 
 def _place(core, images: Images, feature: np.ndarray, where: np.ndarray, out: Tensor,
            deepstack: list) -> Tensor:
     """The embedding output ``[1, n, H]`` with the image rows ``where`` set to their features
     (global indices ``feature``), from one encoding of the images they belong to."""
-    needed = np.unique(np.searchsorted(images.feature_start, feature, side="right") - 1)
-    encoded, layers = _encode(core, images, needed)
+    image_of = np.searchsorted(images.feature_start, feature, side="right") - 1
+    needed = np.unique(image_of)
+    encoded, layers = _encode(core, images, needed, out.device)
     local_start = np.concatenate(([0], np.cumsum(images.tokens[needed])))
     local = np.empty(len(images.unique_key), dtype=np.int64)
     local[needed] = local_start[:-1] - images.feature_start[needed]
-    image_of = np.searchsorted(images.feature_start, feature, side="right") - 1
     pick = torch.as_tensor(feature + local[image_of], device=out.device)
     at = torch.as_tensor(where, device=out.device)
     deepstack[:] = [layer[pick] for layer in layers]
     return out.index_put((torch.zeros_like(at), at), encoded[pick].to(out.dtype))
 
 
-def _deepstack(kwargs: dict, deepstack: list, where: np.ndarray):
+def _deepstack(args: tuple, kwargs: dict, deepstack: list, where: np.ndarray):
     """Qwen3-VL's deepstack: the visual features of the earlier vision layers, added to the
     first decoder layers' hidden states at the image rows."""
     if not deepstack:
         return None
+    if "inputs_embeds" not in kwargs:
+        raise UnsupportedModel("the language model was called without inputs_embeds by "
+                               "keyword: its deepstack features cannot be placed")
     n = kwargs["inputs_embeds"].shape[1]
     mask = torch.zeros(1, n, dtype=torch.bool, device=deepstack[0].device)
     mask[0, torch.as_tensor(where, device=mask.device)] = True
-    return (), {**kwargs, "visual_pos_masks": mask,
+    return args, {**kwargs, "visual_pos_masks": mask,
                 "deepstack_visual_embeds": [d.to(kwargs["inputs_embeds"].dtype)
                                             for d in deepstack]}
 
 
-def _encode(core, images: Images, needed: np.ndarray) -> tuple[Tensor, list[Tensor]]:
+def _encode(core, images: Images, needed: np.ndarray,
+            device: torch.device) -> tuple[Tensor, list[Tensor]]:
     """The distinct images ``needed`` through the vision tower (and projector), with its own
     attention: the features ``[tokens, H]`` and any deepstack features (each ``[tokens, H]``)."""
     parts = [images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
              for u in needed]
     grid = None if images.grid is None else images.grid[torch.as_tensor(needed)]
-    return _tower(core, torch.cat(parts), grid)
+    return _tower(core, torch.cat(parts), grid, device)
 
 
 @contextlib.contextmanager
@@ -338,7 +364,7 @@ def _idle_tower(model):
         return
 
     def touch(module, args, out):
-        features, deep = _tower(core, *_dummy_image(core))
+        features, deep = _tower(core, *_dummy_image(core), out.device)
         return out + 0.0 * sum(f.sum() for f in [features, *deep]).to(out.dtype)
 
     handle = core.get_input_embeddings().register_forward_hook(touch)
@@ -360,12 +386,13 @@ def _dummy_image(core) -> tuple[Tensor, Tensor | None]:
     return torch.zeros(merge * merge, width), torch.tensor([[1, merge, merge]])
 
 
-def _tower(core, pixels: Tensor, grid: Tensor | None) -> tuple[Tensor, list[Tensor]]:
-    """Pixels (and their grids) through the vision tower with its own attention: features
-    ``[tokens, H]`` and any deepstack features."""
+def _tower(core, pixels: Tensor, grid: Tensor | None,
+           device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    """Pixels (and their grids) through the vision tower with its own attention, on
+    ``device`` (the forward's: an offloading FSDP keeps the tower's parameters elsewhere until
+    it runs): features ``[tokens, H]`` and any deepstack features."""
     visual = _visual(core)
-    parameter = next(visual.parameters())
-    pixels = pixels.to(device=parameter.device, dtype=parameter.dtype)
+    pixels = pixels.to(device=device, dtype=next(visual.parameters()).dtype)
     token = TREE_FORWARD.set(False)  # mask functions build the vision tower's own masks
     try:
         if grid is None:  # LLaVA-style: the tower, a layer's features, the projector
@@ -374,7 +401,7 @@ def _tower(core, pixels: Tensor, grid: Tensor | None) -> tuple[Tensor, list[Tens
                 pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
                 vision_feature_select_strategy=config.vision_feature_select_strategy)
         else:
-            out = visual(pixels, grid_thw=grid.to(parameter.device))
+            out = visual(pixels, grid_thw=grid.to(device))
     finally:
         TREE_FORWARD.reset(token)
     if isinstance(out, Tensor):
@@ -404,6 +431,16 @@ def _text_model(core):
 
 
 # ---------------------------------------------------------------------- building
+
+
+def _model_key(core) -> tuple:
+    """What an :class:`Images` depends on in its model: family, image token id, how patches
+    become tokens, the features' width."""
+    config = core.config
+    vision = config.vision_config
+    return (config.model_type, int(config.image_token_id),
+            getattr(vision, "spatial_merge_size", None), getattr(vision, "image_size", None),
+            getattr(vision, "patch_size", None), getattr(text_config(core), "hidden_size", None))
 
 
 def check_family(core) -> str:
@@ -488,9 +525,12 @@ def content_key(pixels: Tensor, grid: np.ndarray) -> int:
 
 
 def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.ndarray,
-            occurrence: np.ndarray, feature_start: np.ndarray, num_images):
+            occurrence: np.ndarray, feature_start: np.ndarray, num_images,
+            separated: bool = False):
     """Each sequence's images in order, their placeholder runs checked: per-token content
-    keys, per-token feature indices (-1 for text), the distinct image of each of its images."""
+    keys, per-token feature indices (-1 for text), the distinct image of each of its images.
+    ``separated``: each image's run is a whole run of placeholders (Qwen-VL's processors
+    put vision_start / vision_end around each, and its rope index reads runs)."""
     if num_images is not None:
         num_images = [int(n) for n in num_images]
         if len(num_images) != len(ids) or sum(num_images) != len(tokens):
@@ -516,6 +556,12 @@ def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.n
                     f"placeholders (its grid's tokens) at its turn, but the sequence has "
                     f"{len(run)} there, from position {int(run[0])}: the sequence's "
                     "placeholders and the images' grids disagree")
+            if separated and ((run[0] > 0 and seq[run[0] - 1] == image_id) or (
+                    run[-1] + 1 < len(seq) and seq[run[-1] + 1] == image_id)):
+                raise ValueError(
+                    f"sequence {s}: image {nxt} of the batch ({n} tokens) is not a whole run "
+                    f"of placeholders at position {int(run[0])}: each image needs its own run "
+                    "(vision_start, its placeholders, vision_end), as the processor writes it")
             key[run] = keys[nxt]
             u = occurrence[nxt]
             feature[run] = np.arange(feature_start[u], feature_start[u + 1])
