@@ -162,8 +162,9 @@ def make_model_dir(root: str, family: str = "qwen2") -> str:
     return path
 
 
-def make_engine(engine_cls, path: str, strategy: str, model_config=None, **engine_config):
-    """verl's engine as its workers build it, computing in float32 on CPU."""
+def make_engine(engine_cls, path: str, strategy: str, model_config=None, lr: float = 1e-2,
+                **engine_config):
+    """verl's engine as its workers build it, computing in float32 on CPU (AdamW at ``lr``)."""
     if strategy == "fsdp":
         from torch.distributed.fsdp import _init_utils
 
@@ -181,7 +182,7 @@ def make_engine(engine_cls, path: str, strategy: str, model_config=None, **engin
                                       "override_config": {"attn_implementation": "sdpa"},
                                       **(model_config or {})}),
         engine_config=FSDPEngineConfig(**config),
-        optimizer_config=FSDPOptimizerConfig(lr=1e-2, total_training_steps=10,
+        optimizer_config=FSDPOptimizerConfig(lr=lr, total_training_steps=10,
                                              lr_warmup_steps=0, weight_decay=0.0,
                                              clip_grad=1.0),
         checkpoint_config=CheckpointConfig())
@@ -428,19 +429,23 @@ def init(rank: int, world: int, port: int) -> None:
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: str,
                     out_path: str, stock_padded: bool = False, budget: int | None = None,
-                    images: bool = False) -> None:
+                    images: bool = False, model_config: dict | None = None,
+                    lr: float = 1e-2) -> None:
     """Stock engine vs TreepackEngine on the same batches; rank 0 saves the measured errors.
     ``stock_padded``: the stock engine's batches say ``use_remove_padding=False`` (a hybrid:
     verl's padding-free path runs transformers' CPU scan across the sequences it concatenates,
     which ignores their boundaries). ``images``: rows with images (:func:`make_image_rows`)
-    for a vision-language model."""
+    for a vision-language model. ``model_config``: fields of both engines' model config;
+    ``lr``: their AdamW learning rate."""
     init(rank, world, port)
     try:
         treepack_verl.register(devices=("cpu",))
         budgets = {} if budget is None else dict(max_token_len_per_gpu=budget,
                                                  infer_max_token_len_per_gpu=budget)
-        stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy, **budgets)
-        tree = make_engine(treepack_verl.TreepackEngine, model_dir, strategy, **budgets)
+        stock = make_engine(FSDPEngineWithLMHead, model_dir, strategy, model_config, lr,
+                            **budgets)
+        tree = make_engine(treepack_verl.TreepackEngine, model_dir, strategy, model_config,
+                           lr, **budgets)
         rows = make_image_rows() if images else make_rows()
         result = {"registered": type(tree).__name__, "messages": []}
         log = captured_log()
@@ -714,15 +719,3 @@ def compare_lora(rank: int, world: int, port: int, model_dir: str, out_path: str
         dist.barrier()
         dist.destroy_process_group()
 
-
-def refused_model(rank: int, world: int, port: int, model_dir: str, out_path: str) -> None:
-    """The reason TreepackEngine gives for a model it runs stock (``_treepack_refused``)."""
-    init(rank, world, port)
-    try:
-        treepack_verl.register(devices=("cpu",))
-        tree = make_engine(treepack_verl.TreepackEngine, model_dir, "fsdp2")
-        if rank == 0:
-            torch.save(tree._treepack_refused, out_path)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()

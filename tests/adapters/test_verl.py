@@ -330,14 +330,28 @@ def test_verl_worker_with_images_on_the_trainers_batches_equals_stock(vision_mod
     assert ratios and all(0 < x < 1 for x in ratios), ratios
 
 
-def test_verl_runs_qwen2_vl_stock_by_name(tmp_path_factory, tmp_path):
-    """verl replaces Qwen2-VL's attention with its own flash-attention call and its forward
-    with one that takes only 4-row position ids: the engine says so and runs it stock."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_verl_engine_packs_qwen2_vl_on_transformers_own_forwards(world, tmp_path_factory,
+                                                                tmp_path):
+    """verl patches Qwen2-VL's classes (its forward takes only 4-row position ids; with
+    use_remove_padding its attention calls flash-attention directly). TreepackEngine runs its
+    packed forwards, and their backward, on transformers' own forwards: equal to the stock
+    engine. Both engines here say use_remove_padding=false, so that verl leaves the attention
+    alone and its stock path runs on a CPU (its patched attention needs flash-attn); the
+    forwards' swap is the one a GPU run takes. AdamW at 1e-4: its first step is
+    lr * g / (|g| + eps), so a rounding-level difference in a gradient element of about eps
+    moves that weight by a share of lr; here one element of one token's embedding ends
+    0.034 x lr apart (3.4e-4 at lr 1e-2, 3.4e-5 at 1e-3: measured), which puts the log-probs
+    after the step 4.2e-5 and 1.3e-5 apart, while the gradients agree to 1.1e-6."""
     model_dir = verl_workers.make_model_dir(str(tmp_path_factory.mktemp("qwen2vl")), "qwen2_vl")
-    out = tmp_path / "reason.pt"
-    spawn(verl_workers.refused_model, 1, model_dir, str(out))
-    reason = torch.load(out)
-    assert reason and "Qwen2VLForConditionalGeneration" in reason, reason
+    out = tmp_path / "result.pt"
+    spawn(verl_workers.compare_engines, world, model_dir, "fsdp2", str(out), True, None, True,
+          {"use_remove_padding": False}, 1e-4)
+    r = torch.load(out)
+    assert r["registered"] == "TreepackEngine"
+    assert not any("stock engine path" in m for m in r["messages"]), r["messages"]
+    assert_equals_stock(r)
+    assert all(0 < ratio < 1 for ratio in r["token_ratio"]), r["token_ratio"]
 
 
 @pytest.mark.parametrize("world,strategy", [(2, "fsdp2"), (2, "fsdp")])

@@ -37,13 +37,13 @@ What changes, and what does not:
   verl's loss on them, as stock verl's Ulysses does; FSDP's average over every rank gives
   the gradient. Trees over that budget run in parts, each part split the same way.
 - **Images pack too** (a vision-language model :class:`treepack.hf.Images` runs; tested on
-  Qwen3-VL, whose attention verl leaves to transformers): each row's ``multi_modal_inputs`` (its copy of its
+  Qwen3-VL and Qwen2-VL): each row's ``multi_modal_inputs`` (its copy of its
   images) become the batch's images, keyed by content in the plan and the packs, each
   distinct image encoded once a forward; verl's ``[4, length]`` mrope position ids are read
-  for their text row (depths), the model's own rope index giving the rest. Qwen2-VL and
-  Qwen2.5-VL run stock under verl: verl replaces their attention with its own
-  flash-attention call and their forward with one that takes only its 4-row position ids,
-  which :func:`treepack.hf.prepare` refuses, by name.
+  for their text row (depths), the model's own rope index giving the rest. For Qwen2-VL and
+  Qwen2.5-VL, whose forward (and, with ``use_remove_padding``, attention) verl replaces for
+  every model of the process, the packed forwards and their backward run transformers' own
+  forwards, kept when this module is imported; verl's stock path keeps verl's.
 - **Transparent fallback.** Batches or models that cannot be packed — multi-modal
   inputs other than images (video, audio), mrope position ids of a model without images,
   position ids other than ``0 .. length - 1``, fused kernels,
@@ -116,22 +116,31 @@ class TreepackEngine(FSDPEngineWithLMHead):
         super().initialize()
         self._treepack_refused = None
         try:
-            hf.prepare(self.module)
+            with _transformers_forwards():
+                hf.prepare(self.module)
         except (TypeError, hf.UnsupportedModel) as e:
             self._treepack_refused = f"{_model_name(self.module)}: {e}"
 
     # ---------------------------------------------------------------- the seam
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        group = self.get_data_parallel_group()
         reason = self._stock_reason(data)
         # every rank takes the same path, or their collectives would not line up
         anyone = torch.tensor([reason is not None], dtype=torch.int32, device=_device())
-        torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.get_data_parallel_group())
         if anyone.item():
             say_once("running verl's stock engine path: "
                       + (reason or "another data-parallel rank's batch cannot be tree-packed"))
             return super().forward_backward_batch(data, loss_function, forward_only)
+        # packed forwards run transformers' own forwards where verl patched a family's
+        # classes (restored for the step's backward too: checkpointing recomputes them)
+        with _transformers_forwards():
+            return self._packed_step(data, loss_function, forward_only)
+
+    def _packed_step(self, data, loss_function, forward_only):
+        """:meth:`forward_backward_batch` on tree packs (the batch can be packed)."""
+        group = self.get_data_parallel_group()
         if not tu.get_non_tensor_data(data=data, key="use_remove_padding", default=True):
             say_once("use_remove_padding=false has no effect: tree packs never hold padding")
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
@@ -447,6 +456,58 @@ class TreepackEngine(FSDPEngineWithLMHead):
 def _device() -> torch.device:
     """The device verl computes on (its parameters may be offloaded to the CPU)."""
     return torch.zeros(0).to(get_device_id()).device
+
+
+# verl 0.9.1's apply_monkey_patch replaces these classes' forwards, for every model of the
+# process, when it builds a Qwen2-VL / Qwen2.5-VL engine: the model's forward with one that
+# takes only [4, batch, length] position ids and its attention with a direct flash-attention
+# call, which no attention interface reaches. treepack keeps transformers' own, taken when
+# this module is imported (verl imports external_lib before it builds an engine), and runs
+# its packed forwards on them; verl's stock path keeps verl's.
+_PATCHED_BY_VERL = (
+    ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+     ("Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2VLTextModel",
+      "Qwen2VLAttention")),
+    ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+     ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "Qwen2_5_VLTextModel",
+      "Qwen2_5_VLAttention")),
+)
+
+
+def _own_forwards() -> dict:
+    """transformers' own ``forward`` of each class verl patches, as they are now."""
+    import importlib
+
+    found = {}
+    for module_name, names in _PATCHED_BY_VERL:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # pragma: no cover - a transformers without the family
+            continue
+        for name in names:
+            cls = getattr(module, name, None)
+            forward = None if cls is None else cls.__dict__.get("forward")
+            if forward is not None and getattr(forward, "__module__", "").startswith(
+                    "transformers."):
+                found[cls] = forward
+    return found
+
+
+_TRANSFORMERS_FORWARDS = _own_forwards()
+
+
+@contextlib.contextmanager
+def _transformers_forwards():
+    """While it lasts, the classes verl patched run transformers' own forwards."""
+    swapped = {cls: cls.__dict__["forward"] for cls, own in _TRANSFORMERS_FORWARDS.items()
+               if cls.__dict__.get("forward") is not own}
+    for cls in swapped:
+        cls.forward = _TRANSFORMERS_FORWARDS[cls]
+    try:
+        yield
+    finally:
+        for cls, patched in swapped.items():
+            cls.forward = patched
 
 
 # what verl's multi_modal_inputs carry for an image model (images_seqlens: verl's own count)
