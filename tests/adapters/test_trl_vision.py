@@ -9,8 +9,10 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from PIL import Image  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import (PreTrainedTokenizerFast, Qwen2VLConfig,  # noqa: E402
+from transformers import (LlavaConfig, LlavaForConditionalGeneration,  # noqa: E402
+                          LlavaProcessor, PreTrainedTokenizerFast, Qwen2VLConfig,
                           Qwen2VLForConditionalGeneration, Qwen2VLProcessor)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (  # noqa: E402
     Qwen2VLImageProcessorPil)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -138,3 +140,73 @@ def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, 
     ratios = [h["treepack/token_ratio"] for h in packed.state.log_history
               if "treepack/token_ratio" in h]
     assert ratios and 0 < ratios[0] < 1
+
+
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    " </s> {% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def llava_processor():
+    """LLaVA's processor offline: a word-level tokenizer and CLIP's PIL image processor on
+    8x8 images (4x4 patches: 4 image tokens each)."""
+    special = ["<pad>", "<s>", "</s>", "<image>"]
+    vocab = {t: i for i, t in enumerate(special + ["[UNK]"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(special)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                        eos_token="</s>", pad_token="<pad>", bos_token="<s>",
+                                        padding_side="left")
+    images = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                          vision_feature_select_strategy="default",
+                          chat_template=LLAVA_TEMPLATE, num_additional_image_tokens=1)
+
+
+def tiny_llava(tokenizer):
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                           patch_size=4, projection_dim=16),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_seq_length=4,
+        vision_feature_layer=-1, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def test_a_llava_grpo_step_equals_the_stock_trainer(tmp_path):
+    """LLaVA (one [C, H, W] tensor an image, 1-D positions) through trainer.train() under
+    accumulation, whole groups keyed by prompt and image: equal to stock TRL."""
+    proc = llava_processor()
+    runs = {}
+    for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
+        probe = GradientsAtStep()
+        args = GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=4, max_steps=1,
+                          logging_steps=1, report_to="none", use_cpu=True, bf16=False,
+                          save_strategy="no", beta=0.0, learning_rate=1e-2, optim="sgd",
+                          temperature=1.0, seed=0, steps_per_generation=2,
+                          gradient_accumulation_steps=2)
+        trainer = cls(model=tiny_llava(proc.tokenizer), reward_funcs=lambda completions, **kw:
+                      [float(len(str(c))) + 0.1 * i for i, c in enumerate(completions)],
+                      args=args, train_dataset=dataset(), processing_class=proc,
+                      callbacks=[probe])
+        torch.manual_seed(0)
+        trainer.train()
+        runs[name] = (trainer, probe.grads)
+    assert any(k.startswith("model.vision_tower") for k in runs["stock"][1])
+    assert_same_training(runs, zero_by_algebra=("self_attn.k_proj.bias",))

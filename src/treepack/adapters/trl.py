@@ -26,8 +26,8 @@ token mean per micro-batch, is corrected to the micro-batch TRL would have put e
 options TRL computes over a micro-batch's rows as a whole (``loss_type="bnpo"``,
 ``top_entropy_quantile < 1``, the router load-balancing loss) keep TRL's own micro-batches.
 
-A vision-language run (prompts with images, a processor as ``processing_class``; the Qwen-VL
-families of :class:`treepack.hf.Images`) packs too: the seam keys the tree by image content
+A vision-language run (prompts with images, a processor as ``processing_class``; the
+families of :class:`treepack.hf.Images`, Qwen-VL and LLaVA) packs too: the seam keys the tree by image content
 and encodes each distinct image once per forward, and whole groups are found by prompt and
 image together.
 """
@@ -229,9 +229,9 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
     unsupported = sorted(k for k, v in extra.items() if v is not None)
     if unsupported:
         raise NotImplementedError(
-            f"treepack's GRPO seam packs text and Qwen-VL images (pixel_values, "
-            f"image_grid_thw); this batch has {unsupported}. Use the stock GRPOTrainer for "
-            "this model's inputs"
+            f"treepack's GRPO seam packs text and the images of treepack.hf.Images "
+            f"(pixel_values, image_grid_thw); this batch has {unsupported}. Use the stock "
+            "GRPOTrainer for this model's inputs"
         )
     settings: _Settings = self._treepack
     max_tokens = settings.max_tokens
