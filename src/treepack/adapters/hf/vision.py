@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -194,12 +194,11 @@ class Images:
 # ---------------------------------------------------------------------- the forward
 
 
-class _RowTables:
+class _RowTables(NamedTuple):
     """An :class:`Images` laid out on a pack's rows."""
 
-    def __init__(self, feature: np.ndarray, positions: np.ndarray | None):
-        self.feature = feature  # [T'] feature index of each row, -1 for a text row
-        self.positions = positions  # [3, T'] multimodal rotary positions, or None
+    feature: np.ndarray  # [T'] feature index of each row, -1 for a text row
+    positions: np.ndarray | None  # [3, T'] multimodal rotary positions, or None
 
 
 @derived_from_pack
@@ -225,17 +224,21 @@ def _row_tables(pack: TreePack, images: Images) -> _RowTables:
     feature = np.full(pack.num_rows, -1, dtype=np.int64)
     positions = None
     if rows:
-        feature[every] = np.concatenate(images.features)
-        _check_rows_agree(feature[every], np.concatenate(images.features))
+        wanted = np.concatenate(images.features)
+        feature[every] = wanted
+        _check_rows_agree(feature[every], wanted)
     if images.positions is not None:
         positions = np.zeros((3, pack.num_rows), dtype=np.int64)
         if rows:
-            positions[:, every] = np.concatenate(images.positions, axis=1)
+            wanted = np.concatenate(images.positions, axis=1)
+            positions[:, every] = wanted
+            _check_rows_agree(positions[:, every], wanted)
     return _RowTables(feature, positions)
 
 
 def _check_rows_agree(placed: np.ndarray, wanted: np.ndarray) -> None:
-    """Every token's row holds that token's feature: no row stands for two images."""
+    """Every token's row holds that token's feature and position: no row stands for two
+    images, or for two contexts."""
     if not np.array_equal(placed, wanted):
         raise ValueError("rows of the pack hold placeholders of different images (its keys "
                          "do not tell the images apart): build it with images.pack()")
