@@ -27,9 +27,9 @@ options TRL computes over a micro-batch's rows as a whole (``loss_type="bnpo"``,
 ``top_entropy_quantile < 1``, the router load-balancing loss) keep TRL's own micro-batches.
 
 A vision-language run (prompts with images, a processor as ``processing_class``; the
-families of :class:`treepack.hf.Images`, Qwen-VL and LLaVA) packs too: the seam keys the tree by image content
-and encodes each distinct image once per forward, and whole groups are found by prompt and
-image together.
+families of :class:`treepack.hf.Images`, Qwen-VL and LLaVA) packs too: the seam keys the tree
+by image content and encodes each distinct image once per forward, and whole groups are found
+by prompt and image together.
 """
 
 from __future__ import annotations

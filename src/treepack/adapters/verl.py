@@ -274,13 +274,13 @@ class TreepackEngine(FSDPEngineWithLMHead):
         per_row = [] if stack is None else [r or {} for r in stack.tolist()]
         if not any(r.get("pixel_values") is not None for r in per_row):
             return None
-        return hf.Images(self.module, sequences,
-                         pixel_values=torch.cat([r["pixel_values"] for r in per_row
-                                                 if r.get("pixel_values") is not None]),
-                         image_grid_thw=torch.cat([r["image_grid_thw"] for r in per_row
-                                                   if r.get("image_grid_thw") is not None]),
-                         num_images=[0 if r.get("image_grid_thw") is None
-                                     else len(r["image_grid_thw"]) for r in per_row])
+        def joined(key):  # the rows' values of ``key``, in order (None where none has one)
+            values = [r[key] for r in per_row if r.get(key) is not None]
+            return torch.cat(values) if values else None
+
+        return hf.Images(self.module, sequences, pixel_values=joined("pixel_values"),
+                         image_grid_thw=joined("image_grid_thw"),
+                         num_images=[_image_count(r) for r in per_row])
 
     def _budget(self, data) -> int:
         """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""
@@ -512,6 +512,15 @@ def _transformers_forwards():
 
 # what verl's multi_modal_inputs carry for an image model (images_seqlens: verl's own count)
 _IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "images_seqlens")
+
+
+def _image_count(inputs: dict) -> int:
+    """Images of one row's ``multi_modal_inputs``: its grids (Qwen-VL), else its pixel
+    tensors (one ``[C, H, W]`` an image)."""
+    if inputs.get("pixel_values") is None:
+        return 0
+    grids = inputs.get("image_grid_thw")
+    return len(inputs["pixel_values"] if grids is None else grids)
 
 
 def _text_positions(positions):
