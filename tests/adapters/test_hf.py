@@ -117,6 +117,38 @@ def test_verify_passes_bfloat16_against_float32(family, backend):
     assert report.unpacked_errors is not None
 
 
+def test_verify_low_precision_params_are_judged_where_the_gradient_sets_the_step():
+    """AdamW's first step moves an element by about lr * sign(g): in a zero-initialised
+    tensor (Qwen3.5's norms) one sign flip of a gradient that is rounding is a relative L2
+    error of 0.25, in whichever run it falls (measured: verify --family qwen3_5 --dtype
+    bfloat16 failed 14.9x on one such flip on an AMD EPYC). Flips where the gradient is
+    rounding pass; a flip where it is not still fails."""
+    from treepack.face import verification as v
+
+    lr, n = 1e-2, 64
+    g = torch.linspace(1e-3, 2e-3, n).double()
+    g[7] = 1e-7  # rounding next to the unpacked run's own error below
+    before = {"w": torch.zeros(n, dtype=torch.float64)}
+
+    def step(grad):
+        after = -lr * grad / (grad.abs() + v.ADAM_EPS)
+        return v._Step(torch.zeros(1), torch.zeros(()), {"w": grad}, before, {"w": after})
+
+    reference = step(g)
+    unpacked = step(g + 1e-6)  # the low-precision unpacked run's error: 1e-6 everywhere
+    settled = v._settled(unpacked, reference)
+    assert not settled["w"][7] and settled["w"].sum() == n - 1
+    noise_flip = g.clone()
+    noise_flip[7] = -1e-7
+    real_flip = g.clone()
+    real_flip[20] = -real_flip[20]
+    for got, bad in ((noise_flip, False), (real_flip, True)):
+        err = v._compare(step(got), reference, l2=True, settled=settled)["params"].max_rel
+        plain = v._compare(step(got), reference, l2=True)["params"].max_rel
+        assert plain > 0.2  # the L2 over every element fails either flip
+        assert (err > 0.2) == bad, (err, bad)
+
+
 def test_verify_fails_when_siblings_leak(monkeypatch):
     # A negative control: attention over the packed order (plain causal) must be caught.
     from treepack.attention import dense
