@@ -16,11 +16,13 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
-def init(rank: int, world: int, port: int) -> None:
+def init(rank: int, world: int, port: int, timeout=None) -> None:
+    """The gloo group of a spawned test (``timeout``: how long a collective waits before it
+    raises, for tests where a hang is the failure)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, **({} if timeout is None else {"timeout": timeout}))
 
 
 def rank_masks(rank: int):

@@ -341,3 +341,203 @@ def refusals_worker(rank: int, world: int, port: int, out: str) -> None:
         torch.save(errors, f"{out}/rank{rank}.pt")
     finally:
         dist_workers.shutdown()
+
+
+# ----------------------------------------------------------- agreement across the group
+
+
+def lora_head_model(dropout: float = 0.1):
+    """A tiny Qwen2 with a PEFT LoRA adapter on its LM head, in train mode: with dropout on
+    the adapter, treepack cannot read the head as one matrix."""
+    import peft
+
+    from treepack import hf
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        model_for({}), peft.LoraConfig(r=4, target_modules=["lm_head"], lora_dropout=dropout,
+                                       init_lora_weights=False))
+    hf.prepare(model)
+    return model.train()
+
+
+def mismatch_cases(rank: int):
+    """Calls that differ between the ranks of a group, or that one rank refuses, by name:
+    each a function of (model, pack, group) run on every rank."""
+    from treepack import TreePack, hf, zoo
+
+    r = rank
+    seqs = batch("small")  # 35 rows
+    loss = lambda o, m: o.logprobs.where(m, 0).sum()  # noqa: E731
+    scored = lambda o: o.logprobs.sum()  # noqa: E731
+    return {
+        "parts budgets 9 vs 10 (backward)": lambda m, p, g: hf.backward_in_parts(
+            m, p, loss, max_tokens=9 + r, sequence_parallel=g),
+        "parts budgets 9 vs 10 (step)": lambda m, p, g: hf.step_in_parts(
+            m, p, scored, max_tokens=9 + r, sequence_parallel=g),
+        "parts budgets 9 vs 10 (scores)": lambda m, p, g: hf.logprobs_in_parts(
+            m, p, max_tokens=9 + r, sequence_parallel=g),
+        "parts budgets 6 vs 9": lambda m, p, g: hf.logprobs_in_parts(
+            m, p, max_tokens=6 + 3 * r, sequence_parallel=g),
+        "recompute": lambda m, p, g: hf.backward_in_parts(
+            m, p, loss, max_tokens=9, recompute=bool(r), sequence_parallel=g),
+        "call": lambda m, p, g: (hf.logprobs(m, p, sequence_parallel=g) if r == 0 else
+                                 hf.logprobs_in_parts(m, p, max_tokens=9, sequence_parallel=g)),
+        "temperature": lambda m, p, g: hf.logprobs(m, p, temperature=1.0 - r / 2,
+                                                   sequence_parallel=g),
+        "align": lambda m, p, g: hf.logprobs(m, p, align=("label", "prediction")[r],
+                                             sequence_parallel=g),
+        "entropy": lambda m, p, g: hf.logprobs(m, p, entropy=bool(r), sequence_parallel=g),
+        "head": lambda m, p, g: hf.logprobs(m, p, head=("auto", "logits")[r],
+                                            sequence_parallel=g),
+        "head_dtype": lambda m, p, g: hf.logprobs(m, p, head_dtype=(None, torch.float64)[r],
+                                                  sequence_parallel=g),
+        "a bad keyword on one rank": lambda m, p, g: hf.logprobs(
+            m, p, sequence_parallel=g, **({"output_attentions": True} if r else {})),
+        "a bad temperature on one rank": lambda m, p, g: hf.logprobs(
+            m, p, temperature=(1.0, -1.0)[r], sequence_parallel=g),
+        "no gradients on one rank": lambda m, p, g: _maybe_no_grad(
+            r == 0, lambda: hf.logprobs(m, p, sequence_parallel=g)),
+        "weights seeded per rank": lambda m, p, g: hf.logprobs(
+            hf.prepare(zoo.tiny_model("qwen2", seed=r, dtype=torch.float64)), p,
+            sequence_parallel=g),
+        "packs alike in size": lambda m, p, g: hf.logprobs(
+            m, TreePack.from_sequences(seqs if r == 0 else seqs[::-1]), sequence_parallel=g),
+        "images left out on one rank": lambda m, p, g: _images_call(r, g),
+    }
+
+
+def _maybe_no_grad(off: bool, fn):
+    with torch.no_grad() if off else contextlib.nullcontext():
+        return fn()
+
+
+def _images_call(rank: int, group):
+    from treepack import hf
+
+    model = model_for({"family": "qwen2_vl"})
+    pack, extra = inputs(model, {"batch": "images"}, 0)
+    return hf.logprobs(model, pack, sequence_parallel=group, **(extra if rank == 0 else {}))
+
+
+def agreement_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Every mismatch case on every rank (each must raise on every rank, none hang), the
+    collectives an agreeing call runs before its first exchange, and head_dtype with a head
+    treepack cannot read."""
+    import datetime
+
+    from treepack import TreePack, hf
+
+    dist_workers.init(rank, world, port, timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        group = dist.new_group(list(range(world)))
+        model = model_for({})
+        pack = TreePack.from_sequences(batch("small"))
+        for name, call in mismatch_cases(rank).items():
+            try:
+                call(model, pack, group)
+                results[name] = None
+            except Exception as e:  # noqa: BLE001 - the test reads what was raised
+                results[name] = (type(e).__name__, str(e))
+        results["collectives"] = _collectives_of(
+            lambda: hf.logprobs(model, pack, entropy=True, sequence_parallel=group))
+        lora = lora_head_model()
+        for name, g in (("head_dtype, lora head, alone", None),
+                        ("head_dtype, lora head, sequence parallel", group)):
+            try:
+                hf.logprobs(lora, pack, head_dtype=torch.float32, sequence_parallel=g)
+                results[name] = None
+            except Exception as e:  # noqa: BLE001
+                results[name] = (type(e).__name__, str(e))
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist_workers.shutdown()
+
+
+def _collectives_of(fn) -> dict:
+    """How many of each collective ``fn`` ran before its first all-to-all."""
+    counts = {"all_gather": 0, "all_gather_object": 0, "before_exchange": None}
+    saved = {k: getattr(dist, k) for k in ("all_gather", "all_gather_object",
+                                            "all_to_all_single")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            if counts["before_exchange"] is None:
+                counts[name] += 1
+            return saved[name](*args, **kwargs)
+        return call
+
+    def exchange(*args, **kwargs):
+        if counts["before_exchange"] is None:
+            counts["before_exchange"] = counts["all_gather"] + counts["all_gather_object"]
+        return saved["all_to_all_single"](*args, **kwargs)
+
+    dist.all_gather, dist.all_gather_object = counted("all_gather"), counted("all_gather_object")
+    dist.all_to_all_single = exchange
+    try:
+        fn()
+    finally:
+        for k, f in saved.items():
+            setattr(dist, k, f)
+    return counts
+
+
+# ---------------------------------------------------------------- dropout under SP
+
+
+def dropout_model():
+    """A tiny GPT-2 with dropout on its embeddings, residuals and attention, in train mode."""
+    from treepack import hf, zoo
+
+    model = zoo.tiny_model("gpt2", seed=1, dtype=torch.float64, resid_pdrop=0.3,
+                           embd_pdrop=0.3, attn_pdrop=0.3)
+    hf.prepare(model)
+    return model.train()
+
+
+def dropout_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Under sequence parallelism with every rank seeded alike (what set_seed does): the
+    embedding dropout masks of each rank's rows, and gradients that recomputation must
+    replay exactly (activation checkpointing; parts recomputed or not; step_in_parts'
+    second pass)."""
+    from treepack import TreePack, hf
+
+    dist_workers.init(rank, world, port)
+    results = {}
+    try:
+        group = dist.new_group(list(range(world)))
+        model = dropout_model()
+        pack = TreePack.from_sequences(batch("small"))
+        w, _ = weights(tuple(pack.rows.shape))
+        masks = []
+        hook = model.transformer.drop.register_forward_hook(
+            lambda module, args, output: masks.append((output == 0) & (args[0] != 0)))
+        torch.manual_seed(0)
+        hf.logprobs(model, pack, sequence_parallel=group)
+        hook.remove()
+        results["mask"] = masks[-1][0]  # the first is check_lm_head's own 3-token forward
+
+        def grads(fn):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            fn()
+            return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+        linear = lambda o, m: (o.logprobs * w).where(m, 0).sum()  # noqa: E731
+        whole = lambda: (hf.logprobs(model, pack, sequence_parallel=group).logprobs  # noqa: E731
+                         * w).sum().backward()
+        results["whole"] = grads(whole)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        results["whole, checkpointed"] = grads(whole)
+        model.gradient_checkpointing_disable()
+        for recompute in (False, True):
+            results[f"parts, recompute={recompute}"] = grads(lambda: hf.backward_in_parts(
+                model, pack, linear, max_tokens=9, recompute=recompute, sequence_parallel=group))
+        results["step in parts"] = grads(lambda: hf.step_in_parts(
+            model, pack, lambda o: (o.logprobs * w).sum(), max_tokens=9,
+            sequence_parallel=group))
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        dist_workers.shutdown()

@@ -189,3 +189,109 @@ def test_refusals_name_the_problem_on_every_rank(tmp_path):
         if rank < 2:
             assert "Mamba2" in errors["mamba2"]
             assert "output_router_logits=False" in errors["router"]
+
+
+# ------------------------------------------------ every rank agrees, or every rank refuses
+
+# what each rank's message must say; every rank must raise, none may hang
+MISMATCHES = {
+    "parts budgets 9 vs 10 (backward)": ("Disagreement", ["parts", "max_tokens=9",
+                                                          "max_tokens=10"]),
+    "parts budgets 9 vs 10 (step)": ("Disagreement", ["max_tokens=9", "max_tokens=10"]),
+    "parts budgets 9 vs 10 (scores)": ("Disagreement", ["max_tokens=9", "max_tokens=10"]),
+    "parts budgets 6 vs 9": ("Disagreement", ["max_tokens=6", "max_tokens=9"]),
+    "recompute": ("Disagreement", ["recompute (rank 0: False, rank 1: True)"]),
+    "call": ("Disagreement", ["call (rank 0: 'logprobs', rank 1: 'logprobs_in_parts')"]),
+    "temperature": ("Disagreement", ["temperature (rank 0: 1.0 for each of 5, "
+                                     "rank 1: 0.5 for each of 5)"]),
+    "align": ("Disagreement", ["align (rank 0: 'label', rank 1: 'prediction')"]),
+    "entropy": ("Disagreement", ["entropy (rank 0: False, rank 1: True)"]),
+    "head": ("Disagreement", ["head (rank 0: 'auto', rank 1: 'logits')"]),
+    "head_dtype": ("Disagreement", ["head_dtype (rank 0: None, rank 1: torch.float64)"]),
+    "a bad keyword on one rank": ("ValueError", ["output_attentions=True"]),
+    "a bad temperature on one rank": ("ValueError", ["temperature", "-1.0"]),
+    "no gradients on one rank": ("Disagreement", ["gradients (rank 0: False, rank 1: True)",
+                                                  "torch.no_grad()"]),
+    "weights seeded per rank": ("Disagreement", ["weights (rank 0: checksum",
+                                                 "different weights"]),
+    "packs alike in size": ("Disagreement", ["different packs", "same pack",
+                                             "rank 0: 35 rows, rank 1: 35 rows",
+                                             "different in contents or order"]),
+    "images left out on one rank": ("UnsupportedModel", ["placeholder", "images="]),
+}
+REFUSED_ON = {"a bad keyword on one rank": 1, "a bad temperature on one rank": 1,
+              "images left out on one rank": 1}
+
+
+@pytest.fixture(scope="module")
+def agreement(tmp_path_factory):
+    pytest.importorskip("peft")
+    out = tmp_path_factory.mktemp("agreement")
+    spawn(sp_workers.agreement_worker, str(out), world=2, timeout=600)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name", list(MISMATCHES))
+def test_ranks_that_disagree_or_refuse_raise_on_every_rank(agreement, name):
+    """Before any exchange: ranks given different arguments raise a Disagreement naming the
+    field and each rank's value; a rank that refuses makes every rank raise its error's type
+    (verl's engine falls back on UnsupportedModel: every rank must), naming it."""
+    kind, words = MISMATCHES[name]
+    for rank, results in enumerate(agreement):
+        got = results[name]
+        assert got is not None, f"rank {rank} ran {name!r} without an error"
+        assert got[0] == kind, (rank, got)
+        for word in words:
+            assert word in got[1], (rank, word, got[1])
+        if name in REFUSED_ON and rank != REFUSED_ON[name]:
+            assert f"rank {REFUSED_ON[name]} of the sequence_parallel group refused" in got[1]
+
+
+def test_an_agreeing_call_runs_one_all_gather_before_its_first_exchange(agreement):
+    for results in agreement:
+        assert results["collectives"] == {"all_gather": 1, "all_gather_object": 0,
+                                          "before_exchange": 1}
+
+
+@pytest.mark.parametrize("where", ["alone", "sequence parallel"])
+def test_head_dtype_with_a_head_treepack_cannot_read_is_refused_by_name(agreement, where):
+    """A LoRA adapter with dropout on the LM head, in train mode: head_dtype is refused the
+    same way with and without sequence parallelism (before: ignored alone, an
+    AttributeError under SP)."""
+    for results in agreement:
+        kind, message = results[f"head_dtype, lora head, {where}"]
+        assert kind == "UnsupportedModel"
+        assert "head_dtype=torch.float32" in message and "lora_dropout=0.1" in message
+
+
+@pytest.fixture(scope="module")
+def dropout(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dropout")
+    spawn(sp_workers.dropout_worker, str(out), world=2, timeout=600)
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_each_rank_draws_its_own_dropout_masks(dropout):
+    """Seeded alike, the ranks drew one mask for row i on rank 0 and row i + w on rank 1;
+    each now draws from its own stream (as in one process, the masks of different rows are
+    independent)."""
+    first, second = (r["mask"] for r in dropout)
+    assert first.shape == second.shape and first.any() and second.any()
+    assert not torch.equal(first, second)
+    agree = (first == second).double().mean().item()  # independent at p = 0.3: 0.58
+    assert agree < 0.75, agree
+
+
+@pytest.mark.parametrize("name", ["whole, checkpointed", "parts, recompute=False",
+                                  "parts, recompute=True", "step in parts"])
+def test_recomputation_replays_each_ranks_dropout(dropout, name):
+    """Activation checkpointing, the parts' recomputed forwards and step_in_parts' second
+    pass draw the same masks as the forward they repeat: their gradients equal the plain
+    run's (with dropout on, a replay that drew new masks would be off by O(1))."""
+    for results in dropout:
+        reference = results["whole" if name.startswith("whole") else "parts, recompute=False"]
+        got = results[name]
+        assert got.keys() == reference.keys()
+        for k, g in got.items():
+            scale = reference[k].abs().max().clamp_min(1e-30)
+            assert ((g - reference[k]).abs().max() / scale).item() < 1e-10, (name, k)

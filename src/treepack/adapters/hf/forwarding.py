@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from treepack.adapters.hf import sequence_parallel as sp
-from treepack.adapters.hf.head import head_refusal, head_weights, logit_transforms
+from treepack.adapters.hf.head import (HEADS, check_head, head_after, head_refusal,
+                                       head_weights, logit_transforms)
 from treepack.adapters.hf.moe import router_aux_loss
 from treepack.adapters.hf.packed import check_pack, packed_forward
 from treepack.adapters.hf.prepare import unwrap
@@ -96,9 +97,6 @@ def forward_hidden(model, pack: TreePack, backend: str = "auto", *, block_size: 
     return HiddenOutput(out.hidden[None], aux, getattr(out.output, "router_logits", None))
 
 
-HEADS = ("auto", "inside", "hidden", "logits")
-
-
 def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False,
              temperature=1.0, align: str = "label", backend: str = "auto",
              chunk_size: int | None = None, head_dtype: torch.dtype | None = None,
@@ -135,7 +133,9 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
         chunk_size: rows per chunk of the log-softmax (default: by bytes, 1 GiB of float32
             logits on CUDA, 64 MiB elsewhere).
         head_dtype: run the head's matmul in this dtype (TRL's ``cast_lm_head_to_fp32``:
-            ``torch.float32``); ``"inside"`` and ``"hidden"`` only.
+            ``torch.float32``); ``"inside"`` and ``"hidden"`` only (``"auto"`` then takes
+            ``"hidden"`` where ``"inside"`` does not apply, and refuses a head treepack
+            cannot read rather than run it in the model's dtype).
         block_size: FlexAttention's block size (``flex`` only).
         sequence_parallel: a ``torch.distributed`` process group (Ulysses, see
             docs/sequence-parallel.md): every rank of it passes the same pack and computes a
@@ -156,26 +156,29 @@ def logprobs(model, pack: TreePack, *, head: str = "auto", entropy: bool = False
 
     Raises:
         ValueError: a ``head`` or ``align`` that is not one of those, a bad temperature,
-            ``head_dtype`` with ``"logits"``, or anything :func:`forward` refuses.
+            ``head_dtype`` with ``"logits"``, or anything :func:`forward` refuses; under
+            ``sequence_parallel``, ranks of the group given different packs or arguments
+            (:class:`treepack.core.agreement.Disagreement`), or a refusal on any rank of it
+            (raised on every rank).
         UnsupportedModel: ``head="inside"`` on a model it does not apply to (the message
             says why), or a model treepack cannot run exactly.
     """
-    if head not in HEADS:
-        raise ValueError(f"head={head!r} must be one of {HEADS}")
-    if head_dtype is not None and head == "logits":
-        raise ValueError("head_dtype applies to the lean head (head='inside' or 'hidden'); "
-                         "with head='logits' the model's own head runs in its own dtype")
-    check_pack(pack)
-    if sequence_parallel is not None:
+    if sequence_parallel is not None:  # every check inside the group's agreement
         return sp.logprobs(model, pack, sp.sequence_parallel(sequence_parallel), head=head,
                            entropy=entropy, temperature=temperature, align=align,
                            backend=backend, chunk_size=chunk_size, head_dtype=head_dtype,
                            block_size=block_size, kwargs=kwargs)
+    check_head(head, head_dtype)
+    check_pack(pack)
     temps = per_sequence_temperature(temperature, pack.num_sequences)
     one_temperature = float(temps[0]) if len(temps) else 1.0  # an empty pack has none
     auto = head == "auto"
     if auto:
         head = "inside" if inside_refusal(model, temps) is None else "logits"
+        if head == "logits" and head_dtype is not None:  # the lean head after the forward
+            if head_after(model) == "logits":  # honours it where it can read the head
+                raise UnsupportedModel(sp.head_dtype_refusal(model, head_dtype))
+            head = "hidden"
     if head == "inside":
         refusal = inside_refusal(model, temps)
         if refusal is not None:

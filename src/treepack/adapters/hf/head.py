@@ -12,8 +12,21 @@ from treepack.adapters.hf.prepare import eval_no_grad, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core.softmax import head_logits
 
-__all__ = ["lm_head", "check_lm_head", "lm_head_kwargs", "logit_transforms", "head_refusal",
-           "head_weights", "head_after"]
+__all__ = ["HEADS", "check_head", "lm_head", "check_lm_head", "lm_head_kwargs",
+           "logit_transforms", "head_refusal", "head_weights", "head_after"]
+
+
+HEADS = ("auto", "inside", "hidden", "logits")  # hf.logprobs' head=
+
+
+def check_head(head: str, head_dtype) -> None:
+    """Refuse a ``head`` that is not one of :data:`HEADS`, and ``head_dtype`` with the
+    model's own head."""
+    if head not in HEADS:
+        raise ValueError(f"head={head!r} must be one of {HEADS}")
+    if head_dtype is not None and head == "logits":
+        raise ValueError("head_dtype applies to the lean head (head='inside' or 'hidden'); "
+                         "with head='logits' the model's own head runs in its own dtype")
 
 
 _LM_HEAD_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -85,7 +98,8 @@ def _check_lm_head(model, kwargs: dict) -> None:
         raise UnsupportedModel(
             f"{type(model).__name__} transforms its logits after the LM head in a way "
             "treepack.hf.lm_head does not know (it knows final_logit_softcapping, logit_scale, "
-            "logits_scaling and lm_head_multiplier): log-probs from hidden states would be wrong. Use "
+            "logits_scaling and lm_head_multiplier): log-probs from hidden states would be "
+            "wrong. Use "
             "pack.token_logprobs(hf.forward(model, pack).logits[0]) for this model"
         )
 

@@ -105,3 +105,11 @@ def weighted_router_aux_loss(model, router_logits, weights: Tensor) -> Tensor:
     config = text_config(model)
     num_experts = getattr(config, "num_local_experts", None) or config.num_experts
     return loss_fn(tuple(router_logits), num_experts, config.num_experts_per_tok, weights)
+
+
+def router_logits_on(model, kwargs: dict) -> bool:
+    """Whether a forward of ``model`` with ``kwargs`` returns router logits (given, or on in
+    its config)."""
+    config = text_config(unwrap(model))
+    return bool(kwargs.get("output_router_logits",
+                           getattr(config, "output_router_logits", False)))

@@ -21,25 +21,27 @@ model that is not wrapped.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import math
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from treepack.adapters.hf.head import head_after
-from treepack.adapters.hf.packed import packed_forward
+from treepack.adapters.hf.head import check_head, head_after, head_refusal
+from treepack.adapters.hf.packed import check_inputs, check_pack, packed_forward
 from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import TreeForward, UnsupportedModel
+from treepack.core.agreement import Label, agreement, fingerprint, parameters_fingerprint
 from treepack.core.derived import derived_from_pack
-from treepack.core.outputs import TokenLogprobs, per_sequence_temperature
+from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
 
 __all__ = ["SequenceParallel", "ShardedForward", "sequence_parallel", "sum_over",
-           "average_gradients", "check_same_pack", "logprobs", "ROUTER_UNDER_SP"]
+           "average_gradients", "agreed", "pack_identity", "PackIdentity", "logprobs",
+           "head_dtype_refusal", "ROUTER_UNDER_SP", "HINTS"]
 
 
 class SequenceParallel:
@@ -60,6 +62,28 @@ class SequenceParallel:
                 "sequence_parallel group it was given: every rank calls dist.new_group for "
                 "every group, and passes the one that holds it")
         self.group, self.rank, self.size = group, rank, dist.get_world_size(group)
+
+    @contextlib.contextmanager
+    def own_random_stream(self, model, device: torch.device):
+        """While it lasts, this rank draws its random numbers (the dropout masks of its rows,
+        and of its heads in attention) from a stream of its own: seeded from one draw of the
+        global CPU generator, the same on every rank seeded alike, and this rank. Ranks seeded
+        alike would otherwise draw one mask for row i on rank 0 and row i + w on rank 1.
+        Recomputation replays it: activation checkpointing saves the generators' state inside
+        the stream, and the parts calls replay the draw by restoring the global state. A
+        model in eval mode draws nothing: the global generators are left as they are."""
+        if not unwrap(model).training:
+            yield
+            return
+        draw = int(torch.randint(0, 2**62, (1,)).item())
+        seed = (draw * 0x9E3779B97F4A7C15 + self.rank + 1) % 2**63
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(seed)
+            if devices:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
+            yield
 
     def share(self, total: int) -> tuple[int, int, int]:
         """``(start, stop, width)``: this rank's rows among ``total`` (``start .. stop - 1``)
@@ -236,13 +260,25 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
              head_dtype: torch.dtype | None, block_size: int, kwargs: dict) -> TokenLogprobs:
     """:func:`treepack.hf.logprobs` with the pack's rows split over ``sp``: this rank's
     slice through the one packed forward, its predictions' log-probs, and all of them summed
-    over the group into the pack's layout (every rank gets the whole result)."""
-    check_same_pack(pack, sp)
-    temps = per_sequence_temperature(temperature, pack.num_sequences)
+    over the group into the pack's layout (every rank gets the whole result). Every rank
+    checks its inputs, then the group agrees on them (:func:`agreed`) before the first
+    exchange."""
+    with agreed(sp, "logprobs", model, pack, kwargs) as fields:
+        check_head(head, head_dtype)
+        temps = per_sequence_temperature(temperature, pack.num_sequences)
+        check_align(align)
+        check_inputs(model, pack, {k: v for k, v in kwargs.items() if k != "images"},
+                     images=kwargs.get("images"))
+        output = head_after(model) if head in ("auto", "inside") else head
+        if head_dtype is not None and output == "logits":
+            raise UnsupportedModel(head_dtype_refusal(model, head_dtype))
+        fields.update(head=head, output=output, entropy=entropy, temperature=temps,
+                      align=align, backend=backend, head_dtype=head_dtype,
+                      block_size=block_size)
     rows, start, stop = sp.rows(torch.arange(pack.num_rows, device=pack.device))
     mixers = ShardedForward(TreeForward(pack, backend, block_size), sp, pack.num_rows)
-    output = head_after(model) if head in ("auto", "inside") else head
-    out = packed_forward(model, pack, kwargs, rows=rows, mixers=mixers, output=output)
+    with sp.own_random_stream(model, pack.device):
+        out = packed_forward(model, pack, kwargs, rows=rows, mixers=mixers, output=output)
     if getattr(out.output, "router_logits", None) is not None:
         raise UnsupportedModel(ROUTER_UNDER_SP)
     if head_dtype is not None:
@@ -263,34 +299,78 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
     return TokenLogprobs(logp, ent, align)
 
 
+def head_dtype_refusal(model, head_dtype) -> str:
+    """Why ``head_dtype`` cannot be honoured: the lean head cannot read this model's head, so
+    its logits come from the model's own head, in the model's dtype."""
+    core = unwrap(model)
+    why = head_refusal(core.get_output_embeddings()) or (
+        "it transforms its logits after the head in a way treepack does not know")
+    return (f"head_dtype={head_dtype} runs the LM head's matmul in that dtype through "
+            f"treepack's lean head, which cannot read {type(core).__name__}'s head ({why}): "
+            "drop head_dtype (TRL: cast_lm_head_to_fp32=False, which TRL itself requires for "
+            "a head carrying a PEFT adapter), or make the head a plain Linear")
+
+
 # ----------------------------------------------------------------------------- checks
 
 
+class PackIdentity(NamedTuple):
+    """A pack as the ranks of a group compare it: its rows and a digest of its contents."""
+
+    rows: int
+    digest: int
+
+    def __repr__(self) -> str:
+        return f"{self.rows} rows"
+
+
 @derived_from_pack
-def _fingerprint(pack: TreePack) -> int:
+def pack_identity(pack: TreePack) -> PackIdentity:
+    """The pack's rows and a digest of its ids, structure, layout and content keys."""
     h = pack.host
-    digest = hashlib.blake2b(digest_size=8)
     keys = () if h.row_keys is None else (h.row_keys,)
-    for a in (h.input_ids, h.parent_row, h.position_ids, h.rows, *keys):
-        digest.update(np.ascontiguousarray(a).tobytes())
-        digest.update(str(a.shape).encode())
-    return int.from_bytes(digest.digest(), "little", signed=True)
+    return PackIdentity(pack.num_rows, fingerprint(
+        [h.input_ids, h.parent_row, h.position_ids, h.rows, *keys]))
 
 
-def check_same_pack(pack: TreePack, sp: SequenceParallel, what: str = "pack") -> None:
-    """Refuse, on every rank at once, a group whose ranks were given different packs (their
-    slices would not be of one tree): one all-gather of a fingerprint."""
-    device = pack.device if dist.get_backend(sp.group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor([_fingerprint(pack), pack.num_rows], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(sp.size)]
-    dist.all_gather(every, mine, group=sp.group)
-    every = torch.stack(every).cpu()
-    if (every != every[0]).any():
-        raise ValueError(
-            f"the ranks of the sequence_parallel group were given different {what}s (rows per "
-            f"rank: {every[:, 1].tolist()}): every rank of a group must pass the same pack, "
-            "built from the same sequences in the same order (give each group's ranks the "
-            "same batch, as verl's dispatch and treepack.plan do)")
+HINTS = {  # what to change when a field differs between the ranks of a group
+    "pack": "they were given different packs, and every rank of a group must pass the same "
+            "pack, built from the same sequences in "
+            "the same order (give each group's ranks the same batch, as verl's dispatch and "
+            "treepack.plan do)",
+    "weights": "the ranks hold different weights (checked the first time each model meets "
+               "a group): give every rank of the group the same model (load one checkpoint, "
+               "seed alike, or let DDP / FSDP broadcast it)",
+    "gradients": "call under torch.no_grad() on every rank of the group, or on none",
+    "training": "put the model in train() or eval() mode alike on every rank",
+}
+
+
+def _digest(value) -> Label:
+    return Label(value if isinstance(value, str) else f"checksum {value:016x}")
+
+
+@contextlib.contextmanager
+def agreed(sp: SequenceParallel | None, call: str, model, pack: TreePack | None,
+           kwargs: dict):
+    """:func:`treepack.core.agreement.agreement` over ``sp``'s group (nothing without one),
+    with the fields every sequence-parallel call shares: the call, the pack (None: the block
+    builds it and adds ``pack``), the weights, the model's keyword arguments, the images,
+    gradient mode and train mode. The block runs this rank's own checks and adds the call's
+    other arguments."""
+    with agreement(None if sp is None else sp.group, "sequence_parallel group", HINTS) as fields:
+        if sp is not None:
+            if pack is not None:
+                check_pack(pack)
+                fields["pack"] = pack_identity(pack)
+            core = unwrap(model)
+            images = kwargs.get("images")
+            fields.update(call=call,
+                          weights=_digest(parameters_fingerprint(core)),
+                          kwargs={k: v for k, v in kwargs.items() if k != "images"},
+                          images=None if images is None else list(images.keys),
+                          gradients=torch.is_grad_enabled(), training=core.training)
+        yield fields
 
 
 def average_gradients(model, group) -> None:

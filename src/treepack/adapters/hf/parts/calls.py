@@ -3,20 +3,25 @@ log-probs without gradients; each takes sequences, a pack, or a built :class:`Pa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from treepack.adapters.hf.moe import row_multiplicity, weighted_router_aux_loss
+from treepack.adapters.hf.head import head_after
+from treepack.adapters.hf.moe import router_logits_on, row_multiplicity, weighted_router_aux_loss
 from treepack.adapters.hf.packed import check_inputs
 from treepack.adapters.hf.parts import sync
 from treepack.adapters.hf.parts.run import (ROUTER_IN_PARTS, Run, loss_tensor, rng_state,
                                             set_rng_state)
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
-from treepack.adapters.hf.routing import UnsupportedModel, text_config
-from treepack.adapters.hf.sequence_parallel import sequence_parallel as sequence_parallel_of
-from treepack.core.outputs import TokenLogprobs
+from treepack.adapters.hf.routing import UnsupportedModel
+from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, agreed, pack_identity,
+                                                    sequence_parallel as sequence_parallel_of)
+from treepack.core.agreement import fingerprint
+from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
 
@@ -93,12 +98,14 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
             position, layers that bypass the tree).
         ValueError: an unprepared model, bad sequences, ``max_tokens`` or keywords.
     """
-    _needs_gradients("backward_in_parts")
-    parts = tree_parts(model, sequences, max_tokens, kwargs)
-    if _router_logits_on(model, kwargs):
-        raise UnsupportedModel(f"backward_in_parts: {ROUTER_IN_PARTS}")
+    sp = sequence_parallel_of(sequence_parallel)
+    with _agreed(sp, "backward_in_parts", model, sequences, max_tokens, kwargs, temperature,
+                 entropy, align, recompute) as parts:
+        _needs_gradients("backward_in_parts")
+        if router_logits_on(model, kwargs):
+            raise UnsupportedModel(f"backward_in_parts: {ROUTER_IN_PARTS}")
     return _train(model, parts, loss_fn, temperature, entropy, align, recompute, kwargs,
-                  sp=sequence_parallel_of(sequence_parallel))
+                  sp=sp)
 
 
 def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
@@ -135,9 +142,10 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
         ValueError: a loss that depends on nothing with a gradient (not on the outputs it
             was given); and as :func:`backward_in_parts`.
     """
-    _needs_gradients("step_in_parts")
-    parts = tree_parts(model, sequences, max_tokens, kwargs)
     sp = sequence_parallel_of(sequence_parallel)
+    with _agreed(sp, "step_in_parts", model, sequences, max_tokens, kwargs, temperature,
+                 entropy, align, recompute) as parts:
+        _needs_gradients("step_in_parts")
     replay = rng_state(parts.pack.device)
     first = _score(model, parts, temperature, entropy, align, kwargs, sp)
     logprobs = first.logprobs.requires_grad_()
@@ -195,10 +203,12 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temper
     Raises:
         As :func:`backward_in_parts`.
     """
-    parts = tree_parts(model, sequences, max_tokens, kwargs)
+    sp = sequence_parallel_of(sequence_parallel)
+    with _agreed(sp, "logprobs_in_parts", model, sequences, max_tokens, kwargs, temperature,
+                 entropy, align) as parts:
+        pass
     with torch.no_grad():
-        run = _score(model, parts, temperature, entropy, align, kwargs,
-                     sequence_parallel_of(sequence_parallel))
+        run = _score(model, parts, temperature, entropy, align, kwargs, sp)
         aux = _aux_loss(model, parts, run.router)
     return TokenLogprobs(run.logprobs, run.entropy, align, aux_loss=aux)
 
@@ -274,10 +284,46 @@ def _needs_gradients(caller: str) -> None:
                            "them, or use hf.logprobs_in_parts for log-probs without gradients")
 
 
-def _router_logits_on(model, kwargs: dict) -> bool:
-    config = text_config(unwrap(model))
-    return bool(kwargs.get("output_router_logits",
-                           getattr(config, "output_router_logits", False)))
+class PartsIdentity(NamedTuple):
+    """A pack's parts as the ranks of a group compare them: the budget, the count, and a
+    digest of each part's rows and parent."""
+
+    max_rows: int
+    parts: int
+    digest: int
+
+    def __repr__(self) -> str:
+        return f"max_tokens={self.max_rows} ({self.parts} parts)"
+
+
+def parts_identity(parts: Parts) -> PartsIdentity:
+    return PartsIdentity(parts.max_rows, len(parts.parts), fingerprint(
+        [(part.parent, part.rows) for part in parts.parts]))
+
+
+@contextlib.contextmanager
+def _agreed(sp, call: str, model, sequences, max_tokens, kwargs, temperature, entropy, align,
+            recompute="auto"):
+    """The parts of ``sequences`` (:func:`tree_parts`), built and checked inside the
+    sequence-parallel group's agreement (:func:`.sequence_parallel.agreed`): the pack, the
+    parts' budget and cut, and the call's arguments agree on every rank before the first
+    collective, or every rank refuses. The block runs the call's own checks. Yields the
+    parts."""
+    pack = sequences.pack if isinstance(sequences, Parts) else None
+    with agreed(sp, call, model, pack, kwargs) as fields:
+        check_align(align)
+        if recompute not in (True, False, "auto"):
+            raise ValueError(f"recompute={recompute!r}: use 'auto', True or False")
+        parts = tree_parts(model, sequences, max_tokens, kwargs)
+        if sp is not None:
+            if router_logits_on(model, kwargs):
+                raise UnsupportedModel(ROUTER_UNDER_SP)
+            fields.update(pack=pack_identity(parts.pack), parts=parts_identity(parts),
+                          recompute=recompute, entropy=entropy, align=align,
+                          temperature=per_sequence_temperature(temperature,
+                                                               parts.pack.num_sequences),
+                          head=head_after(model) if parts.parts else "hidden")
+        yield parts
 
 
 def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute, kwargs,

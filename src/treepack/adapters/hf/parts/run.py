@@ -11,6 +11,7 @@ backward, replaying the random generators' state so that dropout draws the same 
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, SequenceParallel,
-                                                    ShardedForward, check_same_pack)
+                                                    ShardedForward)
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.planning.parts import Parts
 
@@ -47,8 +48,6 @@ class Run:
         self.sp = sp  # each part's rows split over a sequence-parallel group
         self.slices: dict[int, tuple[int, int]] = {}  # part -> this rank's rows of it
         pack = parts.pack
-        if sp is not None:
-            check_same_pack(pack, sp)
         self.device = pack.device
         self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
         self.children = collections.defaultdict(list)  # part -> the parts hanging off it
@@ -118,8 +117,11 @@ class Run:
         if self.sp is not None:
             mixers = ShardedForward(mixers, self.sp, rows.shape[0])
             rows, *self.slices[i] = self.sp.rows(rows)
-        out = packed_forward(self.model, self.parts.pack, self.kwargs, rows=rows,
-                             mixers=mixers, output=self.head)
+        stream = contextlib.nullcontext() if self.sp is None else \
+            self.sp.own_random_stream(self.model, self.device)
+        with stream:
+            out = packed_forward(self.model, self.parts.pack, self.kwargs, rows=rows,
+                                 mixers=mixers, output=self.head)
         router = getattr(out.output, "router_logits", None)
         if router is not None and self.sp is not None:
             raise UnsupportedModel(ROUTER_UNDER_SP)
