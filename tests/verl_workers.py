@@ -231,9 +231,11 @@ def make_rows(seed: int = 0) -> list[dict]:
 def make_image_rows(seed: int = 0) -> list[dict]:
     """Rollout rows with images, as verl's agent loop writes them for a Qwen-VL model: each
     row its own copy of its prompt's images (``images``: (pixels, grid) each). A GRPO group on
-    image 0, the same question on image 1 (another group), and an agent trajectory whose
-    second step repeats the first, a screenshot (image 2) in its first turn's prompt and
-    another (image 1) returned by a tool in its second turn's response."""
+    image 0, the same question on image 1 (another group), the same text again on image 2
+    (images 1 and 2 have one placeholder count: only their keys tell the two prompts apart),
+    and an agent trajectory whose second step repeats the first, a screenshot (image 2) in
+    its first turn's prompt and another (image 1) returned by a tool in its second turn's
+    response."""
     from treepack import zoo
 
     g = torch.Generator().manual_seed(seed)
@@ -250,9 +252,11 @@ def make_image_rows(seed: int = 0) -> list[dict]:
 
     rows = []
     question = tokens(6)
-    for uid, k, rollouts in (("prompt0", 0, 6), ("prompt1", 1, 4)):
-        prompt = tokens(3) + placed[k] + question
-        prompt = [BOS] + prompt[1:]
+    assert placed[1] == placed[2]
+    for uid, k, rollouts in (("prompt0", 0, 6), ("prompt1", 1, 2), ("prompt1b", 2, 2)):
+        if uid != "prompt1b":  # the same text as prompt1, on another image
+            prompt = tokens(3) + placed[k] + question
+            prompt = [BOS] + prompt[1:]
         for _ in range(rollouts):
             response = tokens(between(2, 10)) + [EOS]
             rows.append(dict(uid=uid, prompt=prompt, response=response,
@@ -505,6 +509,10 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
                     out = engine.forward_backward_batch(data, actor_loss(mode, len(rows)))
                     losses[label] = global_loss(out, data)
                     result[f"metrics_{label}"] = verl_dp_metrics(out["metrics"])
+                    if images and label == "tree":
+                        result["sharing"] = dict(
+                            expected_sharing(engine, data, group=None),
+                            logged=out["metrics"]["treepack/achievable_ratio"])
                     grads[label] = full_grads(engine.module)
                     if mode == "token-mean":
                         norms[label] = float(engine.optimizer_step())
@@ -582,6 +590,23 @@ def compare_lean(rank: int, world: int, port: int, model_dir: str, strategy: str
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def expected_sharing(engine, data, group) -> dict:
+    """The achievable ratio of this update summed over the ranks, over (id, image) pairs (as
+    the packs are built) and over ids alone: what ``treepack/achievable_ratio`` must be, and
+    what it was when the engine's report ignored the image keys."""
+    from treepack import sharing
+    from treepack.adapters.verl import _host_sequences
+
+    sequences = _host_sequences(data)
+    keys = engine._images(data, sequences).keys
+    out = {}
+    for name, k in (("keys", keys), ("ids", None)):
+        counts = torch.tensor(sharing.report(sequences, keys=k).counts(), dtype=torch.float64)
+        dist.all_reduce(counts, group=group)
+        out[name] = float(counts[2] / counts[0])  # achievable rows / original tokens
+    return out
 
 
 def verl_dp_metrics(metrics: dict) -> dict:

@@ -304,6 +304,11 @@ def test_verl_engine_with_images_equals_stock_engine(world, budget, vision_model
     if budget is not None:
         assert r["parts"] and r["parts"][0] > 1, r
     assert "['pixel_values_videos']" in r["video_reason"], r["video_reason"]
+    # the sharing report counts (id, image) pairs, as the packs: the same text on images 1
+    # and 2 is two prompts' rows (over ids alone it was one)
+    logged = r["sharing"]["logged"]
+    assert logged == [pytest.approx(r["sharing"]["keys"], rel=1e-12)], r["sharing"]
+    assert r["sharing"]["keys"] > r["sharing"]["ids"], r["sharing"]
 
 
 def test_verl_worker_with_images_on_the_trainers_batches_equals_stock(vision_model_dir,

@@ -231,6 +231,47 @@ def test_v0_trainer_keeps_groups_with_or_without_uid(with_uid, installed):
     assert want.achieved_rows < want.original_tokens
 
 
+def test_v0_trainer_counts_rows_with_images_over_id_image_pairs(installed):
+    """Two groups ask the same question of two images (one placeholder count, so their ids
+    are equal): the step's report counts (id, image) pairs, as the workers' packs are built,
+    not one shared prompt."""
+    from treepack import zoo
+
+    images = zoo.image_batch([[1, ("image", k), 5, 6] for k in (1, 2)])
+    assert images.sequences[0] == images.sequences[1]
+    pixels = torch.split(images.pixel_values, images.image_grid_thw.prod(-1).tolist())
+    prompts, responses, uid, inputs = [], [], [], []
+    for k in range(2):
+        for r in range(4):
+            prompts.append(images.sequences[k])
+            responses.append([20 + r, 30 + r])
+            uid.append(f"q{k}")
+            inputs.append({"pixel_values": pixels[k],
+                           "image_grid_thw": images.image_grid_thw[k:k + 1]})
+    P = max(map(len, prompts))
+    R = max(map(len, responses))
+    ids, mask = torch.zeros(8, P + R, dtype=torch.int64), torch.zeros(8, P + R, dtype=torch.int64)
+    for b, (p, c) in enumerate(zip(prompts, responses)):
+        ids[b, P - len(p):P + len(c)], mask[b, P - len(p):P + len(c)] = torch.tensor(p + c), 1
+    data = DataProto.from_dict(
+        tensors={"attention_mask": mask, "prompts": ids[:, :P], "input_ids": ids},
+        non_tensors={"uid": np.array(uid, dtype=object),
+                     "multi_modal_inputs": np.array(inputs, dtype=object)})
+    trainer = v0_trainer(2, "treepack.verl", mini_batch=2)
+    trainer.processor = SimpleNamespace(image_token_id=zoo.VISION_IDS["image_token_id"])
+    metrics = {}
+    trainer._balance_batch(data, metrics)
+    seqs = [p + c for p, c in zip(prompts, responses)]
+    keys = [[0] * len(s) for s in seqs]
+    for b, s in enumerate(seqs):  # each image's placeholders keyed by the image, by hand
+        for t, tok in enumerate(s):
+            if tok == zoo.VISION_IDS["image_token_id"]:
+                keys[b][t] = 1 + b // 4
+    by_image = report(seqs, keys=keys).achievable_ratio
+    assert metrics["treepack/step/achievable_ratio"] == pytest.approx(by_image, rel=1e-12)
+    assert by_image > report(seqs).achievable_ratio  # over ids alone: one shared prompt
+
+
 def test_v0_trainer_without_treepack_runs_unchanged(installed):
     batch = bench.grpo_batch("b", prompts=32)
     got, got_metrics = v0_batch(batch, True), {}

@@ -77,6 +77,9 @@ def test_llava_images_are_whole_tensors_and_refuse_a_grid():
                   image_grid_thw=torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"\[images, channels, height, width\]"):
         hf.Images(model, batch.sequences, pixel_values=batch.pixel_values.flatten(1))
+    with pytest.raises(ValueError, match=r"images of shape \(3, 4, 4\), but llava's vision "
+                                         r"tower takes \(3, 8, 8\)"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values[:, :, :4, :4])
 
 
 def unpacked(model, batch, weights, temperatures):
@@ -272,6 +275,15 @@ def test_bad_images_are_refused_naming_the_sequence():
     with pytest.raises(ValueError, match=r"image_grid_thw\[0\] = \[1, 3, 4\]"):
         hf.Images(model, [[1] + [IMAGE] * 3], pixel_values=torch.zeros(12, 12),
                   image_grid_thw=torch.tensor([[1, 3, 4]]))
+    # a 0 in a grid: the value is named, not the shape (which is fine)
+    with pytest.raises(ValueError, match=r"image_grid_thw\[1\] = \[1, 0, 4\]: image 1's"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
+                  image_grid_thw=torch.tensor([[1, 4, 4], [1, 0, 4]]))
+    # rows of another model's patches fail here, not inside the vision tower
+    with pytest.raises(ValueError, match="rows of 24 values, but qwen2_vl's vision tower takes "
+                                         "patches of 12"):
+        hf.Images(model, batch.sequences, pixel_values=batch.pixel_values.repeat(1, 2),
+                  image_grid_thw=batch.image_grid_thw)
 
 
 def test_a_pack_built_without_the_image_keys_is_refused():
@@ -360,3 +372,26 @@ def test_images_refuse_adjacent_runs_another_model_and_a_forward_that_embeds_twi
             hf.logprobs(model, images.pack(), images=images)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_placeholder_keys_without_the_model_are_the_images_keys(family):
+    """verl's trainer holds a batch's ids and images but not the model: its keys, from the
+    placeholder id and each row's images, are those hf.Images builds the packs with (LLaVA's
+    adjacent images in one run included)."""
+    from treepack.adapters.hf.vision import placeholder_keys
+
+    model = tiny(family)
+    batch = zoo.image_batch([[1, A, 7, B], [1, A, B, 8], [3, 4]], family=family)
+    images = images_of(model, batch)
+    if family == "llava":
+        each = [(batch.pixel_values[i:i + 1], None) for i in range(len(batch.pixel_values))]
+    else:
+        pixels = torch.split(batch.pixel_values, batch.image_grid_thw.prod(-1).tolist())
+        each = list(zip(pixels, batch.image_grid_thw))
+    per_row = [each[0:2], each[2:4], []]
+    got = placeholder_keys(batch.sequences, images.image_token_id, per_row)
+    assert all(np.array_equal(a, b) for a, b in zip(got, images.keys))
+    with pytest.raises(ValueError, match="sequence 1 has .* for 1 images"):
+        placeholder_keys(batch.sequences, images.image_token_id, [each[0:2], each[2:3], []])
+

@@ -280,6 +280,7 @@ def test_large_random_forests_match_naive_trie(seqs):
     [
         (torch.tensor([1, 2, 3]), ["one 1-D Tensor", "[ids]"]),
         ([1, 2, 3], ["sequence 0 is a single value (1)", "[[1, 2, 3]]"]),
+        (["hello world"], ["sequence 0 is text ('hello world')", "tokenize it first"]),
     ],
 )
 def test_a_single_flat_sequence_is_told_to_wrap_it(bad, words):

@@ -71,6 +71,18 @@ def test_stats_file_lists_and_objects(tmp_path, capsys):
         (['{"input_ids": [1]}', '{"input_ids": [2], "uid": 1}'], 2,
          ["line 2 has 'uid' and line 1 has not"]),
         (['{"prompt_ids": [1], "completion_ids": "x"}'], 1, ["'completion_ids' must be a list"]),
+        # padding left in: -100 and padding are named, with the fix
+        (['[1, 2, -100]'], 1, ["found -100 at position 2", "padding", "-100"]),
+        # a whole batch on one line
+        (['[[1, 2], [3, 4]]'], 1, ["holds 2 lists", "one sequence per line"]),
+        # lines that mix a prompt format with input_ids: which lines, not a silent drop
+        (['{"input_ids": [1, 2], "uid": 1}', '{"prompt": [1], "completion": [2], "uid": 1}'],
+         2, ["mix formats", "line 2 gives 'prompt'", "line 1 'input_ids' (no prompt)"]),
+        (['{"prompt": [1], "completion": [2], "uid": 1}'] * 2 + ['{"input_ids": [1, 2], '
+                                                                   '"uid": 1}'],
+         3, ["line 1 gives 'prompt'", "line 3 'input_ids' (no prompt)", "every line its prompt"]),
+        (['{"input_ids": [1, 2], "keys": [0]}'], 1, ["'keys' has 1 values", "2 tokens"]),
+        (['{"input_ids": [1, 2], "session": [1]}'], 1, ["'session' is [1]"]),
     ],
 )
 def test_stats_bad_line_reports_its_number(tmp_path, capsys, lines, line_no, words):
@@ -458,6 +470,42 @@ def test_stats_formats_agree_and_extra_fields_are_ignored(tmp_path, capsys):
         result = json.loads(out)
         assert code == 0 and (result["original_tokens"], result["packed_rows"]) == (8, 5), name
         assert result["sharing"]["groups"] == (None if name in ("lists", "input_ids") else 1)
+
+
+def test_stats_counts_id_key_pairs_groups_of_each_type_and_sessions(tmp_path, capsys):
+    """Per-token ``keys`` (an image placeholder's image): the same text on two images is
+    two rows, in the token ratio and the report alike; ``uid`` 1 and "1" are two groups;
+    ``session`` finds a turn whose prompt does not extend the previous turn."""
+    from treepack.sharing import report
+
+    text = [{"prompt": [1, 9, 9, 2], "completion": [c], "uid": u, "keys": [0, k, k, 0, 0]}
+            for u, k, c in (("a", 5, 3), ("a", 5, 4), ("b", 6, 3), ("b", 6, 4))]
+    code, out, _ = run(capsys, "stats", write_jsonl(tmp_path / "keys.jsonl", text), "--json")
+    result = json.loads(out)
+    # the first token is text, shared; then each image's prompt and completions: 1 + 2 x 5
+    assert code == 0 and result["packed_rows"] == 11  # over ids alone: 6
+    assert result["sharing"]["achievable_rows"] == 11
+    typed = [{"prompt": [1, 2], "completion": [c], "uid": u}
+             for u, c in ((1, 3), (1, 4), ("1", 3), ("1", 4))]
+    typed[2]["prompt"] = typed[3]["prompt"] = [1, 5]
+    code, out, _ = run(capsys, "stats", write_jsonl(tmp_path / "typed.jsonl", typed), "--json")
+    sharing = json.loads(out)["sharing"]
+    assert sharing["groups"] == 2 and sharing["false_forks"] == []  # was 1, with a fork
+    turns = [[1, 2, 3, 10, 11], [20, 21, 22]], [[1, 2, 3, 10, 11, 20, 21, 22, 12, 13], [23]], \
+        [[1, 2, 3, 10, 11, 20, 22, 12, 13, 14], [25]]  # the last re-renders, dropping 21
+    agent = [{"prompt": p, "completion": c, "session": "s0"} for p, c in turns]
+    agent.append({"prompt": [1, 2, 3, 10, 11], "completion": [30], "session": "s1"})
+    path = write_jsonl(tmp_path / "agent.jsonl", agent)
+    code, out, _ = run(capsys, "stats", path)
+    assert code == 0
+    assert "false forks in later turns: 1 of 2 sessions re-render their history" in out
+    assert "session 's0': turn 2 of 3 shares 6 of the previous turn's 11 tokens (21 vs 22)" \
+        in out and "extending the previous turn's ids" in out
+    code, out, _ = run(capsys, "stats", path, "--json")
+    (fork,) = json.loads(out)["sharing"]["session_forks"]
+    seqs = [p + c for p, c in turns] + [[1, 2, 3, 10, 11, 30]]
+    expected = report(seqs, prompt_lengths=[5, 10, 10, 5], sessions=["s0"] * 3 + ["s1"])
+    assert fork["rows"] == expected.session_forks[0].rows == 4
 
 
 def test_stats_without_groups_or_placement_says_what_it_needs(tmp_path, capsys):

@@ -133,6 +133,97 @@ def test_the_rows_add_up_and_every_number_equals_a_dict_trie(step):
     check_groups_hit(r, seqs, groups, plen, (ranks, micro, packs))
 
 
+@settings(max_examples=150, deadline=None)
+@given(steps(), st.data())
+def test_with_content_keys_every_number_counts_id_key_pairs(step, data):
+    """Keys (an image placeholder's image): the report over (id, key) pairs is the report
+    over one integer per pair, computed here without treepack, and its achievable rows those
+    of the pack built with the same keys; false forks still name token ids."""
+    seqs, groups, plen, (ranks, micro, packs) = step
+    keys = [data.draw(st.lists(st.integers(0, 2), min_size=len(q), max_size=len(q)))
+            for q in seqs]
+    r = report(seqs, groups=groups, prompt_lengths=plen, ranks=ranks, micro_batches=micro,
+               packs=packs, keys=keys)
+    pairs = [[int(t) * 3 + k for t, k in zip(q, ks)] for q, ks in zip(seqs, keys)]
+    by_pairs = report(pairs, groups=groups, prompt_lengths=plen, ranks=ranks,
+                      micro_batches=micro, packs=packs)
+    assert (r.ideal_rows, r.achievable_rows, r.achieved_rows, r.lost, r.groups_hit) == (
+        by_pairs.ideal_rows, by_pairs.achievable_rows, by_pairs.achieved_rows, by_pairs.lost,
+        by_pairs.groups_hit)
+    assert r.achievable_rows == naive_rows([list(zip(q, ks)) for q, ks in zip(seqs, keys)])
+    assert r.achievable_rows == treepack.TreePack.from_sequences(seqs, keys=keys).num_packed_rows
+    for f, g in zip(r.false_forks, by_pairs.false_forks):
+        assert (f.group, f.depth, f.rows) == (g.group, g.depth, g.rows)
+        assert f.tokens == tuple(t // 3 for t in g.tokens)
+
+
+def test_the_same_text_on_different_images_is_counted_as_the_packs_compute_it():
+    """Three GRPO groups, the same text on three images (placeholder id 9, keyed by image):
+    over ids alone the report saw one forest of 19 rows; the packs compute 34."""
+    prompt = [1, 2, 9, 9, 9, 9, 3]
+    completions = [[4, 5], [4, 6], [7, 8, 8]]
+    seqs, keys, groups = [], [], []
+    for image in (11, 12, 13):
+        for c in completions:
+            seqs.append(prompt + c)
+            keys.append([image if t == 9 else 0 for t in prompt] + [0] * len(c))
+            groups.append(f"g{image}")
+    plen = [len(prompt)] * len(seqs)
+    assert report(seqs, groups=groups, prompt_lengths=plen).achievable_rows == 7 + 2 + 1 + 3
+    r = report(seqs, groups=groups, prompt_lengths=plen, keys=keys)
+    built = plan(seqs, max_tokens=64, keys=keys).packs(0)
+    assert r.achievable_rows == sum(p.num_packed_rows for p in built) == 2 + 3 * (5 + 6)
+    assert r.false_forks == ()  # each group's prompt is one image's: no fork
+    with pytest.raises(ValueError, match="keys has 8 sequences for 9"):
+        report(seqs, keys=keys[:-1])
+
+
+def test_group_keys_of_different_types_are_different_groups():
+    """1 and "1" were merged (np.asarray turned the list into strings): one group whose
+    prompts fork. As Python compares them, they are two groups, each agreeing."""
+    seqs = [[1, 2, 3], [1, 2, 4], [1, 5, 3], [1, 5, 4]]
+    r = report(seqs, groups=[1, 1, "1", "1"], prompt_lengths=[2] * 4)
+    assert r.groups == 2 and r.false_forks == () and r.lost.false_forks == 0
+    assert r.ideal_rows == r.achievable_rows == 7
+    merged = report(seqs, groups=["1"] * 4, prompt_lengths=[2] * 4)
+    assert merged.groups == 1 and merged.lost.false_forks == 3  # 2 and 5 made one row
+
+
+def naive_session_forks(seqs, sessions, plen):
+    """{session: (turn, depth, breaks, rows)} by the definition, a token at a time: each turn
+    should repeat the previous turn (as it would have been, fixed) up to its own prompt; a
+    turn that does not is rewritten to; rows are the session's trie before and after."""
+    out = {}
+    for name in dict.fromkeys(sessions):
+        turns = [s for s, k in enumerate(sessions) if k == name]
+        fixed, found = [list(seqs[turns[0]])], []
+        for t in range(1, len(turns)):
+            prev, cur = fixed[-1], list(seqs[turns[t]])
+            end = min(len(prev), len(cur) if plen is None else plen[turns[t]])
+            depth = next((p for p in range(end) if prev[p] != cur[p]), None)
+            if depth is not None:
+                found.append((t, depth))
+                cur = prev[:end] + cur[end:]
+            fixed.append(cur)
+        if found:
+            rows = NaiveTrie([seqs[s] for s in turns]).num_nodes - NaiveTrie(fixed).num_nodes
+            out[name] = (found[0][0], found[0][1], len(found), rows)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps(), st.data())
+def test_sessions_whose_turns_do_not_extend_the_last_match_the_definition(step, data):
+    seqs, _, plen, _ = step
+    sessions = data.draw(st.lists(st.sampled_from(["s", "t", 0]), min_size=len(seqs),
+                                  max_size=len(seqs)))
+    r = report(seqs, prompt_lengths=plen, sessions=sessions)
+    assert r.sessions == len(set(map(repr, sessions)))
+    got = {f.session: (f.turn, f.depth, f.breaks, f.rows) for f in r.session_forks}
+    assert got == naive_session_forks(seqs, sessions, plen)
+    assert report(seqs, prompt_lengths=plen).session_forks == ()
+
+
 def check_groups_hit(r, seqs, groups, plen, placement):
     """Groups per cause: each level's cut splits a group if the group lies in more of its
     cells than of the level above's (sets, no numpy)."""
@@ -316,6 +407,13 @@ def test_verl_batches_round_trip_through_rows():
         rows_from_verl(nested, uid, prompt_width=3)
     with pytest.raises(ValueError, match="uid has shape"):
         rows_from_verl(nested, uid[:2])
+    # per-token keys and sessions travel with the rows
+    keys = [[0, 5, 0, 0, 0], [0, 5, 0, 0], [0, 0, 0, 0, 0]]
+    with_keys = rows_from_verl(nested, uid, prompt_lengths=[3, 3, 2], keys=keys,
+                               session=["a", "a", "b"])
+    assert [r["keys"] for r in with_keys] == keys and with_keys[1]["session"] == "a"
+    with pytest.raises(ValueError, match="one key per real token"):
+        rows_from_verl(nested, uid, prompt_lengths=[3, 3, 2], keys=keys[:2])
 
 
 def test_metrics_and_dict_carry_the_same_numbers():

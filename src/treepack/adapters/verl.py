@@ -157,7 +157,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
             collected = self._parts_step(data, sequences, loss_function, forward_only, images)
             if not forward_only:  # parts compute every row of the rank's batch once
                 self._log_sharing(collected, data, sequences,
-                                  np.zeros(len(sequences), dtype=np.int64), group)
+                                  np.zeros(len(sequences), dtype=np.int64), group, keys)
             return collected
         micro = _micro_batches(planned)
         count = torch.tensor([len(micro)], device=_device())
@@ -198,7 +198,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
             pack_of = np.zeros(len(sequences), dtype=np.int64)
             for j, rows in enumerate(micro):
                 pack_of[rows] = j
-            self._log_sharing(collected, data, sequences, pack_of, group)
+            self._log_sharing(collected, data, sequences, pack_of, group, keys)
         packed, tokens = np.sum([out["sizes"] for out in outputs if "sizes" in out] or [[0, 0]],
                                 axis=0)
         if forward_only:  # verl's trainer drops a log-prob pass's metrics: report it with the
@@ -207,19 +207,23 @@ class TreepackEngine(FSDPEngineWithLMHead):
             collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
         return collected
 
-    def _log_sharing(self, collected: dict, data, sequences, pack_of, group) -> None:
+    def _log_sharing(self, collected: dict, data, sequences, pack_of, group,
+                     keys=None) -> None:
         """Where this update's sharing was lost (:func:`treepack.sharing.report`), summed over
         the data-parallel ranks: ``treepack/{ideal,achievable,achieved}_ratio`` (each rank's
         mini-batch as one forest; as computed), ``treepack/lost_rows/false_forks`` (rollouts
-        of one ``uid`` whose prompts differ within the uid's shortest) and ``treepack/lost_rows/split_and_repeat`` (the
-        rank's mini-batch cut into packs, one per micro-batch). Rows lost across ranks and
-        mini-batches are the trainer's (``treepack/groups_split_*``)."""
-        keys = set(data.keys())
-        uid = list(data["uid"]) if "uid" in keys else None
-        prompts = data["prompts"] if "prompts" in keys else None
+        of one ``uid`` whose prompts differ within the uid's shortest) and
+        ``treepack/lost_rows/split_and_repeat`` (the rank's mini-batch cut into packs, one per
+        micro-batch). Rows lost across ranks and mini-batches are the trainer's
+        (``treepack/groups_split_*``). With images, rows are counted over (id, image) pairs
+        (``keys``), as the packs are built."""
+        fields = set(data.keys())
+        uid = list(data["uid"]) if "uid" in fields else None
+        prompts = data["prompts"] if "prompts" in fields else None
         plen = (prompts.offsets().diff().cpu().numpy()
                 if prompts is not None and prompts.is_nested else None)
-        lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of)
+        lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of,
+                              keys=keys)  # (id, image) pairs, as the packs
         counts = torch.tensor(lost.counts(), dtype=torch.float64, device=_device())
         torch.distributed.all_reduce(counts, group=group)
         for name, value in sharing.metrics_from_counts(counts.tolist(), lost.measured).items():

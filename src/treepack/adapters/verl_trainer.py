@@ -125,18 +125,21 @@ def _balance_v0(self, batch, metrics, logging_prefix="global_seqlen", keep_minib
     placed = _keep_groups(self.config, groups, seqlen, dp, metrics, logging_prefix)
     if "input_ids" in batch.batch.keys():  # groups by prompt row cannot have false forks
         _log_sharing(self.config, batch, groups if "uid" in batch.non_tensor_batch else None,
-                     placed, dp, metrics)
+                     placed, dp, metrics, getattr(self, "processor", None))
     batch.reorder(torch.from_numpy(placed.order))
 
 
-def _log_sharing(config, batch, groups, placed: GroupOrder, dp: int, metrics: dict) -> None:
+def _log_sharing(config, batch, groups, placed: GroupOrder, dp: int, metrics: dict,
+                 processor=None) -> None:
     """Where the step's sharing was lost, as the trainer places its rows
     (:func:`treepack.sharing.report` with the ranks and mini-batches of ``placed``):
     ``treepack/step/{ideal,achievable,achieved}_ratio`` and ``treepack/step/lost_rows/*``,
     the rows cut across ranks and mini-batches among them (the workers' packs are theirs:
-    ``treepack/lost_rows/split_and_repeat``)."""
+    ``treepack/lost_rows/split_and_repeat``). Rows with images are counted over (id, image)
+    pairs, as the workers' packs are built (:func:`_image_keys`)."""
     mask = batch.batch["attention_mask"].bool().cpu().numpy()
     sequences = sharing.unpadded(batch.batch["input_ids"], mask, "input_ids", "attention_mask")
+    keys = _image_keys(batch, sequences, processor)
     prompt_lengths = None
     if "prompts" in batch.batch.keys():
         prompt_lengths = mask[:, :batch.batch["prompts"].shape[1]].sum(1)
@@ -150,8 +153,43 @@ def _log_sharing(config, batch, groups, placed: GroupOrder, dp: int, metrics: di
                           prompt_lengths=prompt_lengths,
                           ranks=position // per_rank,
                           micro_batches=None if minibatch is None else
-                          position % per_rank // minibatch)
+                          position % per_rank // minibatch, keys=keys)
     metrics.update(lost.metrics(prefix="treepack/step/"))
+
+
+def _image_keys(batch, sequences, processor) -> list | None:
+    """Per-token content keys of the rows' images (``multi_modal_inputs``: each row's
+    ``pixel_values``, and ``image_grid_thw`` for Qwen-VL), keyed as the workers' packs key
+    them; None for a batch without images. Without a processor that names its placeholder
+    (``image_token_id``), or with rows whose placeholders do not match their images, the
+    step's rows are counted over ids alone, and the log says so once."""
+    rows = batch.non_tensor_batch.get("multi_modal_inputs")
+    if rows is None or not any(r and "pixel_values" in r for r in rows):
+        return None
+    image_token_id = getattr(processor, "image_token_id", None)
+    if image_token_id is None:
+        say_once("treepack/step/* count rows with images over their token ids alone: the "
+                  "trainer has no processor that names its image placeholder "
+                  "(processor.image_token_id)")
+        return None
+    from treepack.adapters.hf.vision import placeholder_keys
+
+    images = []
+    for r in rows:
+        pixels = (r or {}).get("pixel_values")
+        if pixels is None:
+            images.append([])
+            continue
+        grid = r.get("image_grid_thw")
+        if grid is None:  # one [C, H, W] tensor per image
+            images.append([(pixels[i:i + 1], None) for i in range(pixels.shape[0])])
+        else:
+            images.append(list(zip(torch.split(pixels, grid.prod(-1).tolist()), grid)))
+    try:
+        return placeholder_keys(sequences, int(image_token_id), images)
+    except ValueError as e:
+        say_once(f"treepack/step/* count rows with images over their token ids alone: {e}")
+        return None
 
 
 def _keep_groups(config, groups: np.ndarray, seqlen: torch.Tensor, dp: int, metrics: dict,

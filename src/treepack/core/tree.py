@@ -28,7 +28,8 @@ from treepack.core import mask as _mask
 from treepack.core import outputs
 from treepack.core.checks import positive_int
 from treepack.core.derived import derived_from_pack
-from treepack.core.forest import ForestStats, HostLayout, build_layout, stats_of_arrays
+from treepack.core.forest import (ForestStats, HostLayout, build_layout, identities,
+                                  stats_of_arrays)
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
            "validate_sequences", "derived_from_pack", "MAX_PAD_MULTIPLE"]
@@ -643,6 +644,11 @@ def validate_sequences(sequences) -> list[np.ndarray]:
                 raise TypeError(f"sequence {i} holds {seq[at]!r} at position {at}; token ids "
                                 "must be integers, not True / False")
             arr = np.asarray(seq)
+        if isinstance(seq, (str, bytes)):
+            raise TypeError(
+                f"sequence {i} is text ({seq[:40]!r}), not token ids: tokenize it first, e.g. "
+                "tokenizer(texts)['input_ids'], and pass the lists of ids"
+            )
         if arr.ndim == 0:
             raise TypeError(
                 f"sequence {i} is a single value ({arr.item()!r}), not a sequence; pass a list "
@@ -686,7 +692,7 @@ def validate_sequences(sequences) -> list[np.ndarray]:
     return out
 
 
-def forest_stats(sequences) -> ForestStats:
+def forest_stats(sequences, keys=None) -> ForestStats:
     """What packing ``sequences`` into one forest saves, without building the layout.
 
     O(total tokens) time and memory (sort and adjacent LCPs only), so it suits whole
@@ -694,6 +700,8 @@ def forest_stats(sequences) -> ForestStats:
 
     Args:
         sequences: token-id sequences, as for :meth:`TreePack.from_sequences`.
+        keys: per-token content keys, as for :meth:`TreePack.from_sequences` (an image
+            placeholder's image): the forest over (id, key) pairs, as the pack would be.
 
     Returns:
         :class:`ForestStats`: ``packed_rows``, ``token_ratio``, visible attention pairs
@@ -702,4 +710,5 @@ def forest_stats(sequences) -> ForestStats:
     Raises:
         TypeError / ValueError: bad sequences, as :meth:`TreePack.from_sequences`.
     """
-    return stats_of_arrays(validate_sequences(sequences))
+    ids = validate_sequences(sequences)
+    return stats_of_arrays(ids if keys is None else identities(ids, validate_keys(keys, ids)))

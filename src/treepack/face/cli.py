@@ -32,12 +32,16 @@ class InputError(Exception):
 TOKEN_FORMATS = (("input_ids",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
 GROUP_FIELDS = ("uid", "group")  # verl's name, and treepack.collate's
 PLACEMENT_FIELDS = ("rank", "micro_batch", "pack")
-KNOWN_FIELDS = (*(k for f in TOKEN_FORMATS for k in f), *GROUP_FIELDS, *PLACEMENT_FIELDS)
+SESSION_FIELD = "session"  # an agent trajectory: its lines are its turns, in order
+KEYS_FIELD = "keys"  # per-token content keys (an image placeholder's image), 0 for text
+KNOWN_FIELDS = (*(k for f in TOKEN_FORMATS for k in f), *GROUP_FIELDS, *PLACEMENT_FIELDS,
+                SESSION_FIELD, KEYS_FIELD)
 
 
 class Batch(NamedTuple):
     """A JSON-lines batch: its sequences and, where every line gives them, their prompt
-    lengths, group keys and placement (None where the lines do not)."""
+    lengths, group keys, placement, sessions and per-token keys (None where the lines do
+    not)."""
 
     sequences: list
     prompt_lengths: list | None
@@ -46,28 +50,38 @@ class Batch(NamedTuple):
     micro_batches: list | None
     packs: list | None
     group_field: str | None  # "uid" or "group", as the file names it
+    sessions: list | None = None
+    keys: list | None = None
 
 
 def _token_list(ids, name: str, where: str):
     import numpy as np
 
+    what = "content keys" if name == KEYS_FIELD else "token ids"
     if not isinstance(ids, list):
-        raise InputError(f"{where}: {name!r} must be a list of token ids, got "
+        raise InputError(f"{where}: {name!r} must be a list of {what}, got "
                          f"{type(ids).__name__}")
+    if ids and all(isinstance(x, list) for x in ids):
+        raise InputError(f"{where}: {name!r} holds {len(ids)} lists: a batch on one line? "
+                         "Write one sequence per line (a list of ids, or an object)")
     if any(type(x) is not int for x in ids):
         bad = next(x for x in ids if type(x) is not int)
-        raise InputError(f"{where}: token ids must be integers, found {bad!r}")
+        raise InputError(f"{where}: {what} must be integers, found {bad!r}")
     try:
         arr = np.asarray(ids, dtype=np.int64)
     except OverflowError:
-        raise InputError(f"{where}: a token id is beyond int64 (max {max(ids)})") from None
-    if arr.size and arr.min() < 0:
-        raise InputError(f"{where}: token ids must be >= 0, found {int(arr.min())}")
+        raise InputError(f"{where}: a {what[:-1]} is beyond int64 (max {max(ids)})") from None
+    if arr.size and arr.min() < 0 and name != KEYS_FIELD:
+        at = int(np.argmax(arr < 0))
+        raise InputError(f"{where}: token ids must be >= 0, found {int(arr[at])} at position "
+                         f"{at}: strip padding and ignore-index values such as -100 first "
+                         "(write each sequence's real tokens only)")
     return arr
 
 
 def _row_from_line(value, where: str):
-    """(ids, prompt length or None, {group / placement field: value}) of one line."""
+    """(ids, prompt length or None, {group / placement / session / keys field: value}, the
+    token format's first field) of one line."""
     import difflib
 
     import numpy as np
@@ -100,29 +114,41 @@ def _row_from_line(value, where: str):
     if sum(k in value for k in GROUP_FIELDS) > 1:
         raise InputError(f"{where}: both 'uid' and 'group': give the group key once")
     fields = {}
-    for key in (*GROUP_FIELDS, *PLACEMENT_FIELDS):
+    if KEYS_FIELD in value:
+        keys = _token_list(value[KEYS_FIELD], KEYS_FIELD, where)
+        if keys.shape != ids.shape:
+            raise InputError(f"{where}: 'keys' has {keys.size} values for the sequence's "
+                             f"{ids.size} tokens: give one content key per token (0 for text)")
+        fields[KEYS_FIELD] = (KEYS_FIELD, keys)
+    for key in (*GROUP_FIELDS, *PLACEMENT_FIELDS, SESSION_FIELD):
         if key not in value:
             continue
         v = value[key]
-        if key in GROUP_FIELDS and (isinstance(v, bool) or not isinstance(v, (str, int))):
-            raise InputError(f"{where}: {key!r} is {v!r}: a group key is a string or an "
-                             "integer (verl's uid, a prompt's index)")
+        if key in (*GROUP_FIELDS, SESSION_FIELD) and (
+                isinstance(v, bool) or not isinstance(v, (str, int))):
+            what = "a group key" if key in GROUP_FIELDS else "a session"
+            raise InputError(f"{where}: {key!r} is {v!r}: {what} is a string or an "
+                             "integer (verl's uid, a prompt's index, a trajectory's id)")
         if key in PLACEMENT_FIELDS and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise InputError(f"{where}: {key!r} is {v!r}: give the {key.replace('_', '-')}'s "
                              "index, an integer >= 0")
         fields["group" if key in GROUP_FIELDS else key] = (key, v)
-    return ids, (len(parts[0]) if len(parts) > 1 else None), fields
+    return ids, (len(parts[0]) if len(parts) > 1 else None), fields, given[0][0]
 
 
 def read_batch(path: str) -> Batch:
     """A batch from a JSON-lines file (``-``: standard input). Each line: a list of ids,
     ``{"input_ids": [...]}``, ``{"prompt": [...], "completion": [...]}`` or TRL's
     ``{"prompt_ids": [...], "completion_ids": [...]}`` (the sequence is the prompt, then the
-    completion); optionally a group key ``uid`` (verl) or ``group`` and a placement
-    ``rank``, ``micro_batch``, ``pack``. Other fields are ignored.
+    completion); optionally a group key ``uid`` (verl) or ``group``, a placement ``rank``,
+    ``micro_batch``, ``pack``, a ``session`` (an agent trajectory whose lines are its turns,
+    in order) and ``keys`` (one content key per token, 0 for text: an image placeholder's
+    image, so that the same text on two images is two rows, as the packs build it). Other
+    fields are ignored.
 
-    Blank lines are skipped; any other bad line raises :class:`InputError` naming it, and a
-    group or placement field must be on every line or on none.
+    Blank lines are skipped; any other bad line raises :class:`InputError` naming it; a
+    group, placement, session or keys field must be on every line or on none, and so must a
+    prompt (lines with one and lines of ``input_ids`` alone do not mix).
     """
     from tqdm import tqdm
 
@@ -135,6 +161,7 @@ def read_batch(path: str) -> Batch:
         except OSError as e:
             raise InputError(f"{path}: cannot read ({e.strerror})") from None
     seqs, plens, columns, first, first_number = [], [], {}, {}, 0
+    prompted = {}  # has a prompt -> (first line number, its format)
     with f as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
                  disable=size < PROGRESS_MIN_BYTES, file=sys.stderr) as bar:
         for number, line in enumerate(f, start=1):
@@ -146,7 +173,15 @@ def read_batch(path: str) -> Batch:
                 value = json.loads(line)
             except ValueError as e:
                 raise InputError(f"{where}: not valid JSON ({e})") from None
-            ids, plen, fields = _row_from_line(value, where)
+            ids, plen, fields, form = _row_from_line(value, where)
+            prompted.setdefault(plen is not None, (number, form))
+            if len(prompted) > 1:
+                (has, has_form), (lacks, lacks_form) = prompted[True], prompted[False]
+                raise InputError(
+                    f"{where}: the lines mix formats: line {has} gives {has_form!r} (a prompt) "
+                    f"and line {lacks} {lacks_form!r} (no prompt): give every line its prompt "
+                    "('prompt' + 'completion', or 'prompt_ids' + 'completion_ids'; false forks "
+                    "and groups by prompt need them), or none")
             if not seqs:
                 first, first_number = {k: name for k, (name, _) in fields.items()}, number
                 columns = {k: [] for k in fields}
@@ -164,7 +199,7 @@ def read_batch(path: str) -> Batch:
         raise InputError(f"{path}: no sequences (the file has no non-blank line)")
     return Batch(seqs, None if None in plens else plens, columns.get("group"),
                  columns.get("rank"), columns.get("micro_batch"), columns.get("pack"),
-                 first.get("group"))
+                 first.get("group"), columns.get(SESSION_FIELD), columns.get(KEYS_FIELD))
 
 
 def read_jsonl(path: str) -> list:
@@ -200,9 +235,10 @@ def _stats(args) -> int:
         source = BUILTIN_DESCRIPTION
     else:
         batch, source = read_batch(args.file), args.file
-    st = forest_stats(batch.sequences)
+    st = forest_stats(batch.sequences, keys=batch.keys)
     sharing = report(batch.sequences, groups=batch.groups, prompt_lengths=batch.prompt_lengths,
-                     ranks=batch.ranks, micro_batches=batch.micro_batches, packs=batch.packs)
+                     ranks=batch.ranks, micro_batches=batch.micro_batches, packs=batch.packs,
+                     keys=batch.keys, sessions=batch.sessions)
     result = {
         "source": source,
         "num_sequences": st.num_sequences,
@@ -246,6 +282,7 @@ def _print_sharing(sharing, batch, causes) -> None:
         print("\nwhere sharing was lost: not measured; the lines need group keys ('uid' or "
               "'group') with prompts, or a placement ('rank', 'micro_batch', 'pack'); see "
               "docs/sharing.md")
+        _print_sessions(sharing)
         return
     print("\nwhere sharing was lost (packed rows; each cause adds the rows its cut costs, in "
           "this order)")
@@ -282,6 +319,26 @@ def _print_sharing(sharing, batch, causes) -> None:
               f"{f.variants:,} prompts, diverge at token {f.depth:,} of {length} ({tokens}): "
               f"{f.rows:,} rows")
         print(f"      likely: {f.hint}")
+    _print_sessions(sharing)
+
+
+def _print_sessions(sharing) -> None:
+    """The sessions whose later turns do not extend the earlier ones."""
+    if sharing.sessions is None:
+        return
+    if not sharing.session_forks:
+        print(f"\nsessions: {sharing.sessions:,}, every turn extends the previous one's ids")
+        return
+    rows = sum(f.rows for f in sharing.session_forks)
+    print(f"\nfalse forks in later turns: {len(sharing.session_forks):,} of "
+          f"{sharing.sessions:,} sessions re-render their history ({rows:,} rows, each "
+          "session's forest alone; most rows first)")
+    for f in sharing.session_forks:
+        tokens = " vs ".join(str(t) for t in f.tokens)
+        print(f"  session {f.session!r}: turn {f.turn:,} of {f.turns:,} shares {f.depth:,} of "
+              f"the previous turn's {f.previous_length:,} tokens ({tokens}); {f.breaks:,} "
+              f"turn{'s' * (f.breaks != 1)} like it: {f.rows:,} rows")
+    print(f"      likely: {sharing.session_forks[0].hint}")
 
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")

@@ -52,12 +52,13 @@ from typing import NamedTuple
 import numpy as np
 from torch import Tensor
 
-from treepack.core.forest import build_layout, ragged_arange, sort_and_lcp
-from treepack.core.tree import validate_sequences
+from treepack.core.forest import (build_layout, identities, ragged_arange, sort_and_lcp,
+                                  stats_of_arrays)
+from treepack.core.tree import validate_keys, validate_sequences
 
-__all__ = ["report", "SharingReport", "Causes", "FalseFork", "Placement", "placement",
-           "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS", "metrics_from_counts",
-           "unpadded"]
+__all__ = ["report", "SharingReport", "Causes", "FalseFork", "SessionFork", "Placement",
+           "placement", "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS",
+           "metrics_from_counts", "unpadded"]
 
 CAUSES = ("false_forks", "across_ranks", "across_micro_batches", "split_and_repeat")
 
@@ -100,6 +101,29 @@ class FalseFork(NamedTuple):
                 "the previous turn's ids instead of re-tokenizing the conversation")
 
 
+class SessionFork(NamedTuple):
+    """An agent session (a trajectory whose turns are given in order) in which a turn's prompt
+    does not extend the previous turn's ids: its history was re-rendered, so the turn shares
+    the previous one's rows only up to ``depth``."""
+
+    session: object  # the session's key as given
+    turns: int  # the session's turns (sequences)
+    breaks: int  # turns whose prompt does not extend the previous turn
+    turn: int  # the first such turn (0-based, within the session)
+    depth: int  # tokens it shares with the previous turn
+    previous_length: int  # the previous turn's tokens
+    tokens: tuple[int, int]  # the previous turn's token and this turn's at ``depth``
+    rows: int  # rows the session's forest would save had every turn extended the last
+
+    @property
+    def hint(self) -> str:
+        """The likely cause, and what to change, in one line."""
+        return ("the conversation was re-rendered or re-tokenized between turns (a chat "
+                "template that rewrites earlier turns, e.g. drops their reasoning, or text "
+                "tokenized across a turn boundary): build each turn's prompt by extending the "
+                "previous turn's ids")
+
+
 @dataclasses.dataclass(frozen=True)
 class SharingReport:
     """What a step computed against what it could have (module doc: the decomposition)."""
@@ -114,6 +138,10 @@ class SharingReport:
     groups: int | None  # number of groups; None without group keys or prompt lengths
     groups_hit: Causes  # groups with a false fork, split across ranks, micro-batches, packs
     false_forks: tuple[FalseFork, ...]  # most rows first
+    # sessions whose later turns do not extend the earlier ones (most rows first); their rows
+    # are measured on each session alone, outside the decomposition above
+    session_forks: tuple[SessionFork, ...] = ()
+    sessions: int | None = None  # number of sessions; None without session keys
 
     @property
     def ideal_ratio(self) -> float:
@@ -152,6 +180,10 @@ class SharingReport:
             "groups": self.groups,
             "false_forks": [{**f._asdict(), "group": _plain(f.group), "tokens": list(f.tokens),
                              "hint": f.hint} for f in self.false_forks],
+            "sessions": self.sessions,
+            "session_forks": [{**f._asdict(), "session": _plain(f.session),
+                               "tokens": list(f.tokens), "hint": f.hint}
+                              for f in self.session_forks],
         }
 
     def metrics(self, prefix: str = "treepack/") -> dict[str, float]:
@@ -232,14 +264,15 @@ def placement(plan) -> Placement:
 
 
 def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_batches=None,
-           packs=None) -> SharingReport:
+           packs=None, keys=None, sessions=None) -> SharingReport:
     """Rows a step computed, rows it could have, and the cause of each row between.
 
     Args:
         sequences: the step's token-id sequences (lists, numpy arrays or 1-D tensors), as
             for :meth:`treepack.TreePack.from_sequences`.
         groups: ``[N]`` group keys (ints or strings: verl's ``uid``, the index of a TRL
-            prompt): sequences that should share their prompt. Without them, sequences with
+            prompt): sequences that should share their prompt. Keys are equal as Python
+            compares them (``1`` and ``"1"`` are two groups). Without them, sequences with
             identical prompts form the groups and no false fork can be seen.
         prompt_lengths: ``[N]`` prompt tokens at the start of each sequence; needed for false
             forks (a divergence inside the prompt) and for groups by prompt.
@@ -249,6 +282,16 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
         packs: ``[N]`` the pack (one forward) within its micro-batch; trees cut by the
             planner repeat their prefix in each pack. A tree run in parts
             (``hf.backward_in_parts``) computes every row once: give it one pack.
+        keys: per-token content keys, one integer sequence per sequence, as for
+            :meth:`treepack.TreePack.from_sequences` (``treepack.hf.Images.keys``: an image
+            placeholder's image): every number counts (id, key) pairs, the rows the packs
+            are built from, so the same text on two images is two rows. False forks name
+            token ids.
+        sessions: ``[N]`` session keys (an agent trajectory: verl v1's ``{uid}_{session_id}``):
+            a session's sequences are its turns, in the order given, and each turn's prompt
+            should extend the previous turn's ids. A turn that does not (a re-rendered
+            history) is a :class:`SessionFork`, with the rows the session's forest would
+            save had it; measured on each session alone, outside ``lost``.
 
     Returns:
         :class:`SharingReport`: ``ideal_rows <= achievable_rows <= achieved_rows``, their
@@ -276,11 +319,13 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
         >>> fork.group, fork.depth, fork.prompt_length, fork.tokens
         ('a', 2, 3, (3, 9))
     """
-    ids = validate_sequences(sequences)
+    shown = validate_sequences(sequences)  # the token ids, for the false forks' tokens
+    ids = shown if keys is None else identities(shown, validate_keys(keys, shown))
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
     plen = None if prompt_lengths is None else _prompt_lengths(prompt_lengths, lengths)
-    keys, gi = (None, None) if groups is None else _labels(groups, n, "groups", _GROUP_HINT)
+    group_keys, gi = (None, None) if groups is None else _labels(groups, n, "groups",
+                                                                 _GROUP_HINT)
     cells = [None if x is None else _labels(x, n, name, _PLACE_HINT)[1]
              for x, name in ((ranks, "ranks"), (micro_batches, "micro_batches"),
                              (packs, "packs"))]
@@ -292,7 +337,7 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
     if gi is None and plen is not None:
         gi = _same_prompt(ids, plen)  # groups by identical prompt: splits counted, no forks
     elif gi is not None and plen is not None:
-        ideal, forks = _false_forks(ids, lengths, plen, keys, gi)
+        ideal, forks = _false_forks(ids, lengths, plen, group_keys, gi, shown)
     ideal = achievable if ideal is None else ideal
 
     rows, hit = _placed_rows(cells, order, s_len, lcp, gi)
@@ -303,7 +348,45 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
         measured=Causes(groups is not None and plen is not None,
                         *(c is not None for c in cells)),
         groups=None if gi is None else int(gi.max()) + 1,
-        groups_hit=Causes(len(forks), *hit), false_forks=forks)
+        groups_hit=Causes(len(forks), *hit), false_forks=forks,
+        **_session_forks(ids, shown, plen, sessions))
+
+
+def _session_forks(ids, shown, plen, sessions) -> dict:
+    """``session_forks`` and ``sessions`` of :class:`SharingReport` (module doc of
+    :class:`SessionFork`): per session, each turn against the previous one as it would have
+    been had every turn extended the last; the session's rows with and without that fix."""
+    if sessions is None:
+        return {}
+    names, si = _labels(sessions, len(ids), "sessions", _SESSION_HINT)
+    members = [[] for _ in names]
+    for s, k in enumerate(si.tolist()):  # a loop over sequences, not tokens
+        members[k].append(s)
+    forks = []
+    for name, turns in zip(names, members):
+        fixed, tokens, found = [ids[turns[0]]], shown[turns[0]], []
+        for t in range(1, len(turns)):
+            previous, current = fixed[-1], ids[turns[t]]
+            prompt = current.shape[0] if plen is None else int(plen[turns[t]])
+            end = min(previous.shape[0], prompt)  # what the turn should repeat
+            diff = np.flatnonzero(previous[:end] != current[:end])
+            mine = shown[turns[t]]
+            if diff.size:
+                depth = int(diff[0])
+                found.append((t, depth, previous.shape[0],
+                              (int(tokens[depth]), int(mine[depth]))))
+                current = np.concatenate((previous[:end], current[end:]))
+                mine = np.concatenate((tokens[:end], mine[end:]))
+            fixed.append(current)
+            tokens = mine
+        if found:
+            rows = (stats_of_arrays([ids[s] for s in turns]).packed_rows
+                    - stats_of_arrays(fixed).packed_rows)
+            t, depth, length, tokens = found[0]
+            forks.append(SessionFork(name, len(turns), len(found), t, depth, length, tokens,
+                                     int(rows)))
+    forks.sort(key=lambda f: (-f.rows, -f.breaks))
+    return {"session_forks": tuple(forks), "sessions": len(names)}
 
 
 def _placed_rows(cells, order, s_len, lcp, gi) -> tuple[list[int], list[int]]:
@@ -328,6 +411,7 @@ def _placed_rows(cells, order, s_len, lcp, gi) -> tuple[list[int], list[int]]:
 
 _GROUP_HINT = "one group key per sequence (verl's uid, the index of a TRL prompt)"
 _PLACE_HINT = "one label per sequence (an integer, e.g. the rank or micro-batch index)"
+_SESSION_HINT = "one session key per sequence (an agent trajectory's id)"
 
 
 def _labels(values, n: int, name: str, hint: str) -> tuple[list, np.ndarray]:
@@ -335,7 +419,13 @@ def _labels(values, n: int, name: str, hint: str) -> tuple[list, np.ndarray]:
     sequence [n] into them)."""
     if isinstance(values, Tensor):
         values = values.detach().cpu().numpy()
-    arr = np.asarray(values) if not isinstance(values, np.ndarray) else values
+    if isinstance(values, (list, tuple)) and not all(type(v) is int for v in values) and \
+            all(isinstance(v, (str, bytes, numbers.Number)) for v in values):
+        # as given: np.asarray would turn [1, "1"] into ["1", "1"], one group
+        arr = np.empty(len(values), dtype=object)
+        arr[:] = values
+    else:
+        arr = np.asarray(values) if not isinstance(values, np.ndarray) else values
     if arr.ndim != 1 or arr.shape[0] != n:
         shape = f"{arr.shape[0]} values" if arr.ndim == 1 else f"shape {arr.shape}"
         raise ValueError(f"{name} has {shape} for {n} sequences: give {hint}")
@@ -437,7 +527,8 @@ def _same_prompt(ids, plen: np.ndarray) -> np.ndarray:
     return gi
 
 
-def _false_forks(ids, lengths, plen, keys, gi) -> tuple[int | None, tuple[FalseFork, ...]]:
+def _false_forks(ids, lengths, plen, keys, gi, shown
+                 ) -> tuple[int | None, tuple[FalseFork, ...]]:
     """The ideal rows (None: no group's prompts differ, the ideal is the achievable) and one
     :class:`FalseFork` per group whose prompts differ within the group's shortest prompt:
     the tokens every rollout of the group was given (a later turn's prompt in an agent loop
@@ -466,7 +557,7 @@ def _false_forks(ids, lengths, plen, keys, gi) -> tuple[int | None, tuple[FalseF
     forks = []
     for g, k in zip(forked.tolist(), first.tolist()):
         d = int(depth[g])  # < the group's shortest prompt: both prompts have a token there
-        tok = tuple(int(ids[s][d]) for s in (pr.prev[k], pr.cur[k]))
+        tok = tuple(int(shown[s][d]) for s in (pr.prev[k], pr.cur[k]))
         forks.append(FalseFork(keys[g], int(size[g]), int(variants[g]), d, int(longest[g]),
                                int(shortest[g]), tok, int(saved[g])))
     forks.sort(key=lambda f: (-f.rows, -f.sequences))
@@ -512,7 +603,7 @@ def _plain(v):
 
 
 def rows_from_trl(prompt_ids, prompt_mask, completion_ids, completion_mask, *, groups=None,
-                  rank=None, micro_batch=None, pack=None) -> list[dict]:
+                  rank=None, micro_batch=None, pack=None, keys=None) -> list[dict]:
     """JSON-lines rows for ``treepack stats`` from TRL's batch columns.
 
     Args:
@@ -524,11 +615,13 @@ def rows_from_trl(prompt_ids, prompt_mask, completion_ids, completion_mask, *, g
         rank: the process (an int, or ``[B]``).
         micro_batch: the gradient-accumulation micro-batch (an int, or ``[B]``).
         pack: ``[B]`` the pack within the micro-batch (:func:`placement` of its plan).
+        keys: B per-token content keys of each row's real tokens, prompt then completion
+            (``treepack.hf.Images(...).keys`` for rows with images).
 
     Returns:
         One dict per row: ``{"prompt_ids": [...], "completion_ids": [...]}`` plus
-        ``"group"``, ``"rank"``, ``"micro_batch"``, ``"pack"`` where given: write each with
-        ``json.dumps`` on its own line.
+        ``"group"``, ``"rank"``, ``"micro_batch"``, ``"pack"``, ``"keys"`` where given: write
+        each with ``json.dumps`` on its own line.
 
     Raises:
         ValueError: shapes that do not match, or a per-row field whose length is not B.
@@ -540,11 +633,13 @@ def rows_from_trl(prompt_ids, prompt_mask, completion_ids, completion_mask, *, g
         raise ValueError(f"prompt_ids has {len(prompts)} rows and completion_ids "
                          f"{len(completions)}: give both columns of one batch")
     rows = [{"prompt_ids": p, "completion_ids": c} for p, c in zip(prompts, completions)]
+    _with_keys(rows, keys, [len(p) + len(c) for p, c in zip(prompts, completions)])
     return _with_fields(rows, group=groups, rank=rank, micro_batch=micro_batch, pack=pack)
 
 
 def rows_from_verl(input_ids, uid, *, attention_mask=None, prompt_width=None,
-                   prompt_lengths=None, rank=None, micro_batch=None, pack=None) -> list[dict]:
+                   prompt_lengths=None, rank=None, micro_batch=None, pack=None, keys=None,
+                   session=None) -> list[dict]:
     """JSON-lines rows for ``treepack stats`` from verl's batch.
 
     Args:
@@ -558,11 +653,14 @@ def rows_from_verl(input_ids, uid, *, attention_mask=None, prompt_width=None,
         rank: the data-parallel rank (an int, or ``[B]``).
         micro_batch: the PPO mini-batch on the rank (an int, or ``[B]``).
         pack: ``[B]`` the pack within the mini-batch (:func:`placement` of its plan).
+        keys: B per-token content keys of each row's real tokens (rows with images).
+        session: ``[B]`` each row's agent session (verl v1's ``{uid}_{session_id}`` of its
+            key ``{uid}_{session_id}_{index}``), its turns in order.
 
     Returns:
         One dict per row: ``{"prompt": [...], "completion": [...], "uid": ...}`` where the
         prompt is known, else ``{"input_ids": [...], "uid": ...}``; plus ``"rank"``,
-        ``"micro_batch"`` and ``"pack"`` where given.
+        ``"micro_batch"``, ``"pack"``, ``"keys"`` and ``"session"`` where given.
 
     Raises:
         ValueError: a padded ``input_ids`` without ``attention_mask`` or with
@@ -592,7 +690,9 @@ def rows_from_verl(input_ids, uid, *, attention_mask=None, prompt_width=None,
         rows = [{"input_ids": s} for s in seqs]
     else:
         rows = [{"prompt": s[:p], "completion": s[p:]} for s, p in zip(seqs, plen.tolist())]
-    return _with_fields(rows, uid=uid, rank=rank, micro_batch=micro_batch, pack=pack)
+    _with_keys(rows, keys, [len(s) for s in seqs])
+    return _with_fields(rows, uid=uid, rank=rank, micro_batch=micro_batch, pack=pack,
+                        session=session)
 
 
 def _numpy(x) -> np.ndarray:
@@ -622,6 +722,18 @@ def unpadded(ids, mask, ids_name: str = "ids", mask_name: str = "mask") -> list[
 
 def _unpadded(ids, mask, ids_name: str, mask_name: str) -> list[list[int]]:
     return [r.tolist() for r in unpadded(ids, mask, ids_name, mask_name)]
+
+
+def _with_keys(rows: list[dict], keys, lengths: list[int]) -> None:
+    """Each row's per-token ``keys`` (one list per row, of its length) added to ``rows``."""
+    if keys is None:
+        return
+    keys = [_numpy(k).reshape(-1).tolist() for k in keys]
+    if len(keys) != len(rows) or any(len(k) != n for k, n in zip(keys, lengths)):
+        raise ValueError(f"keys must give each of the {len(rows)} rows one key per real token "
+                         f"(lengths {lengths[:4]}...), got {[len(k) for k in keys][:4]}...")
+    for row, k in zip(rows, keys):
+        row["keys"] = k
 
 
 def _with_fields(rows: list[dict], **fields) -> list[dict]:

@@ -42,7 +42,7 @@ from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack, validate_sequences
 
 __all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "check_family",
-           "vision_forward", "image_token_ids", "content_key"]
+           "vision_forward", "image_token_ids", "content_key", "placeholder_keys"]
 
 # Families whose processor gives one pixel row per patch and an image_grid_thw per image, whose
 # vision tower is ``model.visual`` and whose rotary positions are 3-D (mrope).
@@ -471,9 +471,19 @@ def _patches(config, pixel_values, image_grid_thw):
     if image_grid_thw is None:
         raise ValueError(f"{config.model_type} images need image_grid_thw (the processor's "
                          "[images, 3] patch grids) beside pixel_values")
-    merge = int(config.vision_config.spatial_merge_size)
+    vision = config.vision_config
+    merge = int(vision.spatial_merge_size)
     grid = _as_grid(image_grid_thw)
     pixel_values = _as_pixels(pixel_values, grid)
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", None))
+    if channels is not None:
+        width = int(channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        if pixel_values.shape[1] != width:
+            raise ValueError(
+                f"pixel_values has rows of {pixel_values.shape[1]} values, but "
+                f"{config.model_type}'s vision tower takes patches of {width} (channels "
+                f"{channels} x temporal_patch_size {vision.temporal_patch_size} x patch_size "
+                f"{vision.patch_size}²): use this model's own processor")
     patches = grid.prod(1)
     bad = np.flatnonzero((grid[:, 1:] % merge != 0).any(1)) if len(grid) else []
     if len(bad):
@@ -494,6 +504,11 @@ def _per_image(config, pixel_values, image_grid_thw):
                          "channels, height, width] tensor, got "
                          f"{getattr(pixel_values, 'shape', type(pixel_values))}")
     vision = config.vision_config
+    want = (vision.num_channels, vision.image_size, vision.image_size)
+    if tuple(pixel_values.shape[1:]) != want:
+        raise ValueError(f"pixel_values has images of shape {tuple(pixel_values.shape[1:])}, "
+                         f"but {config.model_type}'s vision tower takes {want} (channels, "
+                         "height, width): use this model's own processor")
     tokens = (vision.image_size // vision.patch_size) ** 2 + (
         config.vision_feature_select_strategy == "full")
     n = pixel_values.shape[0]
@@ -502,9 +517,14 @@ def _per_image(config, pixel_values, image_grid_thw):
 
 def _as_grid(image_grid_thw) -> np.ndarray:
     grid = np.asarray(torch.as_tensor(image_grid_thw).detach().cpu(), dtype=np.int64)
-    if grid.ndim != 2 or grid.shape[1] != 3 or (grid < 1).any():
-        raise ValueError(f"image_grid_thw must be [images, 3] positive (t, h, w) patch counts, "
-                         f"got shape {tuple(grid.shape)}")
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        raise ValueError(f"image_grid_thw must be [images, 3] (t, h, w) patch counts, got "
+                         f"shape {tuple(grid.shape)}")
+    bad = np.flatnonzero((grid < 1).any(1))
+    if bad.size:
+        raise ValueError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: image "
+                         f"{bad[0]}'s (t, h, w) patch counts must each be at least 1 (the "
+                         "processor's own output is)")
     return grid
 
 
@@ -518,6 +538,48 @@ def _as_pixels(pixel_values, grid: np.ndarray) -> Tensor:
                          f"image_grid_thw's {len(grid)} grids make {want}: pass the "
                          "processor's pixel_values and image_grid_thw of the same images")
     return pixel_values.detach()
+
+
+def placeholder_keys(sequences, image_token_id: int, images) -> list[np.ndarray]:
+    """Per-token content keys without the model, for code that holds a batch's ids and
+    images but not the model (verl's trainer): each sequence's image placeholders keyed by
+    their image, as :class:`Images` keys them, text 0.
+
+    Args:
+        sequences: N token-id sequences.
+        image_token_id: the placeholder id (the processor's ``image_token_id``).
+        images: per sequence, its images in order, each ``(pixels, grid)``: an image's pixel
+            rows and its ``(t, h, w)`` grid (Qwen-VL), or its ``[1, C, H, W]`` pixels and
+            None (LLaVA).
+
+    Returns:
+        N int64 arrays, one key per token.
+
+    Raises:
+        ValueError: a sequence whose placeholders cannot be split into its images (neither
+            one run per image nor equal shares).
+    """
+    ids = validate_sequences(sequences)
+    if len(images) != len(ids):
+        raise ValueError(f"images has {len(images)} entries for {len(ids)} sequences: give "
+                         "each sequence its (possibly empty) list of images")
+    out = []
+    for s, (seq, mine) in enumerate(zip(ids, images)):
+        key = np.zeros(len(seq), dtype=np.int64)
+        at = np.flatnonzero(seq == image_token_id)
+        runs = np.split(at, np.flatnonzero(np.diff(at) > 1) + 1) if at.size else []
+        if len(runs) != len(mine):  # adjacent images in one run (LLaVA): equal shares
+            if len(runs) > len(mine) or at.size % len(mine):
+                raise ValueError(f"sequence {s} has {at.size} placeholders (id "
+                                 f"{image_token_id}) in {len(runs)} runs for {len(mine)} "
+                                 "images: give each sequence its images, in order")
+            runs = np.split(at, len(mine))
+        for run, (pixels, grid) in zip(runs, mine):
+            grid = np.zeros(0, np.int64) if grid is None else \
+                np.asarray(torch.as_tensor(grid).cpu(), dtype=np.int64).reshape(-1)
+            key[run] = content_key(torch.as_tensor(pixels), grid)
+        out.append(key)
+    return out
 
 
 def content_key(pixels: Tensor, grid: np.ndarray) -> int:
