@@ -88,6 +88,25 @@ def test_seam_equals_the_stock_seam(tokenizer, tmp_path, model_dir, max_tokens):
         torch.testing.assert_close(grads[0][k], g, rtol=0, atol=1e-5 * g.abs().max().item())
 
 
+def test_the_seam_called_by_hand_runs_no_collective(tokenizer, tmp_path, model_dir,
+                                                     monkeypatch):
+    """The step's sharing report ends in an all-reduce over the processes, which every
+    process reaches inside the trainer's own loss. Called by hand in train mode with
+    gradients on (on one process of several, it waited for the others forever), the seam
+    logs nothing and runs no collective."""
+    trainer = make_trainer(tokenizer, tmp_path, model_dir)
+    treepack.trl.patch(trainer)
+    trainer.model.train()
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective in a call by hand")
+
+    monkeypatch.setattr(trainer.accelerator, "reduce", collective)
+    ids, mask = trl_batch()
+    out = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4)
+    assert out[0].requires_grad and getattr(trainer, "_treepack_step", None) is None
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_5"])
 def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path, model_dir,
                                                            monkeypatch, family):

@@ -49,7 +49,6 @@ from torch import Tensor
 
 from treepack.adapters import hf
 from treepack.adapters.hf.vision import content_key as image_content_key
-from treepack.core.forest import identities
 from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
 from treepack.planning import sharing
@@ -247,7 +246,9 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
             pad_to_multiple_of=settings.pad_to_multiple_of,
             cast_lm_head_to_fp32=getattr(self.args, "cast_lm_head_to_fp32", False),
             images=images)
-    if torch.is_grad_enabled() and self.model.training:  # the training forward
+    if torch.is_grad_enabled() and getattr(self, "_treepack_in_loss", False):
+        # the training forward, inside the trainer's own loss on every process: the step's
+        # report ends in a collective (a call by hand, on one process, logs nothing)
         _log_sharing(self, input_ids, attention_mask, logits_to_keep, packs, images)
         captured = getattr(self, "_treepack_entropies", None)
         if captured is not None:  # _compute_loss corrects the entropy bonus with them
@@ -265,13 +266,14 @@ def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs,
     forest; as computed) and ``treepack/lost_rows/{across_micro_batches,split_and_repeat}``."""
     step = getattr(trainer, "_treepack_step", None)
     if step is None:
-        step = trainer._treepack_step = {"sequences": [], "prompts": [], "micro": [],
-                                         "packs": [], "count": 0}
+        step = trainer._treepack_step = {"sequences": [], "keys": [], "prompts": [],
+                                         "micro": [], "packs": [], "count": 0}
     mask = attention_mask.bool().cpu()
     sequences = sharing.unpadded(input_ids, mask, "input_ids", "attention_mask")
-    if images is not None:  # a token is its (id, image) pair, as in the packs
-        sequences = identities(sequences, images.keys)
     step["sequences"] += sequences
+    # a token is its (id, image) pair, as in the packs
+    step["keys"] += (list(images.keys) if images is not None else
+                     [np.zeros(len(q), dtype=np.int64) for q in sequences])
     step["prompts"] += mask[:, :mask.shape[1] - logits_to_keep].sum(-1).tolist()
     pack_of = np.zeros(len(mask), dtype=np.int64)
     for j, pack in enumerate(packs):
@@ -283,7 +285,7 @@ def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs,
         return
     trainer._treepack_step = None
     lost = sharing.report(step["sequences"], prompt_lengths=step["prompts"],
-                          micro_batches=step["micro"], packs=step["packs"])
+                          micro_batches=step["micro"], packs=step["packs"], keys=step["keys"])
     # every process runs each micro-batch's training forward, so all of them meet here
     counts = trainer.accelerator.reduce(
         torch.tensor(lost.counts(), device=trainer.accelerator.device), reduction="sum")
@@ -322,14 +324,18 @@ def _compute_loss(self, model, inputs):
     shuffle): the bonus, in value and gradient, is TRL's. Without that key (no bonus, TRL's own
     micro-batches, evaluation) this is TRL's method unchanged."""
     stock_tokens = inputs.get(_STOCK_TOKENS)
-    if stock_tokens is None or not self.model.training:
-        return self._treepack_compute_loss(model, inputs)
-    coef = _entropy_coef_applied(self)  # before TRL's adaptive controller moves it
-    self._treepack_entropies = captured = []
+    self._treepack_in_loss = self.model.training  # the seam logs the step's sharing
     try:
-        loss = self._treepack_compute_loss(model, inputs)
+        if stock_tokens is None or not self.model.training:
+            return self._treepack_compute_loss(model, inputs)
+        coef = _entropy_coef_applied(self)  # before TRL's adaptive controller moves it
+        self._treepack_entropies = captured = []
+        try:
+            loss = self._treepack_compute_loss(model, inputs)
+        finally:
+            self._treepack_entropies = None
     finally:
-        self._treepack_entropies = None
+        self._treepack_in_loss = False
     (entropies,) = captured  # [B, K], from the seam's training forward
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
