@@ -232,18 +232,19 @@ def broken(how: str | None):
     """A negative control: the sequence-parallel code with one thing broken."""
     from treepack.adapters.hf import packed
     from treepack.adapters.hf import sequence_parallel as sp
+    from treepack.attention import exchange
 
-    saved = sp._Exchange.backward, sp.SequenceParallel.rows, sp.packed_forward
+    saved = exchange._Exchange.backward, sp.SequenceParallel.rows, sp.packed_forward
     vision_forward = packed.vision_forward
     try:
         if how == "no_return_backward":  # the exchange back passes no gradient
             def backward(ctx, grad):
                 scatter, gather = ctx.dims
                 if scatter == 2 or (scatter == 0 and gather == 1):  # rows -> heads: back
-                    return torch.zeros_like(sp._all_to_all(grad, gather, scatter, ctx.group)), \
-                        None, None, None
+                    return torch.zeros_like(exchange._all_to_all(grad, gather, scatter,
+                                                                 ctx.group)), None, None, None
                 return saved[0](ctx, grad)
-            sp._Exchange.backward = staticmethod(backward)
+            exchange._Exchange.backward = staticmethod(backward)
         elif how == "same_rows":  # every rank computes rank 0's rows
             def rows(self, rows):
                 rank, self.rank = self.rank, 0
@@ -272,7 +273,7 @@ def broken(how: str | None):
             packed.vision_forward = depths
         yield
     finally:
-        sp._Exchange.backward, sp.SequenceParallel.rows, sp.packed_forward = saved
+        exchange._Exchange.backward, sp.SequenceParallel.rows, sp.packed_forward = saved
         packed.vision_forward = vision_forward
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sp_workers
-from test_distributed import spawn
+from launch import spawn
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),

@@ -637,7 +637,7 @@ def launch(mode, model_dir, out, per_device, accumulation, config=None):
     import sys
     from pathlib import Path
 
-    from test_distributed import free_port
+    from launch import free_port
 
     script = Path(__file__).resolve().parents[1] / "trl_ranks.py"
     done = subprocess.run(

@@ -3,7 +3,6 @@ TreepackEngine, built from the same checkpoint, must give the same log-probs, en
 losses and gradients. Runs where verl is installed (`.ci/run` makes a `.venv-verl`)."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,13 +20,8 @@ warnings.filterwarnings("ignore", message=".* engine is not available")
 
 import verl_trainer_path  # noqa: E402
 import verl_workers  # noqa: E402  (installs the CPU platform)
+from launch import free_port  # noqa: E402
 from verl_workers import TOLERANCE  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn, world, *args):

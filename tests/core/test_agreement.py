@@ -80,11 +80,12 @@ def test_a_disagreement_names_each_field_and_its_values_on_every_rank():
     assert issubclass(Disagreement, ValueError)
 
 
-def test_a_refusal_elsewhere_is_raised_as_its_own_type():
-    from treepack.adapters.hf.routing import UnsupportedModel
+class Refused(ValueError, NotImplementedError):
+    """An adapter's refusal type (as treepack.hf.UnsupportedModel)."""
 
-    error = agreement._rebuilt(UnsupportedModel.__module__, UnsupportedModel.__qualname__,
-                               "rank 1 refused")
-    assert type(error) is UnsupportedModel and str(error) == "rank 1 refused"
+
+def test_a_refusal_elsewhere_is_raised_as_its_own_type():
+    error = agreement._rebuilt(Refused.__module__, Refused.__qualname__, "rank 1 refused")
+    assert type(error) is Refused and str(error) == "rank 1 refused"
     odd = agreement._rebuilt("no.such.module", "Odd", "rank 1 refused")
     assert type(odd) is RuntimeError and str(odd) == "rank 1 refused"

@@ -132,3 +132,19 @@ def test_the_old_name_warns_and_answers_the_same():
         old, _ = log_softmax_rows(logits, rows, temperature, pick, token)
     new, _ = normalise(Logits(logits), rows, temperature, pick, token)
     torch.testing.assert_close(old, new, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_vocabulary_split_over_ranks_gives_the_whole_heads_values_and_gradients(
+        tmp_path, world):
+    """Megatron's output layer under tensor parallelism: each rank holds a share of the
+    vocabulary; the max, sum, picked logit and entropy all-reduced give the whole head's
+    log-probs and entropies, and each rank its share's gradients (float64, to 1e-12)."""
+    import dist_workers
+    from launch import spawn
+
+    spawn(dist_workers.vocab_parallel_worker, str(tmp_path), world=world)
+    for rank in range(world):
+        worst = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all(v < 1e-12 for v in worst.values()), (rank, worst)

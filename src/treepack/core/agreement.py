@@ -30,14 +30,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from treepack.core.derived import derived_from_pack
+
 __all__ = ["agreement", "Disagreement", "Label", "fingerprint", "parameters_fingerprint",
-           "collective_device"]
+           "collective_device", "PackIdentity", "pack_identity"]
 
 # Tensors up to this many elements are hashed by their bytes; larger ones by their shape,
 # dtype, sum and norm (one reduction on their device): a keyword tensor can be large.
@@ -125,6 +128,26 @@ def _parameters_digest(module: torch.nn.Module) -> int | str:
                                         torch.linalg.vector_norm(p.detach(), dtype=torch.float64)])
                            .to(params[0].device) for p in params])
     return fingerprint(summary.cpu().numpy())
+
+
+class PackIdentity(NamedTuple):
+    """A pack as the ranks of a group compare it: its rows and a digest of its contents."""
+
+    rows: int
+    digest: int
+
+    def __repr__(self) -> str:
+        return f"{self.rows} rows"
+
+
+@derived_from_pack
+def pack_identity(pack) -> PackIdentity:
+    """The pack's rows and a digest of its ids, structure, layout and content keys (once per
+    pack)."""
+    h = pack.host
+    keys = () if h.row_keys is None else (h.row_keys,)
+    return PackIdentity(pack.num_rows, fingerprint(
+        [h.input_ids, h.parent_row, h.position_ids, h.rows, *keys]))
 
 
 def collective_device(group) -> torch.device:

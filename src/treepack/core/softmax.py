@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -59,6 +60,7 @@ class Logits:
     """Logits ``[T', V]`` as they are: a chunk is a view (or a gather) of their rows."""
 
     keeps_logits = False  # backward needs nothing of a chunk once its gradient is formed
+    vocab_group, vocab_start = None, 0  # the whole vocabulary (see Head)
 
     def __init__(self, logits: Tensor):
         self.tensors = (logits,)
@@ -96,13 +98,25 @@ class Head:
     recomputes under too), the rest in float32 at least. ``softcap`` and ``scale`` are what
     models do after their head (Gemma 2's ``final_logit_softcapping``, Cohere's
     ``logit_scale``); the caller validates them.
+
+    A vocabulary-parallel head (Megatron's output layer under tensor parallelism) gives
+    ``vocab_group``, the process group over which the vocabulary is split, and
+    ``vocab_start``, the first token of this rank's ``weight`` rows: :func:`normalise` then
+    all-reduces each row's max, its sum of exponentials and its picked logit (and entropy)
+    over the group, and every rank gets every value. The gradient of ``hidden`` is this
+    rank's share (its vocabulary's): the caller sums it over the group, as Megatron's
+    column-parallel layer does for its input.
     """
 
     def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None = None, *,
-                 scale: float = 1.0, softcap: float | None = None):
+                 scale: float = 1.0, softcap: float | None = None, vocab_group=None,
+                 vocab_start: int = 0):
         self.tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
         self.vocab, self.device, self.dtype = weight.shape[0], hidden.device, weight.dtype
         self.scale, self.softcap = scale, softcap
+        # a vocabulary-parallel head: this rank's rows vocab_start .. vocab_start + vocab - 1
+        # of the vocabulary, the rest on the other ranks of vocab_group (normalise reduces)
+        self.vocab_group, self.vocab_start = vocab_group, vocab_start
         self.keeps_logits = softcap is not None  # its derivative reads the capped logits
         kind = hidden.device.type
         self.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
@@ -319,6 +333,9 @@ class _ChunkPlan:
 class _Normalise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _ChunkPlan, source, token, with_entropy, *tensors):
+        group = source.vocab_group
+        if group is not None:
+            return _Normalise._forward_parallel(ctx, plan, source, token, with_entropy, tensors)
         n = plan.rows.shape[0]
         lse = tensors[0].new_empty(n, dtype=plan.work)
         entropy = tensors[0].new_empty(n, dtype=plan.work) if with_entropy else None
@@ -335,7 +352,45 @@ class _Normalise(torch.autograd.Function):
                 logz = z.sub_(lse[c.a:c.b, None]) if fresh else z - lse[c.a:c.b, None]
                 p = logz.exp()
                 entropy[c.a:c.b] = p.mul_(logz.masked_fill_(logz.isneginf(), 0)).sum(-1).neg_()
-        ctx.save_for_backward(token_sorted, lse, entropy, *tensors)
+        ctx.save_for_backward(token_sorted, None, lse, entropy, *tensors)
+        ctx.plan, ctx.source = plan, source
+        ctx.set_materialize_grads(False)
+        return (logp, entropy) if with_entropy else logp
+
+    @staticmethod
+    def _forward_parallel(ctx, plan: _ChunkPlan, source, token, with_entropy, tensors):
+        """:meth:`forward` on one rank's share of the vocabulary: per chunk, the rows' max and
+        sum of exponentials all-reduced (their log-sum-exp), then the picked logits (held
+        by the rank whose share has the token, 0 elsewhere) and the entropies' shares in one
+        all-reduce."""
+        group = source.vocab_group
+        n = plan.rows.shape[0]
+        lse = tensors[0].new_empty(n, dtype=plan.work)
+        entropy = tensors[0].new_empty(n, dtype=plan.work) if with_entropy else None
+        logp = tensors[0].new_empty(plan.num_picks, dtype=plan.work)
+        local_token = token[plan.order] - source.vocab_start
+        owned = (local_token >= 0) & (local_token < source.vocab)
+        local_token = local_token.clamp(0, source.vocab - 1)
+        for c in plan.chunks:
+            _, z, fresh = plan.logits(source, tensors, c, keep=False)  # [C, V / group]
+            top = z.amax(-1)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            top = top.masked_fill(top.isneginf(), 0)  # a row of -inf everywhere: lse -inf
+            total = (z - top[:, None]).exp().sum(-1)
+            dist.all_reduce(total, group=group)
+            lse[c.a:c.b] = top + total.log()
+            picks = plan.pick_sorted[c.lo:c.hi] - c.a
+            picked = z[picks, local_token[c.lo:c.hi]].where(owned[c.lo:c.hi], 0)
+            if with_entropy:
+                logz = z.sub_(lse[c.a:c.b, None]) if fresh else z - lse[c.a:c.b, None]
+                share = logz.exp().mul_(logz.masked_fill_(logz.isneginf(), 0)).sum(-1).neg_()
+                both = torch.cat((picked, share))
+                dist.all_reduce(both, group=group)
+                picked, entropy[c.a:c.b] = both[:picked.shape[0]], both[picked.shape[0]:]
+            else:
+                dist.all_reduce(picked, group=group)
+            logp[plan.order[c.lo:c.hi]] = picked - lse[c.a:c.b][picks]
+        ctx.save_for_backward(local_token, owned, lse, entropy, *tensors)
         ctx.plan, ctx.source = plan, source
         ctx.set_materialize_grads(False)
         return (logp, entropy) if with_entropy else logp
@@ -343,17 +398,21 @@ class _Normalise(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the backward recomputes in chunks: no graph for a second order
     def backward(ctx, grad_logp, grad_entropy=None):
-        token_sorted, lse, entropy, *tensors = ctx.saved_tensors
+        token_sorted, owned, lse, entropy, *tensors = ctx.saved_tensors
         plan, source = ctx.plan, ctx.source
         if grad_logp is None and grad_entropy is None:
             return (None, None, None, None, *([None] * len(tensors)))
         with source.recompute():
-            grads = _Normalise._backward(plan, source, tensors, token_sorted, lse, entropy,
-                                         grad_logp, grad_entropy)
+            grads = _Normalise._backward(plan, source, tensors, token_sorted, owned, lse,
+                                         entropy, grad_logp, grad_entropy)
         return (None, None, None, None, *grads)
 
     @staticmethod
-    def _backward(plan, source, tensors, token_sorted, lse, entropy, grad_logp, grad_entropy):
+    def _backward(plan, source, tensors, token_sorted, owned, lse, entropy, grad_logp,
+                  grad_entropy):
+        """Every gradient, a chunk at a time; on a share of the vocabulary (``owned``: the
+        picks whose token is this rank's) the same formulas with the global log-sum-exp and
+        entropy, so each rank's gradients are its share's."""
         buffers = source.grad_buffers(tensors)
         # d logp[j] / d z[pick j] = onehot(token j) - softmax: each row needs its picks' sum
         g_row = lse.new_zeros(lse.shape[0])
@@ -372,8 +431,10 @@ class _Normalise(torch.autograd.Function):
                       .mul_(grad_entropy[c.a:c.b, None]).add_(g_row[c.a:c.b, None])
                       .mul_(p).neg_())
             if g_pick is not None and c.hi > c.lo:
+                g = g_pick[c.lo:c.hi] if owned is None else \
+                    g_pick[c.lo:c.hi].where(owned[c.lo:c.hi], 0)
                 gz.index_put_((plan.pick_sorted[c.lo:c.hi] - c.a, token_sorted[c.lo:c.hi]),
-                              g_pick[c.lo:c.hi], accumulate=True)
+                              g, accumulate=True)
             if c.temperature is not None:
                 gz /= c.temperature
             source.add_grad(buffers, tensors, c, gz, z)

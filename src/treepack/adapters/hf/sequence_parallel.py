@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,8 +33,9 @@ from treepack.adapters.hf.packed import check_inputs, check_pack, packed_forward
 from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import TreeForward, UnsupportedModel
-from treepack.core.agreement import Label, agreement, fingerprint, parameters_fingerprint
-from treepack.core.derived import derived_from_pack
+from treepack.attention import exchange
+from treepack.core.agreement import (Label, PackIdentity, agreement, pack_identity,
+                                     parameters_fingerprint)
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
 
@@ -66,23 +66,14 @@ class SequenceParallel:
     @contextlib.contextmanager
     def own_random_stream(self, model, device: torch.device):
         """While it lasts, this rank draws its random numbers (the dropout masks of its rows,
-        and of its heads in attention) from a stream of its own: seeded from one draw of the
-        global CPU generator, the same on every rank seeded alike, and this rank. Ranks seeded
-        alike would otherwise draw one mask for row i on rank 0 and row i + w on rank 1.
-        Recomputation replays it: activation checkpointing saves the generators' state inside
-        the stream, and the parts calls replay the draw by restoring the global state. A
-        model in eval mode draws nothing: the global generators are left as they are."""
+        and of its heads in attention) from a stream of its own
+        (:func:`treepack.attention.exchange.rank_stream`); the parts calls replay the draw by
+        restoring the global generators. A model in eval mode draws nothing: the global
+        generators are left as they are."""
         if not unwrap(model).training:
             yield
             return
-        draw = int(torch.randint(0, 2**62, (1,)).item())
-        seed = (draw * 0x9E3779B97F4A7C15 + self.rank + 1) % 2**63
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.default_generator.manual_seed(seed)
-            if devices:
-                with torch.cuda.device(device):
-                    torch.cuda.manual_seed(seed)
+        with exchange.rank_stream(self.rank, device):
             yield
 
     def share(self, total: int) -> tuple[int, int, int]:
@@ -114,55 +105,17 @@ def sequence_parallel(group) -> SequenceParallel | None:
 # ------------------------------------------------------------------------ the exchanges
 
 
-def _all_to_all(x: Tensor, scatter: int, gather: int, group) -> Tensor:
-    size = dist.get_world_size(group)
-    send = torch.stack(x.chunk(size, scatter)).contiguous()
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), gather)
-
-
-class _Exchange(torch.autograd.Function):
-    """All-to-all: ``x`` cut into P pieces along ``scatter``, piece j to rank j, the pieces
-    received joined along ``gather`` in rank order. Its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, scatter: int, gather: int, group) -> Tensor:
-        ctx.dims, ctx.group = (scatter, gather), group
-        return _all_to_all(x, scatter, gather, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        scatter, gather = ctx.dims
-        return _all_to_all(grad, gather, scatter, ctx.group), None, None, None
-
-
-class _Sum(torch.autograd.Function):
-    """The sum over the group of every rank's ``x``; its backward hands each rank the
-    gradient times ``scale`` (every rank computes the same loss from the sum)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group, scale: float) -> Tensor:
-        ctx.scale = scale
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad * ctx.scale, None, None
-
-
 def sum_over(x: Tensor, sp: SequenceParallel) -> Tensor:
     """Every rank's ``x`` (its own predictions, zeros elsewhere) summed over the group; the
     gradient back is P times the caller's (each rank's parameters then hold P times its
     share, whose average over the group is the whole pack's)."""
-    return _Sum.apply(x, sp.group, float(sp.size))
+    return exchange.sum_over(x, sp.group, sp.size)
 
 
 class ShardedForward(TreeForward):
     """The token mixers of one rank's slice: every mixer's inputs exchanged to (all rows,
-    this rank's heads or channels), ``inner``'s mixer over all rows, and back.
+    this rank's heads or channels), ``inner``'s mixer over all rows, and back
+    (:class:`treepack.attention.exchange.HeadExchange`).
 
     Args:
         inner: the mixers over all the forward's rows (the pack's :class:`TreeForward`, or a
@@ -173,62 +126,22 @@ class ShardedForward(TreeForward):
 
     def __init__(self, inner: TreeForward, sp: SequenceParallel, total: int):
         self.inner, self.sp, self.total, self.pack = inner, sp, total, inner.pack
+        self.exchange = exchange.HeadExchange(sp.group, sp.rank, sp.size, total,
+                                              sp.share(total)[2], error=UnsupportedModel)
         self.calls = 0
         self.windowed = 0
         self.mixer_calls = type(inner.mixer_calls)()
 
-    def _split(self, count: int, what: str, owner: str) -> tuple[int, int]:
-        if count % self.sp.size:
-            raise UnsupportedModel(
-                f"{owner} has {count} {what}, which sequence parallelism over "
-                f"{self.sp.size} ranks cannot split evenly: use a group size that divides "
-                f"{count}")
-        each = count // self.sp.size
-        return self.sp.rank * each, (self.sp.rank + 1) * each
-
-    def _to_heads(self, x: Tensor, heads: int, rows: int) -> Tensor:
-        """(own rows, all heads) -> (all rows, own heads), ``rows`` cut to the forward's."""
-        x = _Exchange.apply(x.contiguous(), heads, rows, self.sp.group)
-        return x.narrow(rows, 0, self.total)
-
-    def _to_rows(self, x: Tensor, rows: int, heads: int) -> Tensor:
-        """(all rows, own heads) -> (own rows, all heads)."""
-        width = self.sp.share(self.total)[2]
-        pad = width * self.sp.size - self.total
-        if pad:
-            shape = list(x.shape)
-            shape[rows] = pad
-            x = torch.cat((x, x.new_zeros(shape)), rows)
-        return _Exchange.apply(x.contiguous(), rows, heads, self.sp.group)
-
     def attend(self, module, query, key, value, **kwargs):
-        owner = type(module).__name__
-        heads, kv = query.shape[1], key.shape[1]
-        self._split(heads, "attention heads", owner)
-        if kv % self.sp.size:  # fewer key/value heads than ranks: repeat each one
-            repeat = math.lcm(kv, self.sp.size) // kv
-            if heads % (kv * repeat):
-                self._split(kv, "key/value heads", owner)
-            key = key.repeat_interleave(repeat, 1)
-            value = value.repeat_interleave(repeat, 1)
-        q, k, v = self._qkv_to_heads(query, key, value)
-        return self._to_rows(self.inner.attend(module, q, k, v, **kwargs), 2, 1)
-
-    def _qkv_to_heads(self, query: Tensor, key: Tensor, value: Tensor):
-        """The three in one exchange where their head widths agree: each rank's piece holds
-        its query, key and value heads side by side."""
-        if not query.shape[3] == key.shape[3] == value.shape[3]:
-            return tuple(self._to_heads(t, 1, 2) for t in (query, key, value))
-        p, (_, h, n, d), kv = self.sp.size, query.shape, key.shape[1]
-        joined = torch.cat([t.reshape(1, p, t.shape[1] // p, n, d) for t in (query, key, value)],
-                           2).reshape(1, -1, n, d)
-        return self._to_heads(joined, 1, 2).split((h // p, kv // p, kv // p), 1)
+        return self.exchange.attend(
+            query, key, value, lambda q, k, v: self.inner.attend(module, q, k, v, **kwargs),
+            type(module).__name__)
 
     def conv(self, x, weight, bias):
-        lo, hi = self._split(x.shape[1], "channels", "a short convolution")
-        out = self.inner.conv(self._to_heads(x, 1, 0), weight[lo:hi],
+        lo, hi = self.exchange.split(x.shape[1], "channels", "a short convolution")
+        out = self.inner.conv(self.exchange.to_heads(x, 1, 0), weight[lo:hi],
                               None if bias is None else bias[lo:hi])
-        return self._to_rows(out, 0, 1)
+        return self.exchange.to_rows(out, 0, 1)
 
     def scan(self, kernel, inputs):
         # a Gated DeltaNet scan repeats its query / key heads up to the value heads inside
@@ -239,11 +152,11 @@ class ShardedForward(TreeForward):
         if any(heads % c for c in counts):
             raise UnsupportedModel(f"a recurrent scan whose inputs have {counts} heads: "
                                    "sequence parallelism splits a scan by heads")
-        self._split(heads, "heads", "a recurrent scan (Gated DeltaNet)")
-        inputs = {k: self._to_heads(t if t.shape[1] == heads else
-                                    t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
+        self.exchange.split(heads, "heads", "a recurrent scan (Gated DeltaNet)")
+        inputs = {k: self.exchange.to_heads(t if t.shape[1] == heads else
+                                            t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
                   for k, t in inputs.items()}
-        return self._to_rows(self.inner.scan(kernel, inputs), 0, 1)
+        return self.exchange.to_rows(self.inner.scan(kernel, inputs), 0, 1)
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -312,25 +225,6 @@ def head_dtype_refusal(model, head_dtype) -> str:
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-class PackIdentity(NamedTuple):
-    """A pack as the ranks of a group compare it: its rows and a digest of its contents."""
-
-    rows: int
-    digest: int
-
-    def __repr__(self) -> str:
-        return f"{self.rows} rows"
-
-
-@derived_from_pack
-def pack_identity(pack: TreePack) -> PackIdentity:
-    """The pack's rows and a digest of its ids, structure, layout and content keys."""
-    h = pack.host
-    keys = () if h.row_keys is None else (h.row_keys,)
-    return PackIdentity(pack.num_rows, fingerprint(
-        [h.input_ids, h.parent_row, h.position_ids, h.rows, *keys]))
 
 
 HINTS = {  # what to change when a field differs between the ranks of a group

@@ -18,9 +18,9 @@ from treepack.adapters.hf.parts.run import (ROUTER_IN_PARTS, Run, loss_tensor, r
                                             set_rng_state)
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
-from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, agreed, pack_identity,
+from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, agreed,
                                                     sequence_parallel as sequence_parallel_of)
-from treepack.core.agreement import fingerprint
+from treepack.core.agreement import fingerprint, pack_identity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
 from treepack.planning.parts import Parts, split
