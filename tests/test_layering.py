@@ -26,7 +26,7 @@ MAY_IMPORT = {
     "face": set(PARTS),
     "data": set(),  # built-in workloads: import nothing of treepack, usable anywhere
 }
-FRAMEWORKS = {"transformers", "trl", "verl"}
+FRAMEWORKS = {"transformers", "trl", "verl", "megatron"}
 
 
 def _short_paths() -> dict:
@@ -167,7 +167,7 @@ def test_short_paths_are_the_same_modules():
     import treepack
 
     for short, place in treepack.PATHS.items():
-        if short in ("trl", "verl", "verl_lean", "verl_trainer"):
+        if short in ("trl", "verl", "verl_lean", "verl_trainer", "megatron"):
             continue  # their frameworks are optional; tested with them
         assert importlib.import_module(f"treepack.{short}") is \
             importlib.import_module(f"treepack.{place}"), short

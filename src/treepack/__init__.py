@@ -37,6 +37,7 @@ PATHS = {  # short public path -> the module's place in its part
     "hf": "adapters.hf", "hf_compat": "adapters.hf.compat", "trl": "adapters.trl",
     "verl": "adapters.verl", "verl_lean": "adapters.verl_lean",
     "verl_trainer": "adapters.verl_trainer", "zoo": "adapters.zoo",
+    "megatron": "adapters.megatron",
     "cli": "face.cli", "verification": "face.verification", "benchmark": "face.benchmark",
     "synthetic": "data.synthetic",
 }

@@ -1,0 +1,31 @@
+"""Run a megatron-core ``GPTModel`` on a TreePack (megatron-core 0.16 and later; imported
+lazily).
+
+    spec = treepack.megatron.layer_spec(get_gpt_layer_local_spec())    # or the TE spec
+    model = GPTModel(config, spec, vocab_size, max_sequence_length, ...)
+    treepack.megatron.prepare(model)           # a model from a stock spec: its core
+                                               # attention is swapped in place
+    out = treepack.megatron.logprobs(model, pack, temperature=..., entropy=True)
+    loss = my_loss(out.logprobs, out.entropy)  # [N, L], as treepack.hf.logprobs gives
+    loss.backward()
+
+The tree enters each layer as its ``core_attention`` (:mod:`.attention`): treepack's
+backends (``segment`` on a CPU, ``varlen`` / ``flex`` on CUDA) over the pack's rows, at
+their depths (:mod:`.rotary`). Log-probs come from the vocabulary-parallel output layer's
+weight, normalised on each TP rank's share of the vocabulary (:mod:`.forward`). Tensor,
+Megatron sequence and context parallelism follow ``megatron.core.parallel_state``.
+"""
+
+try:
+    import megatron.core  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError("treepack.megatron needs megatron-core >= 0.16: pip install "
+                      "'treepack[megatron]'") from e
+
+from treepack.adapters.megatron.attention import (TreeCoreAttention, TreePackedSeqParams,  # noqa: E402
+                                                  UnsupportedMegatron, layer_spec)
+from treepack.adapters.megatron.forward import (TreeForward, is_prepared, logprobs,  # noqa: E402
+                                                prepare, unwrap)
+
+__all__ = ["layer_spec", "prepare", "logprobs", "is_prepared", "unwrap", "TreeCoreAttention",
+           "TreePackedSeqParams", "TreeForward", "UnsupportedMegatron"]

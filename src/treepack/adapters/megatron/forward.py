@@ -1,0 +1,352 @@
+"""A megatron-core ``GPTModel`` over a :class:`~treepack.TreePack`: prepared once, then log-probs
+from one forward over the tree's rows.
+
+The model sees the pack's rows as one sequence (``[1, rows]``) at their depths
+(:mod:`.rotary`), with every layer's core attention over the tree (:mod:`.attention`), which a
+:class:`TreeForward` reaches through ``packed_seq_params``. Megatron's own parallelism stays:
+
+- **Tensor parallelism.** Each rank's core attention gets its heads; the LM head is
+  vocab-parallel and the log-softmax runs on each rank's share of the vocabulary, its max,
+  sum and picked logits all-reduced (:func:`treepack.core.softmax.normalise` with a
+  ``vocab_group``): no rank holds ``[T', V]`` logits.
+- **Megatron sequence parallelism** (``config.sequence_parallel``): the rows are split over the
+  TP ranks for norms and dropout and gathered before attention, as Megatron does; a forward's
+  rows are padded to a multiple of the TP size with copies of a row whose outputs nothing
+  reads.
+- **Context parallelism.** The pack's rows are split over the CP ranks (a contiguous slice
+  each, padded the same way); each attention layer exchanges rows for heads all-to-all
+  (:class:`treepack.attention.exchange.HeadExchange`), runs the tree over every row for its
+  heads, and exchanges back. Each rank's predictions are placed in ``[N, L]`` and summed over
+  the CP group, whose backward hands each rank its own share: each CP rank's parameter
+  gradients are its rows' share, and their sum over the group (what Megatron's DDP reduces
+  over data x context parallel ranks) is the pack's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core import parallel_state, tensor_parallel
+
+from treepack.adapters.megatron import rotary
+from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
+                                                  swap, tree_layers)
+from treepack.attention import TreeAttention
+from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
+from treepack.core.agreement import agreement, pack_identity
+from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
+from treepack.core.softmax import Head
+from treepack.core.tree import TreePack
+from treepack.lean.predictions import place, predictions
+
+__all__ = ["prepare", "logprobs", "unwrap", "TreeForward", "is_prepared"]
+
+_PREPARED: weakref.WeakSet = weakref.WeakSet()
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside Megatron's wrappers (DDP, ``Float16Module``, a list of one
+    virtual-pipeline chunk).
+
+    Raises:
+        TypeError: no ``GPTModel`` inside.
+    """
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    inner = model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
+    seen = 0
+    while not isinstance(inner, GPTModel) and hasattr(inner, "module") and seen < 8:
+        inner, seen = inner.module, seen + 1
+    if not isinstance(inner, GPTModel):
+        raise TypeError(f"treepack.megatron runs a megatron-core GPTModel (or a wrapper of one: "
+                        f"DDP, Float16Module), got {type(model).__name__}")
+    return inner
+
+
+def prepare(model):
+    """Ready a built ``GPTModel`` (or a wrapper of one) for trees: its layers' core attention
+    becomes :class:`~.attention.TreeCoreAttention` (already so for a model built from
+    :func:`~.attention.layer_spec`; the built stock module stays its path for ordinary
+    batches), and its rotary embedding gives tree forwards their rows' depths. Idempotent.
+
+    Args:
+        model: the model, or Megatron's wrapper of it.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        UnsupportedMegatron: multi-token prediction, CUDA graphs, YaRN or multi-latent
+            attention, or a layer without a core attention (a Mamba hybrid).
+        TypeError: not a ``GPTModel``.
+    """
+    core = unwrap(model)
+    config = core.config
+    if getattr(config, "mtp_num_layers", None):
+        raise UnsupportedMegatron(
+            f"mtp_num_layers={config.mtp_num_layers}: multi-token prediction heads read the "
+            "next rows of the sequence, which on a tree are a sibling's: build the model "
+            "without MTP for training on trees")
+    graphs = getattr(config, "cuda_graph_impl", "none")
+    if graphs not in (None, "none") or getattr(config, "enable_cuda_graph", False):
+        raise UnsupportedMegatron(f"cuda_graph_impl={graphs!r}: a CUDA graph takes tensors "
+                                  "only, and a tree forward passes its tree to every layer")
+    rotary.position_kind(core)
+    layers = len(core.decoder.layers)
+    found = swap(core)
+    if found != layers:
+        raise UnsupportedMegatron(
+            f"{type(core).__name__} has {layers} layers on this stage but {found} core "
+            "attentions: layers without attention (Mamba) are not routed yet")
+    rotary.install(core)
+    _PREPARED.add(core)
+    return model
+
+
+def is_prepared(model) -> bool:
+    """Whether :func:`prepare` readied ``model``."""
+    return unwrap(model) in _PREPARED
+
+
+class TreeForward:
+    """One tree forward of a Megatron model on this rank: its rows, their depths, and the core
+    attention over the pack, with the row/head exchange over the CP group.
+
+    Args:
+        pack: the whole pack (every rank of the TP and CP groups holds it).
+        backend, block_size: treepack's attention backend (``"auto"``: varlen on CUDA where it
+            applies, else flex, else segment).
+        cp: the context-parallel group (None: one rank); ``cp_rank``, ``cp_size``.
+        multiple: the rows of a forward are padded to a multiple of this (Megatron's sequence
+            parallelism splits them over the TP ranks).
+    """
+
+    def __init__(self, pack: TreePack, backend: str, block_size: int, cp, cp_rank: int,
+                 cp_size: int, multiple: int):
+        self.pack, self.cp = pack, cp
+        total = pack.num_rows
+        width = -(-total // cp_size) if total else 1
+        width = -(-width // multiple) * multiple
+        self.start = min(total, cp_rank * width)
+        self.stop = min(total, self.start + width)
+        rows = torch.arange(self.start, self.stop, device=pack.device)
+        if rows.shape[0] < width:  # copies of a row whose outputs nothing reads
+            fill = rows[-1:] if rows.shape[0] else torch.zeros(1, dtype=torch.long,
+                                                                device=pack.device)
+            rows = torch.cat((rows, fill.expand(width - rows.shape[0])))
+        self.rows, self.width = rows, width
+        self.depths = pack.position_ids[rows]
+        self.attention = TreeAttention(pack, backend, block_size=block_size)
+        self.exchange = None if cp is None else HeadExchange(
+            cp, cp_rank, cp_size, total, width, error=UnsupportedMegatron)
+        self.calls = 0
+
+    @property
+    def own(self) -> int:
+        """This rank's real rows (the rest of its ``width`` are padding)."""
+        return self.stop - self.start
+
+    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, *, scale: float,
+               window: int | None, dropout: float) -> Tensor:
+        """A layer's tree attention: ``query`` ``[width, 1, h, d]``, ``key`` and ``value``
+        ``[width, 1, g, d]`` (TP-local heads) in, ``[width, 1, h * d]`` out."""
+        self.calls += 1
+        if query.shape[0] != self.width or query.shape[1] != 1:
+            raise UnsupportedMegatron(
+                f"the core attention got q of shape {tuple(query.shape)} where the tree "
+                f"forward has {self.width} rows in one sequence: a layer that changes the "
+                "sequence dimension before attention is not supported")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [1, heads, rows, d]
+
+        def inner(q, k, v):
+            return self.attention(q, k, v, scale=scale, window=window, dropout=dropout)
+
+        if self.exchange is not None:
+            with self._own_stream(dropout):
+                out = self.exchange.attend(q, k, v, inner, type(module).__name__)
+        else:
+            total = self.pack.num_rows
+            out = inner(*(t.narrow(2, 0, total) for t in (q, k, v)))
+            if self.width > total:
+                out = torch.cat((out, out.new_zeros(*out.shape[:2], self.width - total,
+                                                    out.shape[3])), 2)
+        return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
+
+    def _own_stream(self, dropout: float):
+        """With attention dropout under CP, this rank's heads draw from a stream of their own
+        (:func:`treepack.attention.exchange.rank_stream`; ranks seeded alike would draw one
+        mask for different heads); recomputation replays it, as Megatron restores every
+        generator around a recomputed region."""
+        if dropout <= 0:
+            return contextlib.nullcontext()
+        return rank_stream(self.exchange.rank, self.pack.device)
+
+    def params(self) -> TreePackedSeqParams:
+        """What ``GPTModel.forward`` takes as ``packed_seq_params`` for this forward."""
+        return TreePackedSeqParams(qkv_format="sbhd", max_seqlen_q=self.width,
+                                   max_seqlen_kv=self.width, tree=self)
+
+
+@contextlib.contextmanager
+def _hidden_out(model):
+    """For one forward, the output layer returns its input (the final norm's output) and
+    records the weight it would multiply: the log-probs are computed after the forward from
+    the vocabulary-parallel weight, never as ``[T', V]`` logits."""
+    layer = model.output_layer
+    seen = {}
+
+    def forward(input_, weight=None, runtime_gather_output=None, **kwargs):
+        seen["weight"] = layer.weight if weight is None else weight
+        seen["bias"] = getattr(layer, "bias", None)
+        return input_, None
+
+    saved = vars(layer).get("forward")
+    layer.forward = forward
+    try:
+        yield seen
+    finally:
+        if saved is None:
+            del layer.forward
+        else:
+            layer.forward = saved
+
+
+def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
+             align: str = "label", backend: str = "auto", chunk_size: int | None = None,
+             block_size: int = 128) -> TokenLogprobs:
+    """Every next-token log-prob (and entropy) of the pack's sequences, from one forward of a
+    prepared ``GPTModel`` over the tree, in the ``[N, L]`` layout :func:`treepack.hf.logprobs`
+    gives.
+
+    Every rank of the tensor- and context-parallel groups (read from
+    ``megatron.core.parallel_state``) passes the same whole pack and gets the whole result.
+    With CP, each rank's parameter gradients are its rows' share: their sum over the CP group
+    (Megatron's DDP reduces over data x context parallel ranks) is the pack's gradient.
+
+    Args:
+        model: a prepared ``GPTModel`` (:func:`prepare`), or Megatron's wrapper of one; one
+            pipeline stage holding the whole model (for pipeline parallelism see
+            :func:`~treepack.adapters.megatron.pipeline.forward_step`).
+        pack: the :class:`~treepack.TreePack`, on the model's device.
+        temperature: logits are divided by it: a number, or one per sequence.
+        entropy: also compute each prediction's entropy.
+        align: ``"label"`` or ``"prediction"`` (verl's), as :func:`treepack.hf.logprobs`.
+        backend, block_size: the tree attention backend (``"auto"``: FlashAttention varlen
+            on a GPU where it applies, else flex, else segment).
+        chunk_size: rows per chunk of the vocabulary-parallel log-softmax.
+
+    Returns:
+        :class:`treepack.TokenLogprobs`: ``logprobs`` ``[N, L]`` (flat: ``[total]``), 0 where
+        nothing is predicted; ``entropy`` the same or None.
+
+    Raises:
+        ValueError: an unprepared model, a pack on another device or with ids past the
+            vocabulary, a bad temperature or ``align``; ranks of the TP / CP groups given
+            different packs or arguments (:class:`treepack.core.agreement.Disagreement`, on
+            every rank), or a refusal on any of them (on every rank).
+        UnsupportedMegatron: what the model cannot run on a tree (heads the CP size does not
+            split, an attention bias, attention sinks).
+    """
+    core = unwrap(model)
+    if not parallel_state.is_pipeline_first_stage() or not parallel_state.is_pipeline_last_stage():
+        raise UnsupportedMegatron(
+            "treepack.megatron.logprobs runs a whole model on one pipeline stage; with "
+            "pipeline parallelism use treepack.megatron.forward_step with Megatron's "
+            "get_forward_backward_func")
+    tp, cp = _groups()
+    with agreement(_agreement_group(tp, cp), "tensor- and context-parallel group",
+                   {"pack": "every rank of a group must pass the same pack"}) as fields:
+        temps = _check(core, pack, temperature, align)
+        fields.update(call="logprobs", pack=pack_identity(pack), temperature=temps,
+                      align=align, entropy=entropy, backend=backend,
+                      gradients=torch.is_grad_enabled(), training=core.training)
+    forward = TreeForward(pack, backend, block_size, cp["group"], cp["rank"], cp["size"],
+                          tp["size"] if core.config.sequence_parallel else 1)
+    kind = rotary.position_kind(core)
+    with _hidden_out(core) as head:
+        hidden = model(input_ids=pack.input_ids[forward.rows][None],
+                       position_ids=rotary.position_ids(kind, forward.depths),
+                       attention_mask=None, packed_seq_params=forward.params())
+    if forward.calls != len(tree_layers(core)):
+        raise UnsupportedMegatron(
+            f"{forward.calls} of the model's {len(tree_layers(core))} tree core attentions "
+            "ran: a layer bypassed its core attention")
+    return _place(core, pack, forward, hidden, head, temps, entropy, align, chunk_size, tp, cp)
+
+
+def _place(core, pack, forward: TreeForward, hidden: Tensor, head: dict, temps, entropy,
+           align, chunk_size, tp: dict, cp: dict) -> TokenLogprobs:
+    """The forward's predictions from its hidden states (``[1, rows, H]``, or this TP rank's
+    rows of them under sequence parallelism) and the vocabulary-parallel head, placed in the
+    pack's layout and summed over the CP group."""
+    hidden = hidden[0]  # [rows, H]: GPTModel returns its output layer's output batch-first
+    group = tp["group"] if tp["size"] > 1 else None
+    if core.config.sequence_parallel and tp["size"] > 1:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden[:, None], tensor_parallel_output_grad=True, group=tp["group"])[:, 0]
+    elif group is not None:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group)
+    hidden = hidden[:forward.own]
+    weight = head["weight"]
+    if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        hidden = hidden.to(weight.dtype)
+    source = Head(hidden, weight, head.get("bias"), vocab_group=group,
+                  vocab_start=tp["rank"] * weight.shape[0])
+    shape = tuple(pack.rows.shape)
+    numel = math.prod(shape)
+    mine = predictions(pack, align).within(forward.start, forward.stop)
+    logp, ent = place(mine, source, temps, entropy=entropy, numel=numel, chunk_size=chunk_size)
+    if cp["size"] > 1:
+        logp = sum_over(logp, cp["group"])
+        ent = None if ent is None else sum_over(ent, cp["group"])
+    return TokenLogprobs(logp.view(shape), None if ent is None else ent.view(shape), align)
+
+
+def _check(core, pack, temperature, align) -> np.ndarray:
+    """This rank's checks of a call's inputs; the per-sequence temperatures."""
+    if not isinstance(pack, TreePack):
+        raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}: build one with "
+                        "treepack.TreePack.from_sequences(sequences)")
+    if core not in _PREPARED:
+        raise ValueError(f"{type(core).__name__} is not prepared: call "
+                         "treepack.megatron.prepare(model) once first")
+    check_align(align)
+    temps = per_sequence_temperature(temperature, pack.num_sequences)
+    device = next(core.parameters()).device
+    if pack.device != device:
+        raise ValueError(f"the model computes on {device} but the pack is on {pack.device}; "
+                         f"move the pack with pack.to({str(device)!r})")
+    vocab = core.vocab_size
+    if pack.max_token_id >= vocab:
+        raise ValueError(f"the pack has token id {pack.max_token_id} but the model's "
+                         f"vocabulary has {vocab}: tokenize with the model's tokenizer")
+    return temps
+
+
+def _groups() -> tuple[dict, dict]:
+    """This rank's tensor- and context-parallel groups, ranks and sizes."""
+    tp = dict(group=parallel_state.get_tensor_model_parallel_group(),
+              rank=parallel_state.get_tensor_model_parallel_rank(),
+              size=parallel_state.get_tensor_model_parallel_world_size())
+    size = parallel_state.get_context_parallel_world_size()
+    cp = dict(group=parallel_state.get_context_parallel_group() if size > 1 else None,
+              rank=parallel_state.get_context_parallel_rank(), size=size)
+    return tp, cp
+
+
+def _agreement_group(tp: dict, cp: dict):
+    """The group whose ranks must agree on a call: tensor x context parallel (None: one)."""
+    if tp["size"] * cp["size"] == 1:
+        return None
+    if cp["size"] == 1:
+        return tp["group"]
+    if tp["size"] == 1:
+        return cp["group"]
+    return parallel_state.get_tensor_and_context_parallel_group()

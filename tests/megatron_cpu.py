@@ -1,0 +1,81 @@
+"""megatron-core on a CPU, for the tests only (never in the library): megatron-core assumes
+CUDA in a few places that have nothing to do with what the tests check.
+
+- ``torch.cuda.current_device()`` is the CPU (the rotary embedding moves its frequencies to
+  it; buffers are allocated on it);
+- the model-parallel RNG tracker keeps CPU generator states (Megatron's forks CUDA ones);
+- ``torch.cuda.synchronize`` does nothing (pipeline p2p calls it);
+- a ``TorchFunctionMode`` maps ``device="cuda"`` to the CPU, ``.cuda()`` to nothing and drops
+  ``pin_memory`` (the causal and sliding-window masks, the CP rotary slice, the pipeline
+  schedule's buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class _CPUTracker:
+    """megatron's CudaRNGStatesTracker on CPU generator states."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_, self.seeds_, self._is_initialized = {}, set(), False
+        self._current_state_name = "default-rng"
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+class _CUDAToCPU(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cuda:  # .cuda(): stays where it is
+            return args[0]
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and (device == "cuda" or str(device).startswith("cuda")):
+            kwargs["device"] = "cpu"
+        kwargs.pop("pin_memory", None)
+        return func(*args, **kwargs)
+
+
+def install() -> None:
+    """Every stand-in above, for this process."""
+    from megatron.core.tensor_parallel import random
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    tracker = _CPUTracker()
+    random._CUDA_RNG_STATE_TRACKER = tracker
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    random.initialize_rng_tracker = lambda *a, **k: None
+    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None
+    _CUDAToCPU().__enter__()  # for the rest of the process

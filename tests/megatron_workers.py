@@ -1,0 +1,324 @@
+"""megatron-core workers for tests/adapters/test_megatron.py (spawned ranks import this module).
+
+One canonical model per case is built at TP = 1 (float64, seeded) and saved; every parallel
+layout loads its shard of the same weights (each tensor-parallel parameter cut along its
+``partition_dim``, ``partition_stride`` pieces at a time, as Megatron lays it out), so every
+layout computes the same function. The reference is that TP = 1 model run on each sequence
+alone through Megatron's own attention; each layout runs the pack through treepack and saves
+its log-probs, entropies and every parameter's gradient, gathered back to the full tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 128
+TEMPERATURES = (0.7, 1.0, 1.3)
+
+
+def sequences(kind: str = "forest", seed: int = 0) -> list[list[int]]:
+    """A case's sequences: two GRPO groups (one prompt each, completions of several lengths,
+    one a prefix of another, a duplicate), an agent trajectory whose steps extend each other,
+    and a one-token sequence; or smaller ones."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n):
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    if kind == "tiny":  # fewer rows than ranks
+        return [[5, 6, 7]]
+    prompt, other = tokens(9), tokens(5)
+    out = [prompt + tokens(n) for n in (4, 7, 1)]
+    out.append(out[1][:12])  # a prefix of another
+    out.append(list(out[0]))  # a duplicate
+    out += [other + tokens(n) for n in (3, 6)]
+    if kind == "forest":
+        history = tokens(6)
+        for _ in range(3):  # an agent: each step repeats the history
+            history = history + tokens(3)
+            out.append(list(history))
+        out.append([7])
+    return out
+
+
+def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = dict(num_layers=case.get("layers", 2), hidden_size=64, num_attention_heads=4,
+                  num_query_groups=case.get("groups", 2), ffn_hidden_size=96, kv_channels=16,
+                  use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False,
+                  gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+                  masked_softmax_fusion=False, persist_layer_norm=False,
+                  bias_dropout_fusion=False, apply_rope_fusion=False,
+                  gradient_accumulation_fusion=False, attention_dropout=0.0,
+                  hidden_dropout=0.0, params_dtype=torch.float64, init_method_std=0.05,
+                  attention_softmax_in_fp32=False,  # float64: the reference exact too
+                  tensor_model_parallel_size=tp, context_parallel_size=cp,
+                  pipeline_model_parallel_size=pp,
+                  sequence_parallel=bool(case.get("sequence_parallel")) and tp > 1)
+    fields.update(case.get("config", {}))
+    return TransformerConfig(**fields)
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm for Megatron's sequence parallelism on a CPU: the local spec's torch norm
+    refuses ``sequence_parallel`` (Apex's and TE's accept it). Its weight is marked as
+    Megatron marks a sequence-parallel norm's, whose gradient each TP rank holds a share of
+    (``finalize_model_grads`` sums them)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def spec(case: dict, tree: bool = True):
+    """The case's decoder block spec: the local layer spec with :class:`Norm` for its norms
+    (and the final one); the tree's core attention in it unless ``tree`` is False."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    import treepack.megatron as tm
+
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = Norm
+    block = TransformerBlockSubmodules(layer_specs=[layer] * case.get("layers", 2),
+                                       layer_norm=Norm)
+    return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
+
+
+def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True):
+    """The case's GPTModel on this rank (float64), from the tree spec or the stock one."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    spec_ = spec(case, tree)
+    model = GPTModel(config(case, tp, cp, pp), spec_, vocab_size=VOCAB, max_sequence_length=64,
+                     position_embedding_type=case.get("positions", "rope"),
+                     share_embeddings_and_output_weights=case.get("tied", False),
+                     pre_process=_first(), post_process=_last())
+    return model.double()
+
+
+def _first() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_first_stage()
+
+
+def _last() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage()
+
+
+def init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1, pp: int = 1) -> None:
+    import megatron_cpu
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    megatron_cpu.install()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def shard_of(param: torch.Tensor, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's piece of ``full`` as Megatron lays ``param`` out."""
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    pieces = full.chunk(size * stride, dim)
+    return torch.cat([pieces[rank + size * s] for s in range(stride)], dim)
+
+
+def full_of(param: torch.Tensor, local: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The whole tensor from every TP rank's ``local`` piece (the inverse of ``shard_of``)."""
+    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+        return local
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    every = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(every, local.contiguous(), group=group)
+    pieces = [p.chunk(stride, dim) for p in every]
+    return torch.cat([pieces[r][s] for s in range(stride) for r in range(size)], dim)
+
+
+def weights(shape, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64),
+            torch.randn(shape, generator=g, dtype=torch.float64))
+
+
+def causal(n: int, window: int | None = None) -> torch.Tensor:
+    """Megatron's mask for one sequence: True where a query must not look."""
+    i = torch.arange(n)
+    masked = i[None, :] > i[:, None]
+    if window is not None:
+        masked |= i[:, None] - i[None, :] >= window
+    return masked[None, None]
+
+
+def reference_worker(rank: int, world: int, port: int, out: str, cases: dict) -> None:
+    """Per case: the canonical TP = 1 weights, and every sequence alone through Megatron's
+    own attention: log-probs, entropies and the gradients of a fixed loss of them."""
+    init(rank, world, port)
+    try:
+        results = {}
+        for name, case in cases.items():
+            torch.manual_seed(case.get("seed", 0))
+            model = build(case, tree=False)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()
+                     if isinstance(v, torch.Tensor)}
+            results[name] = {"state": state, **alone(model, case)}
+        torch.save(results, f"{out}/reference.pt")
+    finally:
+        shutdown()
+
+
+def alone(model, case: dict) -> dict:
+    """Every sequence run alone, [N, L] log-probs and entropies, and the loss's gradients."""
+    seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
+    width = max(map(len, seqs))
+    w, v = weights((len(seqs), width))
+    logps = torch.zeros(len(seqs), width, dtype=torch.float64)
+    ents = torch.zeros_like(logps)
+    window = case.get("window")
+    model.zero_grad(set_to_none=True)
+    for s, seq in enumerate(seqs):
+        ids = torch.tensor(seq)[None]
+        positions = torch.arange(len(seq))[None]
+        if case.get("positions") == "mrope":
+            positions = positions[None].expand(3, 1, -1)
+        logits = model(ids, positions, causal(len(seq), window))[0]  # [L, V]
+        t = TEMPERATURES[s % 3] if case.get("temperatures") else 1.0
+        logp = (logits / t).log_softmax(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        at = (torch.tensor([s]), torch.arange(1, len(seq)))
+        logps = logps.index_put(at, logp[:-1].gather(-1, torch.tensor(seq)[1:, None])[:, 0])
+        ents = ents.index_put(at, ent[:-1])
+    loss = (logps * w).sum() + (ents * v).sum()
+    loss.backward()
+    return {"logprobs": logps.detach(), "entropy": ents.detach(), "loss": loss.detach(),
+            "grads": {k: p.grad.clone() for k, p in model.named_parameters()
+                      if p.grad is not None}}
+
+
+@contextlib.contextmanager
+def broken(how: str | None):
+    """A negative control: treepack's Megatron path with one thing broken."""
+    from treepack.adapters.megatron import forward, rotary
+    from treepack.attention import exchange
+
+    saved = (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
+             forward.Head)
+    try:
+        if how == "positions":  # the rotary embedding at each row's packed index
+            rotary.install = lambda model: None
+        elif how == "exchange gradient":  # no gradient back through rows -> heads
+            def backward(ctx, grad):
+                scatter, gather = ctx.dims
+                out = saved[1](ctx, grad)
+                return (torch.zeros_like(out[0]), *out[1:]) if scatter == 1 else out
+            exchange._Exchange.backward = staticmethod(backward)
+        elif how == "local mask":  # each CP rank attends among its own rows only
+            def attend(self, module, query, key, value, *, scale, window, dropout):
+                if self.exchange is None:
+                    return saved[2](self, module, query, key, value, scale=scale,
+                                    window=window, dropout=dropout)
+                self.calls += 1
+                own = self.own
+                mask = self.pack.dense_mask()[self.start:self.stop, self.start:self.stop]
+                q, k, v = (t[:own].permute(1, 2, 0, 3) for t in (query, key, value))
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale)
+                out = out.permute(2, 0, 1, 3).reshape(own, 1, -1)
+                return torch.cat((out, out.new_zeros(self.width - own, *out.shape[1:])))
+            forward.TreeForward.attend = attend
+        elif how == "vocabulary share":  # every TP rank takes its share for the first
+            def head(*args, vocab_start=0, **kwargs):  # (the target's logit from the wrong
+                return saved[3](*args, vocab_start=0, **kwargs)  # rank)
+            forward.Head = head
+        yield
+    finally:
+        (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
+         forward.Head) = saved
+
+
+def cases_worker(rank: int, world: int, port: int, out: str, cases: dict, layout: dict) -> None:
+    """Every case on this layout (``tp``, ``cp``; the rest of the world is data-parallel and
+    runs the same batch): the packed forward's log-probs, entropies and full gradients."""
+    from megatron.core import parallel_state as ps
+
+    tp, cp = layout.get("tp", 1), layout.get("cp", 1)
+    init(rank, world, port, tp=tp, cp=cp)
+    try:
+        reference = torch.load(f"{out}/reference.pt")
+        tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+        results = {}
+        for name, case in cases.items():
+            try:
+                with broken(case.get("broken")):
+                    results[name] = run_case(case, reference[name], tp, cp, tp_group, tp_rank)
+            except Exception as e:  # noqa: BLE001 - the test reads what was raised
+                import traceback
+
+                results[name] = {"error": f"{type(e).__name__}: {e}",
+                                 "trace": traceback.format_exc()}
+        torch.save(results, f"{out}/{layout['name']}-rank{rank}.pt")
+    finally:
+        shutdown()
+
+
+def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: int) -> dict:
+    """One case on this rank: the packed forward's outputs and every full gradient."""
+    from megatron.core import parallel_state as ps
+
+    import treepack
+    import treepack.megatron as tm
+
+    model = build(case, tp, cp)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))
+    tm.prepare(model)
+    seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
+    pack = treepack.TreePack.from_sequences(seqs)
+    w, v = weights(tuple(pack.rows.shape))
+    temps = [TEMPERATURES[s % 3] for s in range(len(seqs))] if case.get("temperatures") \
+        else 1.0
+    got = tm.logprobs(model, pack, temperature=temps, entropy=True,
+                      backend=case.get("backend", "auto"))
+    loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
+    loss.backward()
+    grads = {}
+    for k, p in model.named_parameters():
+        g = p.grad.clone()
+        if cp > 1:  # each CP rank holds its rows' share: their sum is the pack's
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+        if getattr(p, "sequence_parallel", False) and tp > 1:  # as Megatron's
+            dist.all_reduce(g, group=tp_group)  # finalize_model_grads does
+        grads[k] = full_of(p, g, tp_group, tp)
+    return {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
+            "loss": loss.detach(), "grads": grads}
