@@ -62,6 +62,9 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                   tensor_model_parallel_size=tp, context_parallel_size=cp,
                   pipeline_model_parallel_size=pp,
                   sequence_parallel=bool(case.get("sequence_parallel")) and tp > 1)
+    if pp > 1:  # packs differ in rows: the stages exchange their shapes
+        fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
+                      moe_token_dispatcher_type="alltoall")
     fields.update(case.get("config", {}))
     return TransformerConfig(**fields)
 
@@ -82,9 +85,10 @@ class Norm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def spec(case: dict, tree: bool = True):
-    """The case's decoder block spec: the local layer spec with :class:`Norm` for its norms
-    (and the final one); the tree's core attention in it unless ``tree`` is False."""
+def spec(case: dict, tree: bool = True, pp: int = 1):
+    """The case's decoder block spec (this pipeline stage's layers): the local layer spec with
+    :class:`Norm` for its norms (and the final one); the tree's core attention in it unless
+    ``tree`` is False."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -92,7 +96,7 @@ def spec(case: dict, tree: bool = True):
 
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = Norm
-    block = TransformerBlockSubmodules(layer_specs=[layer] * case.get("layers", 2),
+    block = TransformerBlockSubmodules(layer_specs=[layer] * (case.get("layers", 2) // pp),
                                        layer_norm=Norm)
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
 
@@ -101,7 +105,7 @@ def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True):
     """The case's GPTModel on this rank (float64), from the tree spec or the stock one."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    spec_ = spec(case, tree)
+    spec_ = spec(case, tree, pp)
     model = GPTModel(config(case, tp, cp, pp), spec_, vocab_size=VOCAB, max_sequence_length=64,
                      position_embedding_type=case.get("positions", "rope"),
                      share_embeddings_and_output_weights=case.get("tied", False),
@@ -308,6 +312,8 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
     w, v = weights(tuple(pack.rows.shape))
     temps = [TEMPERATURES[s % 3] for s in range(len(seqs))] if case.get("temperatures") \
         else 1.0
+    if case.get("mismatch"):  # every rank of the group its own temperature
+        temps = 1.0 + 0.25 * dist.get_rank()
     got = tm.logprobs(model, pack, temperature=temps, entropy=True,
                       backend=case.get("backend", "auto"))
     loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
@@ -322,3 +328,80 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         grads[k] = full_of(p, g, tp_group, tp)
     return {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
             "loss": loss.detach(), "grads": grads}
+
+
+def canonical_names(model) -> dict:
+    """This pipeline stage's parameter names -> the canonical (TP = 1, one stage) model's:
+    its layers are numbered locally, ``layer_number`` is global."""
+    out = {}
+    for name, _ in model.named_parameters():
+        key = name
+        if name.startswith("decoder.layers."):
+            local = int(name.split(".")[2])
+            number = model.decoder.layers[local].layer_number - 1
+            key = name.replace(f"decoder.layers.{local}.", f"decoder.layers.{number}.", 1)
+        out[name] = key
+    return out
+
+
+def pipeline_worker(rank: int, world: int, port: int, out: str, cases: dict,
+                    layout: dict) -> None:
+    """Every case through Megatron's pipeline schedule (``pp`` stages, the case's sequences
+    dealt to ``micro_batches`` packs): each pack's log-probs from the last stage, and every
+    parameter's full gradient, each stage saving its own (by canonical name)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import treepack
+    import treepack.megatron as tm
+
+    tp, pp = layout.get("tp", 1), layout["pp"]
+    init(rank, world, port, tp=tp, pp=pp)
+    try:
+        reference = torch.load(f"{out}/reference.pt")
+        tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+        results = {}
+        for name, case in cases.items():
+            model = build(case, tp, 1, pp)
+            names = canonical_names(model)
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_(shard_of(p, reference[name]["state"][names[k]], tp_rank, tp))
+            tm.prepare(model)
+            seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
+            w, v = weights((len(seqs), max(map(len, seqs))))
+            count = layout["micro_batches"]
+            groups = [list(range(i, len(seqs), count)) for i in range(count)]
+            packs = [treepack.TreePack.from_sequences([seqs[i] for i in g]) for g in groups]
+            temps = [TEMPERATURES[i % 3] if case.get("temperatures") else 1.0
+                     for i in range(len(seqs))]
+            group_of = {id(p): g for p, g in zip(packs, groups)}
+
+            def loss_fn(got, pack):
+                g = group_of[id(pack)]
+                width = got.logprobs.shape[1]
+                loss = (got.logprobs * w[g, :width]).sum() + (got.entropy * v[g, :width]).sum()
+                return loss, {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach()}
+
+            def step(data_iterator, model_):  # each pack at its sequences' temperatures
+                pack = next(data_iterator)
+                temperature = [temps[i] for i in group_of[id(pack)]]
+                return tm.forward_step(loss_fn, entropy=True, temperature=temperature)(
+                    iter([pack]), model_)
+
+            reduced = get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(packs), model=[model],
+                num_microbatches=len(packs), seq_length=1, micro_batch_size=1,
+                forward_only=False)
+            grads = {names[k]: full_of(p, p.grad * len(packs), tp_group, tp)  # the schedule
+                     for k, p in model.named_parameters()}  # divided each loss by the packs
+            logprobs = torch.zeros_like(reference[name]["logprobs"])
+            entropy = torch.zeros_like(logprobs)
+            for g, r in zip(groups, reduced or []):
+                width = r["logprobs"].shape[1]
+                logprobs[g, :width], entropy[g, :width] = r["logprobs"], r["entropy"]
+            results[name] = {"grads": grads, "last": ps.is_pipeline_last_stage(),
+                             "logprobs": logprobs, "entropy": entropy}
+        torch.save(results, f"{out}/{layout['name']}-rank{rank}.pt")
+    finally:
+        shutdown()

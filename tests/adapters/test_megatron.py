@@ -21,6 +21,7 @@ CASES = {
     "per-sequence temperatures": {"temperatures": True},
     "multi-head attention": {"groups": 4},
     "learned absolute positions": {"positions": "learned_absolute"},
+    "mrope, text rows": {"positions": "mrope", "config": {"mrope_section": [2, 3, 3]}},
     "sliding window": {"window": 5, "config": {"window_size": (4, 0)}},
     "tied embeddings": {"tied": True},
     "a pack with fewer rows than ranks": {"batch": "tiny"},
@@ -39,6 +40,9 @@ BROKEN = {
         ({"broken": "vocabulary share"}, lambda layout: layout.get("tp", 1) > 1),
 }
 
+# ranks of the TP x CP group that disagree: every rank must refuse, none may hang
+MISMATCH = {"temperatures that differ between ranks": {"mismatch": True}}
+
 LAYOUTS = {
     "tp1": dict(tp=1, world=1),
     "tp2": dict(tp=2, world=2),
@@ -55,7 +59,8 @@ TOLERANCE = 1e-10
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
     spawn(megatron_workers.reference_worker, str(out),
-          {**CASES, **{n: b for n, (b, _) in BROKEN.items()}}, world=1, timeout=900)
+          {**CASES, **{n: b for n, (b, _) in BROKEN.items()}, **MISMATCH}, world=1,
+          timeout=900)
     return out
 
 
@@ -64,7 +69,7 @@ def layout(request, reference):
     spec = {"name": request.param.replace(" ", "_").replace(",", ""), **LAYOUTS[request.param]}
     broken = {n: b for n, (b, applies) in BROKEN.items() if applies(spec)}
     cases = {n: {**c, "sequence_parallel": spec.get("sequence_parallel", False)}
-             for n, c in {**CASES, **broken}.items()}
+             for n, c in {**CASES, **broken, **MISMATCH}.items()}
     spawn(megatron_workers.cases_worker, str(reference), cases, spec, world=spec["world"],
           timeout=900)
     results = [torch.load(reference / f"{spec['name']}-rank{r}.pt")
@@ -93,6 +98,19 @@ def test_the_tree_equals_every_sequence_alone(layout, case):
         assert not bad, f"{name}, rank {rank}: {bad}"
 
 
+def test_ranks_that_disagree_refuse_on_every_rank(layout):
+    """One all-gather over the tensor x context parallel group before the first collective:
+    ranks given different temperatures raise a Disagreement naming it on every rank."""
+    name, results, _ = layout
+    if len(results) == 1:
+        pytest.skip("one rank agrees with itself")
+    for rank, per_case in enumerate(results):
+        got = per_case["temperatures that differ between ranks"]
+        assert "error" in got and got["error"].startswith("Disagreement"), (name, rank, got)
+        assert "temperature (rank 0: 1.0 for each of" in got["error"], got["error"]
+        assert "tensor- and context-parallel group" in got["error"], got["error"]
+
+
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_negative_controls_are_caught(layout, case):
     name, results, reference = layout
@@ -102,3 +120,43 @@ def test_negative_controls_are_caught(layout, case):
     assert "error" not in got, got.get("trace")
     worst = max(differences(got, reference[case]).values())
     assert worst > 1e-4, f"{case} went unnoticed on {name}: {worst:.1e}"
+
+
+PIPELINES = {
+    "pp2, 3 micro-batches": dict(pp=2, world=2, micro_batches=3),
+    "tp2 x pp2, 2 micro-batches": dict(tp=2, pp=2, world=4, micro_batches=2),
+}
+PIPELINE_CASES = ["grouped-query attention, rope", "per-sequence temperatures",
+                  "sliding window"]
+
+
+@pytest.fixture(scope="module", params=list(PIPELINES))
+def pipeline(request, reference):
+    spec = {"name": request.param.replace(" ", "_").replace(",", ""), **PIPELINES[request.param]}
+    spawn(megatron_workers.pipeline_worker, str(reference),
+          {n: CASES[n] for n in PIPELINE_CASES}, spec, world=spec["world"], timeout=900)
+    results = [torch.load(reference / f"{spec['name']}-rank{r}.pt")
+               for r in range(spec["world"])]
+    return request.param, results, torch.load(reference / "reference.pt")
+
+
+@pytest.mark.parametrize("case", PIPELINE_CASES)
+def test_packs_as_micro_batches_through_megatrons_pipeline_schedule(pipeline, case):
+    """get_forward_backward_func with treepack.megatron.forward_step: the packs are the
+    micro-batches, the log-probs come from the last stage, and every stage's gradients
+    (times the micro-batches the schedule divides by) are the reference's."""
+    name, results, reference = pipeline
+    expect = reference[case]
+    grads = {}
+    for rank, per_case in enumerate(results):
+        got = per_case[case]
+        grads.update(got["grads"])
+        if got["last"]:
+            for key in ("logprobs", "entropy"):
+                diff = ((got[key] - expect[key]).abs().max() / expect[key].abs().max()).item()
+                assert diff < TOLERANCE, (name, rank, key, diff)
+    assert grads.keys() == expect["grads"].keys()
+    for k, e in expect["grads"].items():
+        diff = ((grads[k] - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        assert diff < TOLERANCE, (name, k, diff)
+

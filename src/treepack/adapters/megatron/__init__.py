@@ -24,8 +24,10 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 
 from treepack.adapters.megatron.attention import (TreeCoreAttention, TreePackedSeqParams,  # noqa: E402
                                                   UnsupportedMegatron, layer_spec)
-from treepack.adapters.megatron.forward import (TreeForward, is_prepared, logprobs,  # noqa: E402
-                                                prepare, unwrap)
+from treepack.adapters.megatron.forward import (StageOutput, TreeForward,  # noqa: E402
+                                                forward_stage, forward_step, is_prepared,
+                                                logprobs, prepare, unwrap)
 
-__all__ = ["layer_spec", "prepare", "logprobs", "is_prepared", "unwrap", "TreeCoreAttention",
-           "TreePackedSeqParams", "TreeForward", "UnsupportedMegatron"]
+__all__ = ["layer_spec", "prepare", "logprobs", "forward_step", "forward_stage", "StageOutput",
+           "is_prepared", "unwrap", "TreeCoreAttention", "TreePackedSeqParams", "TreeForward",
+           "UnsupportedMegatron"]

@@ -46,7 +46,8 @@ from treepack.core.softmax import Head
 from treepack.core.tree import TreePack
 from treepack.lean.predictions import place, predictions
 
-__all__ = ["prepare", "logprobs", "unwrap", "TreeForward", "is_prepared"]
+__all__ = ["prepare", "logprobs", "forward_stage", "forward_step", "StageOutput", "unwrap",
+           "TreeForward", "is_prepared"]
 
 _PREPARED: weakref.WeakSet = weakref.WeakSet()
 
@@ -189,9 +190,21 @@ class TreeForward:
         return rank_stream(self.exchange.rank, self.pack.device)
 
     def params(self) -> TreePackedSeqParams:
-        """What ``GPTModel.forward`` takes as ``packed_seq_params`` for this forward."""
+        """What ``GPTModel.forward`` takes as ``packed_seq_params`` for this forward. Its
+        ``cp_group`` is one rank: Megatron's rotary embeddings slice their positions per CP
+        rank of the ``cp_group`` they are given, and this rank's rows are its own already."""
         return TreePackedSeqParams(qkv_format="sbhd", max_seqlen_q=self.width,
-                                   max_seqlen_kv=self.width, tree=self)
+                                   max_seqlen_kv=self.width, cp_group=_OneRank(), tree=self)
+
+
+class _OneRank:
+    """A process group of one, as far as Megatron's rotary embeddings ask (``size()``)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
 
 
 @contextlib.contextmanager
@@ -231,9 +244,8 @@ def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
     (Megatron's DDP reduces over data x context parallel ranks) is the pack's gradient.
 
     Args:
-        model: a prepared ``GPTModel`` (:func:`prepare`), or Megatron's wrapper of one; one
-            pipeline stage holding the whole model (for pipeline parallelism see
-            :func:`~treepack.adapters.megatron.pipeline.forward_step`).
+        model: a prepared ``GPTModel`` (:func:`prepare`), or Megatron's wrapper of one, that
+            holds the whole model (for pipeline parallelism see :func:`forward_step`).
         pack: the :class:`~treepack.TreePack`, on the model's device.
         temperature: logits are divided by it: a number, or one per sequence.
         entropy: also compute each prediction's entropy.
@@ -252,33 +264,115 @@ def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
             different packs or arguments (:class:`treepack.core.agreement.Disagreement`, on
             every rank), or a refusal on any of them (on every rank).
         UnsupportedMegatron: what the model cannot run on a tree (heads the CP size does not
-            split, an attention bias, attention sinks).
+            split, an attention bias, attention sinks), or a model split over pipeline
+            stages.
     """
-    core = unwrap(model)
     if not parallel_state.is_pipeline_first_stage() or not parallel_state.is_pipeline_last_stage():
         raise UnsupportedMegatron(
             "treepack.megatron.logprobs runs a whole model on one pipeline stage; with "
-            "pipeline parallelism use treepack.megatron.forward_step with Megatron's "
-            "get_forward_backward_func")
+            "pipeline parallelism use treepack.megatron.forward_step (a forward_step_func for "
+            "Megatron's get_forward_backward_func)")
+    return forward_stage(model, pack, temperature=temperature, entropy=entropy, align=align,
+                         backend=backend, chunk_size=chunk_size,
+                         block_size=block_size).logprobs()
+
+
+class StageOutput:
+    """One pipeline stage's forward of a pack: ``output``, what the stage hands on (its hidden
+    states; the last stage's, the final norm's output), and on the last stage
+    :meth:`logprobs`, the pack's log-probs from it."""
+
+    def __init__(self, output: Tensor, compute):
+        self.output, self._compute = output, compute
+
+    @property
+    def is_last(self) -> bool:
+        return self._compute is not None
+
+    def logprobs(self) -> TokenLogprobs:
+        """The pack's :class:`~treepack.TokenLogprobs` (the last stage only)."""
+        if self._compute is None:
+            raise UnsupportedMegatron("log-probs come from the last pipeline stage: this stage "
+                                      "hands its hidden states on")
+        return self._compute()
+
+
+def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
+                  align: str = "label", backend: str = "auto", chunk_size: int | None = None,
+                  block_size: int = 128) -> StageOutput:
+    """This pipeline stage's forward of ``pack`` (the whole model without pipeline
+    parallelism): what :func:`logprobs` and :func:`forward_step` run.
+
+    Every rank of the stage's tensor- and context-parallel groups agrees on the pack and the
+    arguments first (one all-gather), or every one of them refuses.
+
+    Args:
+        model, pack, temperature, entropy, align, backend, chunk_size, block_size: as
+            :func:`logprobs`.
+
+    Returns:
+        :class:`StageOutput`.
+
+    Raises:
+        As :func:`logprobs`.
+    """
+    core = unwrap(model)
     tp, cp = _groups()
     with agreement(_agreement_group(tp, cp), "tensor- and context-parallel group",
                    {"pack": "every rank of a group must pass the same pack"}) as fields:
         temps = _check(core, pack, temperature, align)
-        fields.update(call="logprobs", pack=pack_identity(pack), temperature=temps,
+        fields.update(call="forward_stage", pack=pack_identity(pack), temperature=temps,
                       align=align, entropy=entropy, backend=backend,
                       gradients=torch.is_grad_enabled(), training=core.training)
     forward = TreeForward(pack, backend, block_size, cp["group"], cp["rank"], cp["size"],
                           tp["size"] if core.config.sequence_parallel else 1)
     kind = rotary.position_kind(core)
-    with _hidden_out(core) as head:
-        hidden = model(input_ids=pack.input_ids[forward.rows][None],
+    last = core.post_process
+    with _hidden_out(core) if last else contextlib.nullcontext({}) as head:
+        output = model(input_ids=pack.input_ids[forward.rows][None],
                        position_ids=rotary.position_ids(kind, forward.depths),
                        attention_mask=None, packed_seq_params=forward.params())
-    if forward.calls != len(tree_layers(core)):
+    layers = len(tree_layers(core))
+    if forward.calls != layers:
         raise UnsupportedMegatron(
-            f"{forward.calls} of the model's {len(tree_layers(core))} tree core attentions "
-            "ran: a layer bypassed its core attention")
-    return _place(core, pack, forward, hidden, head, temps, entropy, align, chunk_size, tp, cp)
+            f"{forward.calls} of the stage's {layers} tree core attentions ran: a layer "
+            "bypassed its core attention")
+    if not last:
+        return StageOutput(output, None)
+    return StageOutput(output, lambda: _place(core, pack, forward, output, head, temps,
+                                              entropy, align, chunk_size, tp, cp))
+
+
+def forward_step(loss_fn, **options):
+    """A ``forward_step_func`` for Megatron's ``get_forward_backward_func()`` whose
+    micro-batches are packs: each stage runs :func:`forward_stage` on the pack it draws, and
+    the last stage's loss is ``loss_fn(logprobs, pack)``.
+
+    Every stage must draw the same packs in the same order (Megatron's schedules assume it of
+    any data); set ``config.variable_seq_lengths = True``, since packs differ in rows.
+
+        step = treepack.megatron.forward_step(my_loss, temperature=1.0, entropy=True)
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter(packs),
+                                    model=model, num_microbatches=len(packs),
+                                    seq_length=1, micro_batch_size=1, forward_only=False)
+
+    Args:
+        loss_fn: ``loss_fn(out, pack)`` with ``out`` the pack's
+            :class:`~treepack.TokenLogprobs`; returns what Megatron's loss functions return:
+            ``(loss, reduced)`` (the schedule multiplies the loss by the CP size and divides
+            it by the micro-batches) or ``(loss, num_tokens, reduced)``.
+        **options: :func:`forward_stage`'s ``temperature``, ``entropy``, ``align``,
+            ``backend``, ``chunk_size``, ``block_size``.
+
+    Returns:
+        ``forward_step(data_iterator, model) -> (output_tensor, loss_func)``.
+    """
+    def step(data_iterator, model):
+        pack = next(data_iterator)
+        stage = forward_stage(model, pack, **options)
+        return stage.output, lambda output_tensor: loss_fn(stage.logprobs(), pack)
+
+    return step
 
 
 def _place(core, pack, forward: TreeForward, hidden: Tensor, head: dict, temps, entropy,
