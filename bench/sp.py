@@ -68,7 +68,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "src"))  # run from a checkout without installing
 
 from treepack import TreePack, hf, zoo  # noqa: E402
-from treepack.adapters.hf import sequence_parallel as sp_module  # noqa: E402
+from treepack.attention import exchange as sp_module  # noqa: E402  (the row/head exchange)
 from treepack.data.synthetic import agent_batch, grpo_batch  # noqa: E402
 from treepack.face.benchmark.memory import peak_memory  # noqa: E402
 from treepack.face.benchmark.timing import Spread, interleave  # noqa: E402
