@@ -48,6 +48,18 @@ def test_gpu_script_dry_run_every_part(tmp_path):
     assert all(key not in results for key in ("skipped",))
 
 
+def test_gpu_script_skips_the_parts_its_budget_leaves_no_time_for(tmp_path):
+    """With the budget spent, each part left is recorded as skipped and named, and the run
+    ends normally (it raised a TypeError there; a CPU dry run has no budget by default)."""
+    pytest.importorskip("transformers")
+    result = run_script([str(ROOT / "bench" / "gpu.py"), "--dry-run", "--budget", "0",
+                         "--parts", "lean", "flex"], tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = json.loads((tmp_path / "gpu.json").read_text())["results"]["skipped"]
+    assert [row["skipped"] for row in skipped] == ["lean", "flex"]
+    assert all("time budget of 0 s spent" in row["reason"] for row in skipped)
+
+
 def test_gpu_script_reports_failures_and_gaps_instead_of_passing_them(monkeypatch, tmp_path):
     """A part that fails as a whole, a skipped check or an errored measurement never reads as
     PASS, and the summary survives rows that lack a part's usual fields."""
