@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import itertools
 import json
 import math
 import os
@@ -68,9 +67,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "src"))  # run from a checkout without installing
 
 from treepack import TreePack, hf, zoo  # noqa: E402
-from treepack.attention import exchange as sp_module  # noqa: E402  (the row/head exchange)
 from treepack.data.synthetic import agent_batch, grpo_batch  # noqa: E402
-from treepack.face.benchmark.memory import peak_memory  # noqa: E402
+from treepack.face.benchmark.memory import peak_memory, saved_storages  # noqa: E402
+from treepack.face.benchmark.traffic import Traffic  # noqa: E402
 from treepack.face.benchmark.timing import Spread, interleave  # noqa: E402
 
 LAYOUTS = ("tree", "padding_free")
@@ -128,53 +127,6 @@ def formula_bytes(rows: int, ranks: int, config, itemsize: int) -> dict:
 
 
 # ------------------------------------------------------------------------ what is measured
-
-
-class Traffic:
-    """Bytes handed to the sequence-parallel ``_all_to_all`` while counting, by phase."""
-
-    def __init__(self):
-        self.phase = "forward"
-        self.counts = {p: {"sent": 0, "leaving": 0, "calls": 0} for p in ("forward", "backward")}
-
-    @contextlib.contextmanager
-    def counting(self):
-        original = sp_module._all_to_all
-
-        def all_to_all(x, scatter, gather, group):
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
-            sent = x.numel() * x.element_size()
-            own = x.chunk(size, scatter)[rank].numel() * x.element_size()
-            count = self.counts[self.phase]
-            count["sent"] += sent
-            count["leaving"] += sent - own
-            count["calls"] += 1
-            return original(x, scatter, gather, group)
-
-        sp_module._all_to_all = all_to_all  # _Exchange looks it up at every call
-        try:
-            yield self
-        finally:
-            sp_module._all_to_all = original
-
-
-@contextlib.contextmanager
-def saved_storages(model):
-    """``{storage address: bytes}`` of every tensor autograd saves for backward inside the
-    ``with``, each storage once, the model's parameters and buffers skipped."""
-    skip = {t.untyped_storage().data_ptr()
-            for t in itertools.chain(model.parameters(), model.buffers())}
-    held: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        address = storage.data_ptr()
-        if address and address not in skip:
-            held.setdefault(address, storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield held
 
 
 def step_of(model, pack: TreePack, group):

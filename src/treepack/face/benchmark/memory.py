@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 
 import torch
 
@@ -54,3 +55,24 @@ def peak_memory(device: torch.device, out: list):
         pass
     yield
     out.append(max(0, _rss("VmHWM:") - base))
+
+
+@contextlib.contextmanager
+def saved_storages(model):
+    """``{storage address: bytes}`` of every tensor autograd saves for backward inside the
+    ``with``, each storage once, the model's parameters and buffers skipped: what a rank
+    holds for its backward at the end of a forward."""
+    skip = {t.untyped_storage().data_ptr()
+            for t in itertools.chain(model.parameters(), model.buffers())}
+    held: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+        if address and address not in skip:
+            held.setdefault(address, storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield held
+
