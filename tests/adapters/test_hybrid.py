@@ -207,3 +207,33 @@ def test_auto_head_falls_back_when_the_model_changes_its_heads_output():
 
     assert "changes the output" in inside_refusal(model)
     hf.restore(model)
+
+
+def test_a_mixer_module_that_drops_the_forward_keywords_routes_through_its_decoder_layer(
+        monkeypatch):
+    """transformers 5.17's LFM2 short-convolution module takes none of the model's forward
+    keywords (the GPU image's version): its module-level convolution reads the pack from the
+    decoder layer's, taken by a pre-hook. Simulated here by a module that drops them: the
+    log-probs equal each sequence alone, and restoring the model removes the hooks."""
+    from treepack.adapters.hf import compat, routing
+
+    model = zoo.tiny_model("lfm2", dtype=torch.float64, layers=4)
+    conv = next(m for m in model.modules() if type(m).__name__ == "Lfm2ShortConv")
+    original = type(conv).forward
+
+    def forward(self, *args, **kwargs):  # as in transformers 5.17: no keywords passed on
+        kwargs.pop(routing.TREE_FORWARD_KWARG, None)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(conv), "forward", forward)
+    seqs = batch(seed=3)
+    with torch.no_grad():
+        want = [alone(model, s) for s in seqs]
+        with hf.prepared(model):
+            pack = TreePack.from_sequences(seqs)
+            out = hf.logprobs(model, pack).logprobs
+    for s, seq in enumerate(seqs):
+        if len(seq) > 1:
+            assert float((packed_values(out, pack, s, len(seq)) - want[s]).abs().max()) < 1e-9
+    assert not any(routing._enter in layer._forward_pre_hooks.values()
+                   for layer in compat.decoder_layers(model))

@@ -18,6 +18,10 @@ GPU image). When transformers moves one of these, this file is the one to change
   model's module has them wrapped (:func:`module_functions`, :func:`replace`).
 - ``<Gated DeltaNet layer>.causal_conv1d_fn`` / ``.chunk_gated_delta_rule``: the same two,
   held per layer in transformers 5.10 (:data:`LAYER_MIXERS`, :func:`layer_functions`).
+- ``transformers.modeling_layers.GradientCheckpointingLayer``: the decoder layers, the modules
+  that receive a model's forward keywords (:func:`decoder_layers`). In 5.17 LFM2's
+  short-convolution module takes none of them, so the pack reaches its module-level
+  convolution through its decoder layer.
 - ``transformers.activations.ACT2FN``: the convolution's activation by name.
 - ``<model module>.torch_recurrent_gated_delta_rule`` (5.10: ``<layer>.recurrent_gated_delta_rule``):
   the token-by-token form of the scan, which ``treepack verify`` runs as a second unpacked
@@ -39,7 +43,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 __all__ = ["other_scan", "WRITTEN_AGAINST", "attn_implementation", "set_attn_implementation", "text_config",
            "register", "attention_function", "mask_function", "model_function", "MIXERS",
-           "module_functions", "LAYER_MIXERS", "layer_functions", "replace", "activation", "layer_types"]
+           "module_functions", "LAYER_MIXERS", "layer_functions", "decoder_layers", "replace", "activation", "layer_types"]
 
 WRITTEN_AGAINST = "5.24"
 
@@ -113,6 +117,13 @@ def layer_functions(model) -> list[tuple[object, list[str]]]:
         if names:
             found.append((layer, names))
     return found
+
+
+def decoder_layers(model) -> list:
+    """Every decoder layer of ``model``: the modules a model's forward keywords reach."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def replace(module, name: str, function: Callable) -> Callable:

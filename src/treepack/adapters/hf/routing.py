@@ -181,7 +181,9 @@ def route_mixers(model) -> list:
 
     - the modeling module (:data:`compat.MIXERS`, transformers 5.11 on): what is routed is
       read from the module itself (a wrapper carries ``treepack_original``), and an original
-      goes back when no prepared model holds it;
+      goes back when no prepared model holds it. The wrappers read the pack from their own
+      keywords or, where the mixer's module drops them (LFM2's short convolution in
+      transformers 5.17), from its decoder layer's, taken by a pre-hook;
     - each layer (:data:`compat.LAYER_MIXERS`, transformers 5.10, the one verl 0.9 pins):
       the wrappers read the pack from the layer's own forward keywords, taken by a pre-hook,
       so that an activation-checkpointing recompute sees it as the first forward did.
@@ -197,6 +199,8 @@ def route_mixers(model) -> list:
         key = (module.__name__, name)
         _HOLDERS[key] += 1
         held.append(key)
+    if held:
+        held += [_hook_layer(layer) for layer in compat.decoder_layers(model)]
     for layer, names in compat.layer_functions(model):
         held.append(_route_layer(layer, names))
     return held
@@ -252,14 +256,22 @@ def _leave(layer, args, kwargs, output):
     _LAYER_TREE.set(None)
 
 
+def _hook_layer(layer) -> _RoutedLayer:
+    """``layer``'s forward keywords' pack made the routed mixers' inside it (once: a deep copy
+    of a hooked layer has the hooks already)."""
+    if _enter not in layer._forward_pre_hooks.values():
+        layer.register_forward_pre_hook(_enter, with_kwargs=True)
+        layer.register_forward_hook(_leave, with_kwargs=True, always_call=True)
+    return _RoutedLayer(layer, {})
+
+
 def _route_layer(layer, names: list[str]) -> _RoutedLayer:
     current = {name: getattr(layer, name) for name in names}
     if all(hasattr(f, "treepack_original") for f in current.values()):
         # a deep copy of a routed layer: its wrappers and hooks came with it
         return _RoutedLayer(layer, {n: f.treepack_original for n, f in current.items()})
     originals = current
-    layer.register_forward_pre_hook(_enter, with_kwargs=True)
-    layer.register_forward_hook(_leave, with_kwargs=True, always_call=True)
+    _hook_layer(layer)
     for name in names:
         wrapped = _WRAPPERS[compat.LAYER_MIXERS[name]](originals[name])
         setattr(layer, name, _layer_conv(wrapped, originals[name])
