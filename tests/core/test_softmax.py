@@ -148,3 +148,39 @@ def test_a_vocabulary_split_over_ranks_gives_the_whole_heads_values_and_gradient
     for rank in range(world):
         worst = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(v < 1e-12 for v in worst.values()), (rank, worst)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+@pytest.mark.parametrize("temperature", [1.0, "per sequence"])
+def test_fused_gpu_kernels_give_the_eager_values_and_gradients(monkeypatch, bias, temperature):
+    """The compiled log-sum-exp and softmax gradient a plain bfloat16 head runs on a GPU
+    (Head.fusable), run here on the CPU: log-probs within float32 rounding of the eager
+    chunks, every gradient equal after its one bfloat16 rounding; chunks of 3 rows, so the
+    last chunk's row count differs (no recompile per count) and a row's picks can span
+    chunks' boundaries."""
+    from treepack import TreePack
+    from treepack.core import softmax
+    from treepack.lean.logprobs import outputs_from_hidden
+
+    torch.manual_seed(0)
+    pack = TreePack.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 11, 12],
+                                    [5, 6, 7], [5, 6, 7, 1]])
+    temps = 1.0 if temperature == 1.0 else [0.7, 1.0, 1.3, 0.5, 0.9]
+    h = torch.randn(pack.num_rows, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(64, 16) * 0.5).to(torch.bfloat16).requires_grad_()
+    b = (torch.randn(64) * 0.1).to(torch.bfloat16).requires_grad_() if bias else None
+    params = [t for t in (h, w, b) if t is not None]
+    upstream = torch.randn(pack.rows.shape)
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(softmax, "FUSED_DEVICES", {"cpu"} if fused else set())
+        assert softmax.Head(h, w, b).fusable(False) is fused
+        for t in params:
+            t.grad = None
+        out = outputs_from_hidden(pack, h, w, bias=b, temperature=temps, chunk_size=3)
+        (out.logprobs * upstream).sum().backward()
+        runs[fused] = out.logprobs.detach(), [t.grad.clone() for t in params]
+    (eager, eager_grads), (fused, fused_grads) = runs[False], runs[True]
+    torch.testing.assert_close(fused, eager, rtol=0, atol=1e-6)
+    for got, want in zip(fused_grads, eager_grads):
+        assert torch.equal(got, want)
