@@ -123,7 +123,7 @@ def peak_during(fn, device, before=None) -> float:
 # ---------------------------------------------------------------------- 1. verify
 
 
-def part_verify(device, dry):
+def part_verify(device, dry, families=None):
     from treepack.verification import verification_batch
 
     # every backend once before the budget can run out; flex compiles, so it goes early too
@@ -137,6 +137,8 @@ def part_verify(device, dry):
              # flash-linear-attention / mamba kernels they dispatch to where installed)
              ("qwen3_5", "auto", torch.bfloat16), ("qwen3_next", "auto", torch.float32),
              ("lfm2", "auto", torch.bfloat16), ("bamba", "auto", torch.bfloat16)]
+    if families:
+        plan = [p for p in plan if p[0] in families]
     for family, backend, dtype in plan:
         if elapsed() > BUDGET[0] / 3:
             record("verify", family=family, backend=backend, dtype=str(dtype), result="skipped",
@@ -323,6 +325,8 @@ def part_flex(device, dry):
 
 
 def part_step(device, dry, scale, repeats, preset=None, flex=True):
+    """One training step per RL workload: padded, padding-free and tree (auto; then flex on
+    a GPU unless ``flex`` is False)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     preset = preset or ("qwen2.5-0.5b" if not dry else "qwen2-40m")
     model = benchmark.bench_model(preset, device, dtype)
@@ -612,6 +616,10 @@ def main():
                         help="seconds for all parts (default 360 on a GPU, where the lease "
                              "counts; none on a CPU dry run, which checks every part)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--families", nargs="+", default=None,
+                        help="verify only these families (a rerun of what failed)")
+    parser.add_argument("--no-flex-step", action="store_true",
+                        help="the step part on the auto backend only")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dry = args.dry_run or device.type != "cuda"
@@ -624,11 +632,12 @@ def main():
     print(f"treepack bench/gpu.py: {where}, torch {torch.__version__}, "
           f"{'dry run' if dry else 'full sizes'}", flush=True)
     parts = {
-        "verify": lambda: part_verify(device, dry),
+        "verify": lambda: part_verify(device, dry, args.families),
         "attention": lambda: part_attention(device, dry, scale),
         "lean": lambda: part_lean(device, dry),
         "flex": lambda: part_flex(device, dry),
-        "step": lambda: part_step(device, dry, 64 if dry else 1, 1 if dry else args.repeats),
+        "step": lambda: part_step(device, dry, 64 if dry else 1, 1 if dry else args.repeats,
+                                  flex=not args.no_flex_step),
         # the hybrid preset (Qwen3.5's layer pattern): its step on the same workloads
         "hybrid": lambda: part_step(device, dry, 64 if dry else 1, 1 if dry else args.repeats,
                                     preset=HYBRID_PRESET, flex=False),

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from treepack import hf  # noqa: E402
 from treepack.face.benchmark.memory import peak_memory  # noqa: E402
-from treepack.face.benchmark.steps import bench_model  # noqa: E402
+from treepack.face.benchmark.steps import bench_model, padding_free_packs  # noqa: E402
 from treepack.face.benchmark.timing import Spread, interleave, ratio, synced  # noqa: E402
 from treepack.planner import plan  # noqa: E402
 from treepack.tree import TreePack  # noqa: E402
@@ -79,7 +79,8 @@ def nll(out, mask, count):
 
 
 def steps_for(model, seqs, budget):
-    whole = TreePack.from_sequences(seqs)
+    device = next(model.parameters()).device
+    whole = TreePack.from_sequences(seqs, device=device)
     count = whole.num_predictions
 
     def run_pack(pack):
@@ -89,17 +90,10 @@ def steps_for(model, seqs, budget):
         return loss.detach()
 
     try:
-        split_packs = plan(seqs, max_tokens=budget).packs(0)
+        split_packs = plan(seqs, max_tokens=budget, device=device).packs(0)
     except ValueError:  # a sequence longer than the budget: plan never splits a sequence
         split_packs = None
-    free, current, size = [], [], 0
-    for s in seqs:
-        if current and size + len(s) > budget:
-            free.append(TreePack.from_sequences(current, share_prefixes=False))
-            current, size = [], 0
-        current.append(s)
-        size += len(s)
-    free.append(TreePack.from_sequences(current, share_prefixes=False))
+    free = padding_free_packs(seqs, budget, device=device)
 
     def many(packs):
         def step():

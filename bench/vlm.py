@@ -117,7 +117,7 @@ def workloads(quick: bool, seed: int = 0) -> dict:
 
 def steps_for(model, seqs, pixels, grids, device):
     """The three steps of one workload, and their work (rows, patches)."""
-    grid = torch.tensor(grids)
+    grid = torch.tensor(grids, device=device)  # as a processor's output moved to the model
     px = torch.cat(pixels).to(device)
     images = hf.Images(model, seqs, pixel_values=px, image_grid_thw=grid)
     tree = images.pack(device=device)

@@ -177,3 +177,18 @@ def test_flop_model_counts_pairs_on_attention_layers_and_scans_per_row():
     assert step_flops(hybrid, 200, 1000).linear == 2 * flops.linear
     plain = step_flops(zoo.tiny_model("llama", layers=4), 100, 1000)
     assert plain.attention == 3 * 4 * 64 * 4 * 1000  # every layer attends, heads x dim = 64
+
+
+def test_padding_free_packs_keep_every_sequence_in_order_within_the_budget():
+    """The padding-free baseline packs to a token budget (one pack of 96k tokens ran out of
+    memory on an H200): every sequence once, in order, each its own chain, no pack over the
+    budget unless it holds one longer sequence alone."""
+    from treepack.face.benchmark.steps import padding_free_packs
+
+    seqs = [[1] * n for n in (5, 3, 9, 2, 2, 12, 1, 4)]
+    packs = padding_free_packs(seqs, 8)
+    assert [len(p.host.lengths) for p in packs] == [2, 1, 2, 1, 2]
+    assert [int(n) for p in packs for n in p.host.lengths] == [len(s) for s in seqs]
+    for p in packs:
+        assert p.num_packed_rows == p.num_original_tokens  # nothing shared
+        assert p.num_original_tokens <= 8 or len(p.host.lengths) == 1

@@ -19,9 +19,15 @@ from treepack.core.forest import causal_pairs
 from treepack.core.tree import TreePack
 from treepack.face.benchmark.flops import step_flops
 from treepack.face.benchmark.memory import peak_memory
-from treepack.face.benchmark.steps import STEPS, bench_model, packed_step, unpacked_step
+from treepack.face.benchmark.steps import (STEPS, bench_model, packed_step, padding_free_packs,
+                                           unpacked_step)
 from treepack.face.benchmark.timing import Spread, interleave, ratio, synced
 from treepack.face.benchmark.workloads import Workload, claw_r1_scenarios
+
+# Tokens a padding-free forward holds (or the tree pack's rows, where more): twice verl's
+# default dynamic-batch budget (ppo_max_token_len_per_gpu=16384), so the baseline runs as
+# few, as large forwards as memory allows
+PADDING_FREE_TOKENS = 32768
 
 
 def _grads(model) -> dict:
@@ -64,8 +70,10 @@ def compare_step(model: nn.Module, work: Workload, *, backend: str = "auto", rep
     device = next(model.parameters()).device
     seqs = [torch.as_tensor(s) for s in work.sequences]
     tree = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device)
-    padding_free = TreePack.from_sequences(seqs, pad_to_multiple_of=128, device=device,
-                                           share_prefixes=False)
+    # packed to a token budget, as trainers pack: one pack of every sequence ran out of
+    # memory where the tree fit (96k tokens of a 0.5B model on an H200)
+    budget = max(PADDING_FREE_TOKENS, tree.num_rows, max(map(len, seqs)))
+    padding_free = padding_free_packs(seqs, budget, device=device, pad_to_multiple_of=128)
     unpacked_pairs = int(causal_pairs(tree.host.lengths).sum())
     tree_pairs = tree.visible_pairs
     limit = (step_flops(model, tree.num_packed_rows, tree_pairs).total  # padding excluded:

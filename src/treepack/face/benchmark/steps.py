@@ -16,7 +16,8 @@ from treepack.core.tree import TreePack
 
 STEPS = {  # what each compared step is, for tables and docs
     "padded": "right-padded micro-batches, SDPA, full logits (the usual unpacked step)",
-    "padding_free": "every sequence its own chain in one pack (share_prefixes=False), lean "
+    "padding_free": "every sequence its own chain (share_prefixes=False), packed in order "
+                    "up to 32,768 tokens a forward (or the tree pack's rows, where more), lean "
                     "log-probs: padding-free packing through the same kernels",
     "tree_logits": "the prefix-tree pack, log-probs from full [T', V] logits",
     "tree": "the prefix-tree pack, lean log-probs from hidden states",
@@ -59,25 +60,49 @@ def unpacked_step(model: nn.Module, sequences: list[torch.Tensor], micro_batch: 
     return step
 
 
-def packed_step(model: nn.Module, pack: TreePack, backend: str, *, lean: bool = False
-                ) -> Callable[[], torch.Tensor]:
-    """One step on the pack: one forward, log-probs back in [N, L], the same mean NLL.
+def padding_free_packs(sequences: list, max_tokens: int, *, device=None,
+                       pad_to_multiple_of: int | None = None) -> list[TreePack]:
+    """Padding-free packing as trainers do it: the sequences in order, each its own chain
+    (``share_prefixes=False``), a new pack whenever the next would pass ``max_tokens`` (a
+    longer sequence gets a pack of its own)."""
+    packs, current, size = [], [], 0
+    for s in sequences:
+        if current and size + len(s) > max_tokens:
+            packs.append(current)
+            current, size = [], 0
+        current.append(s)
+        size += len(s)
+    packs.append(current)
+    return [TreePack.from_sequences(p, share_prefixes=False, device=device,
+                                    pad_to_multiple_of=pad_to_multiple_of) for p in packs]
+
+
+def packed_step(model: nn.Module, packs: TreePack | list[TreePack], backend: str, *,
+                lean: bool = False) -> Callable[[], torch.Tensor]:
+    """One step on the packs, one forward and backward each: log-probs back in [N, L], the
+    same mean NLL over every pack's predictions.
 
     With ``lean`` the log-probs come from hidden states (``logprobs_from_hidden``), never
     materialising the [T', V] logits."""
     from treepack.adapters import hf
     from treepack.lean.logprobs import logprobs_from_hidden
 
+    packs = [packs] if isinstance(packs, TreePack) else list(packs)
+    predictions = sum(p.num_predictions for p in packs)
+
     def step():
         model.zero_grad(set_to_none=True)
-        if lean:
-            hidden = hf.forward_hidden(model, pack, backend).last_hidden_state[0]
-            logps = logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
-        else:
-            logps = pack.token_logprobs(hf.forward(model, pack, backend).logits[0])
-        loss = -(logps * pack.prediction_mask).sum() / pack.num_predictions
-        loss.backward()
-        return loss.detach()
+        total = 0.0
+        for pack in packs:
+            if lean:
+                hidden = hf.forward_hidden(model, pack, backend).last_hidden_state[0]
+                logps = logprobs_from_hidden(pack, hidden, **hf.lm_head(model))
+            else:
+                logps = pack.token_logprobs(hf.forward(model, pack, backend).logits[0])
+            loss = -(logps * pack.prediction_mask).sum() / predictions
+            loss.backward()
+            total += loss.detach()
+        return total
 
     return step
 
