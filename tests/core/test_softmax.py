@@ -184,3 +184,22 @@ def test_fused_gpu_kernels_give_the_eager_values_and_gradients(monkeypatch, bias
     torch.testing.assert_close(fused, eager, rtol=0, atol=1e-6)
     for got, want in zip(fused_grads, eager_grads):
         assert torch.equal(got, want)
+
+
+def test_a_fused_kernel_that_fails_to_compile_warns_and_runs_eagerly(monkeypatch):
+    """A GPU without a working compiler must not stop training: the kernel warns once and
+    runs the same function eagerly, with the same values."""
+    from treepack.core import softmax
+
+    def broken(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("no triton here")
+        return compiled
+
+    monkeypatch.setattr(softmax, "_KERNELS", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    z = torch.randn(4, 7, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="no triton here"):
+        lse = softmax._fused("lse", z, None, None)
+    torch.testing.assert_close(lse, torch.logsumexp(z.float(), -1))
+    assert softmax._KERNELS["lse"] is softmax._chunk_lse  # eager from then on

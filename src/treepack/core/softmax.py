@@ -128,7 +128,7 @@ class Head:
 
     def fusable(self, entropy: bool) -> bool:
         """Whether a chunk's normalisation runs as compiled kernels on the matmul's own
-        low-precision output (:func:`_fused_kernels`): a plain head (no soft-capping or
+        low-precision output (:func:`_fused`): a plain head (no soft-capping or
         scale; a bias and temperatures are fine) on a GPU, log-probs without entropies."""
         return (self.device.type in FUSED_DEVICES and self.softcap is None
                 and self.scale == 1.0 and not entropy and self.vocab_group is None
@@ -498,13 +498,27 @@ def _chunk_grad(z, bias, temperature, lse, g_row):
 _KERNELS: dict = {}
 
 
-def _fused_kernels():
-    """``(log-sum-exp, softmax gradient)`` compiled once per process, every chunk's row
-    count symbolic (the last chunk of every pack differs)."""
-    if not _KERNELS:
-        _KERNELS["lse"] = torch.compile(_chunk_lse, dynamic=None)
-        _KERNELS["grad"] = torch.compile(_chunk_grad, dynamic=None)
-    return _KERNELS["lse"], _KERNELS["grad"]
+def _fused(name: str, *args) -> Tensor:
+    """Kernel ``name`` ("lse" or "grad") compiled once per process, every chunk's row count
+    symbolic (the last chunk of every pack differs). Where compiling fails (no working
+    Triton, say) it warns once and runs the same function eagerly from then on."""
+    plain = {"lse": _chunk_lse, "grad": _chunk_grad}[name]
+    if name not in _KERNELS:
+        _KERNELS[name] = torch.compile(plain, dynamic=None)
+    try:
+        return _KERNELS[name](*args)
+    except torch.OutOfMemoryError:
+        raise  # the chunk, not the compiler: eager would need more
+    except Exception as e:  # noqa: BLE001 - a compiler failure of any kind: run it eagerly
+        if _KERNELS[name] is plain:
+            raise
+        import warnings
+
+        warnings.warn(f"treepack: compiling the lean head's fused {name} kernel failed "
+                      f"({type(e).__name__}: {str(e)[:200]}); running it eagerly (slower, "
+                      "the same values)", RuntimeWarning, stacklevel=2)
+        _KERNELS[name] = plain
+        return plain(*args)
 
 
 def _dynamic_rows(*tensors) -> None:
@@ -521,7 +535,7 @@ def _fused_forward(plan, source, tensors, c, token_sorted, lse, logp) -> None:
     z = source.matmul(tensors, c.rows)  # [C, V] in the head's dtype
     bias = _bias(tensors)
     _dynamic_rows(z, c.temperature)
-    lse[c.a:c.b] = _fused_kernels()[0](z, bias, c.temperature)
+    lse[c.a:c.b] = _fused("lse", z, bias, c.temperature)
     if c.hi > c.lo:
         local = plan.pick_sorted[c.lo:c.hi] - c.a
         tok = token_sorted[c.lo:c.hi]
@@ -538,7 +552,7 @@ def _fused_backward(plan, source, tensors, c, token_sorted, lse, g_row, g_pick) 
     z = source.matmul(tensors, c.rows)
     g, lse_c = g_row[c.a:c.b], lse[c.a:c.b]
     _dynamic_rows(z, c.temperature, g, lse_c)
-    gz = _fused_kernels()[1](z, _bias(tensors), c.temperature, lse_c, g)
+    gz = _fused("grad", z, _bias(tensors), c.temperature, lse_c, g)
     if g_pick is not None and c.hi > c.lo:
         local = plan.pick_sorted[c.lo:c.hi] - c.a
         add = g_pick[c.lo:c.hi]
