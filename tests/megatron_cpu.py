@@ -4,7 +4,11 @@ CUDA in a few places that have nothing to do with what the tests check.
 - ``torch.cuda.current_device()`` is the CPU (the rotary embedding moves its frequencies to
   it; buffers are allocated on it);
 - the model-parallel RNG tracker keeps CPU generator states (Megatron's forks CUDA ones);
-- ``torch.cuda.synchronize`` does nothing (pipeline p2p calls it);
+- ``torch.cuda.synchronize`` does nothing (pipeline p2p calls it), and CUDA streams are one
+  stream that waits for nothing (the MoE all-to-all dispatcher's side stream);
+- ``moe_utils.te_general_gemm`` is None without TransformerEngine (megatron-core 0.16's router
+  reads the name unguarded, a ``NameError`` without TE), and the all-to-all dispatcher's split
+  sizes reach ``all_to_all_single`` as numpy, as they do from a GPU;
 - a ``TorchFunctionMode`` maps ``device="cuda"`` to the CPU, ``.cuda()`` to nothing and drops
   ``pin_memory`` (the causal and sliding-window masks, the CP rotary slice, the pipeline
   schedule's buffers).
@@ -65,12 +69,52 @@ class _CUDAToCPU(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Stream:
+    """A CUDA stream that is the CPU's one stream: waits and records do nothing."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return self  # an event that is already done: synchronize() does nothing
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Stream)
+
+    __hash__ = object.__hash__
+
+
+_STREAM = _Stream()
+
+
 def install() -> None:
     """Every stand-in above, for this process."""
     from megatron.core.tensor_parallel import random
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
+    # the MoE all-to-all dispatcher copies its splits to the host on a side stream
+    torch.cuda.Stream = lambda *a, **k: _STREAM
+    torch.cuda.current_stream = lambda *a, **k: _STREAM
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, stream: None
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 reads it unguarded
+        moe_utils.te_general_gemm = None  # when TransformerEngine is not installed
+    from megatron.core.transformer.moe import token_dispatcher
+
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def host(tensor, as_numpy=False, record_stream=False):  # CPU tensors too: the
+        if torch.is_tensor(tensor) and as_numpy:  # dispatcher's split sizes as numpy
+            return tensor.detach().cpu().numpy()
+        return to_host(tensor, as_numpy, record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = host
     tracker = _CPUTracker()
     random._CUDA_RNG_STATE_TRACKER = tracker
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

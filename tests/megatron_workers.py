@@ -47,6 +47,8 @@ def sequences(kind: str = "forest", seed: int = 0) -> list[list[int]]:
 
 
 def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
+    from megatron.core import parallel_state as ps
+
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -61,6 +63,7 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                   attention_softmax_in_fp32=False,  # float64: the reference exact too
                   tensor_model_parallel_size=tp, context_parallel_size=cp,
                   pipeline_model_parallel_size=pp,
+                  expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                   sequence_parallel=bool(case.get("sequence_parallel")) and tp > 1)
     if pp > 1:  # packs differ in rows: the stages exchange their shapes
         fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
@@ -94,7 +97,8 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
 
     import treepack.megatron as tm
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                     num_experts=case.get("config", {}).get("num_moe_experts"))
     layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = Norm
     block = TransformerBlockSubmodules(layer_specs=[layer] * (case.get("layers", 2) // pp),
                                        layer_norm=Norm)
@@ -125,7 +129,8 @@ def _last() -> bool:
     return ps.is_pipeline_last_stage()
 
 
-def init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1, pp: int = 1) -> None:
+def init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1, pp: int = 1,
+         ep: int = 1) -> None:
     import megatron_cpu
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -136,7 +141,7 @@ def init(rank: int, world: int, port: int, tp: int = 1, cp: int = 1, pp: int = 1
                             world_size=world, timeout=datetime.timedelta(seconds=120))
     megatron_cpu.install()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 context_parallel_size=cp)
+                                 context_parallel_size=cp, expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
@@ -183,6 +188,15 @@ def causal(n: int, window: int | None = None) -> torch.Tensor:
     return masked[None, None]
 
 
+def canonical(case: dict):
+    """The case's model at TP = 1 from its seed (Megatron's own attention), and its weights:
+    what every layout loads its shard of."""
+    torch.manual_seed(case.get("seed", 0))
+    model = build(case, tree=False)
+    return model, {k: v.detach().clone() for k, v in model.state_dict().items()
+                   if isinstance(v, torch.Tensor)}
+
+
 def reference_worker(rank: int, world: int, port: int, out: str, cases: dict) -> None:
     """Per case: the canonical TP = 1 weights, and every sequence alone through Megatron's
     own attention: log-probs, entropies and the gradients of a fixed loss of them."""
@@ -190,10 +204,7 @@ def reference_worker(rank: int, world: int, port: int, out: str, cases: dict) ->
     try:
         results = {}
         for name, case in cases.items():
-            torch.manual_seed(case.get("seed", 0))
-            model = build(case, tree=False)
-            state = {k: v.detach().clone() for k, v in model.state_dict().items()
-                     if isinstance(v, torch.Tensor)}
+            model, state = canonical(case)
             results[name] = {"state": state, **alone(model, case)}
         torch.save(results, f"{out}/reference.pt")
     finally:
@@ -234,11 +245,15 @@ def broken(how: str | None):
     from treepack.adapters.megatron import forward, rotary
     from treepack.attention import exchange
 
+    from treepack.adapters.megatron import moe
+
     saved = (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
-             forward.Head)
+             forward.Head, moe.install)
     try:
         if how == "positions":  # the rotary embedding at each row's packed index
             rotary.install = lambda model: None
+        elif how == "unweighted router":  # the router's losses over packed rows as they are
+            moe.install = lambda model: None
         elif how == "exchange gradient":  # no gradient back through rows -> heads
             def backward(ctx, grad):
                 scatter, gather = ctx.dims
@@ -267,7 +282,22 @@ def broken(how: str | None):
         yield
     finally:
         (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
-         forward.Head) = saved
+         forward.Head, moe.install) = saved
+
+
+def each_case(cases: dict, path: str, run) -> None:
+    """``run(name, case)`` for every case (broken as it says), its result or what it raised
+    saved to ``path`` for the test to read."""
+    results = {}
+    for name, case in cases.items():
+        try:
+            with broken(case.get("broken")):
+                results[name] = run(name, case)
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            import traceback
+
+            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    torch.save(results, path)
 
 
 def cases_worker(rank: int, world: int, port: int, out: str, cases: dict, layout: dict) -> None:
@@ -280,17 +310,8 @@ def cases_worker(rank: int, world: int, port: int, out: str, cases: dict, layout
     try:
         reference = torch.load(f"{out}/reference.pt")
         tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
-        results = {}
-        for name, case in cases.items():
-            try:
-                with broken(case.get("broken")):
-                    results[name] = run_case(case, reference[name], tp, cp, tp_group, tp_rank)
-            except Exception as e:  # noqa: BLE001 - the test reads what was raised
-                import traceback
-
-                results[name] = {"error": f"{type(e).__name__}: {e}",
-                                 "trace": traceback.format_exc()}
-        torch.save(results, f"{out}/{layout['name']}-rank{rank}.pt")
+        each_case(cases, f"{out}/{layout['name']}-rank{rank}.pt", lambda name, case: run_case(
+            case, reference[name], tp, cp, tp_group, tp_rank))
     finally:
         shutdown()
 
@@ -405,3 +426,119 @@ def pipeline_worker(rank: int, world: int, port: int, out: str, cases: dict,
         torch.save(results, f"{out}/{layout['name']}-rank{rank}.pt")
     finally:
         shutdown()
+
+
+# ------------------------------------------------------------------------- MoE and EP
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.01,
+           moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+           moe_router_load_balancing_type="aux_loss", moe_router_dtype="fp64")
+
+
+def moe_subsets(case: dict, ranks: int) -> list[list[int]]:
+    """The sequences each data-parallel (expert-parallel) rank trains on."""
+    n = len(sequences(case.get("batch", "forest"), case.get("seed", 0)))
+    return [list(range(r, n, ranks)) for r in range(ranks)]
+
+
+def moe_reference_worker(rank: int, world: int, port: int, out: str, cases: dict,
+                         ranks: int) -> None:
+    """Per MoE case and per rank's subset: the canonical weights, and the subset as one
+    right-padded batch through Megatron's own path, its padding excluded from the router's
+    losses (``padding_mask``): the log-probs, and the gradients of the fixed loss plus the
+    router's load-balancing and z-losses over the batch's tokens."""
+    init(rank, world, port)
+    try:
+        results = {}
+        for name, case in cases.items():
+            model, state = canonical(case)
+            model.train()
+            seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
+            w, v = weights((len(seqs), max(map(len, seqs))))
+            per_rank = []
+            for subset in moe_subsets(case, ranks):
+                model.zero_grad(set_to_none=True)
+                logps, loss = batched(model, [seqs[i] for i in subset], w[subset])
+                loss.backward()
+                per_rank.append({"logprobs": logps.detach(), "grads": {
+                    k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}})
+            results[name] = {"state": state, "ranks": per_rank}
+        torch.save(results, f"{out}/moe-reference.pt")
+    finally:
+        shutdown()
+
+
+def batched(model, seqs: list, w: torch.Tensor):
+    """``seqs`` as one right-padded batch: ``[n, L]`` log-probs and the fixed loss."""
+    n, width = len(seqs), max(map(len, seqs))
+    ids = torch.zeros(n, width, dtype=torch.long)
+    pad = torch.ones(n, width, dtype=torch.bool)
+    for b, seq in enumerate(seqs):
+        ids[b, :len(seq)], pad[b, :len(seq)] = torch.tensor(seq), False
+    logits = model(ids, torch.arange(width).expand(n, -1), causal(width), padding_mask=pad)
+    logp = logits.log_softmax(-1)
+    picked = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].where(~pad[:, 1:], 0)
+    logps = torch.cat([torch.zeros(n, 1, dtype=picked.dtype), picked], 1)
+    return logps, (logps * w[:, :width]).sum()
+
+
+def expert_name(model, name: str, ep_rank: int) -> str:
+    """A local expert's parameter name -> the canonical model's (its global expert index)."""
+    if ".local_experts." not in name:
+        return name
+    head, rest = name.split(".local_experts.", 1)
+    local, tail = rest.split(".", 1)
+    from megatron.core import parallel_state as ps
+
+    per_rank = model.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+    return f"{head}.local_experts.{ep_rank * per_rank + int(local)}.{tail}"
+
+
+def moe_worker(rank: int, world: int, port: int, out: str, cases: dict) -> None:
+    """Every MoE case at EP = ``world``: each rank its subset's pack, in train mode; the
+    log-probs, and every parameter's gradient summed over the ranks (each expert's from the
+    rank that holds it, which saw every rank's tokens routed to it)."""
+    from megatron.core import parallel_state as ps
+
+    import treepack
+    import treepack.megatron as tm
+
+    init(rank, world, port, ep=world)
+    try:
+        reference = torch.load(f"{out}/moe-reference.pt")
+        each_case(cases, f"{out}/moe-rank{rank}.pt",
+                  lambda name, case: run_moe_case(case, reference[name], rank, world))
+    finally:
+        shutdown()
+
+
+def run_moe_case(case: dict, reference: dict, rank: int, world: int) -> dict:
+    import treepack
+    import treepack.megatron as tm
+
+    model = build(case)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(reference["state"][expert_name(model, k, rank)])
+    tm.prepare(model)
+    model.train()
+    seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
+    w, _ = weights((len(seqs), max(map(len, seqs))))
+    subset = moe_subsets(case, world)[rank]
+    pack = treepack.TreePack.from_sequences([seqs[i] for i in subset])
+    got = tm.logprobs(model, pack)
+    width = got.logprobs.shape[1]
+    (got.logprobs * w[subset, :width]).sum().backward()
+    grads = {}
+    for k, p in model.named_parameters():
+        g = p.grad.clone()
+        if getattr(p, "allreduce", True):  # a replicated parameter: every rank's share
+            dist.all_reduce(g)
+        grads[expert_name(model, k, rank)] = g
+    every = [None] * world
+    dist.all_gather_object(every, grads)
+    merged = {}
+    for per in every:
+        merged.update(per)
+    return {"logprobs": got.logprobs.detach(), "grads": merged}
+

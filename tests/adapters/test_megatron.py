@@ -160,3 +160,76 @@ def test_packs_as_micro_batches_through_megatrons_pipeline_schedule(pipeline, ca
         diff = ((grads[k] - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
         assert diff < TOLERANCE, (name, k, diff)
 
+
+# Megatron's router takes its softmax in float32 whatever the model's dtype
+# (topk_routing_with_score_function): the routed outputs and every gradient through them carry
+# float32 rounding (2^-24 = 6e-8 relative), in the reference as in the tree
+MOE_TOLERANCE = 1e-6
+
+MOE_CASES = {
+    "MoE: load-balancing and z-losses": {"config": megatron_workers.MOE},
+    "MoE: global load-balancing loss": {"config": {
+        **megatron_workers.MOE, "moe_router_load_balancing_type": "global_aux_loss"}},
+    "broken: the router's losses over packed rows, unweighted":
+        {"config": megatron_workers.MOE, "broken": "unweighted router"},
+}
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["EP=1", "EP=2"])
+def moe(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"moe{request.param}")
+    spawn(megatron_workers.moe_reference_worker, str(out), MOE_CASES, request.param, world=1,
+          timeout=900)
+    spawn(megatron_workers.moe_worker, str(out), MOE_CASES, world=request.param, timeout=900)
+    return (request.param, [torch.load(out / f"moe-rank{r}.pt") for r in range(request.param)],
+            torch.load(out / "moe-reference.pt"))
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_routers_weight_each_row_by_the_tokens_it_stands_for(moe, case):
+    """An MoE model in train mode (top-2 of 4 experts, all-to-all dispatch, the router's
+    load-balancing and z-losses on): each rank's pack against its sequences as one padded
+    batch through Megatron's own path, the padding out of the router's losses. Log-probs and
+    every gradient (the router's and each expert's included, summed over the expert-parallel
+    ranks as their data-parallel reduction does) equal it; unweighted, the router's
+    gradients do not."""
+    ranks, results, reference = moe
+    if ranks > 1 and "global" in case:
+        pytest.skip("the global loss sums its token counts over the data-parallel ranks, "
+                    "which the reference, each rank's batch in one process, does not see")
+    expect_grads = {k: sum(r["grads"][k] for r in reference[case]["ranks"])
+                    for k in reference[case]["ranks"][0]["grads"]}
+    for rank, per_case in enumerate(results):
+        got = per_case[case]
+        assert "error" not in got, got.get("trace")
+        want = reference[case]["ranks"][rank]["logprobs"]
+        width = min(want.shape[1], got["logprobs"].shape[1])
+        diffs = {"logprobs": ((got["logprobs"][:, :width] - want[:, :width]).abs().max()
+                              / want.abs().max()).item()}
+        assert got["grads"].keys() == expect_grads.keys()
+        for k, e in expect_grads.items():
+            diffs[k] = ((got["grads"][k] - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        if case.startswith("broken"):
+            assert max(diffs.values()) > 1e-4, f"{case} went unnoticed at EP={ranks}: {diffs}"
+        else:
+            bad = {k: v for k, v in diffs.items() if v > MOE_TOLERANCE}
+            assert not bad, f"EP={ranks}, rank {rank}: {bad}"
+
+
+
+@pytest.mark.parametrize("fields,words", [
+    ({"moe_enable_routing_replay": True}, "moe_enable_routing_replay"),
+    ({"recompute_granularity": "full"}, "recomputing MoE layers"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+     "recomputing MoE layers"),
+])
+def test_moe_settings_a_tree_cannot_run_are_refused_by_name(fields, words):
+    import types
+
+    from treepack.adapters.megatron import moe
+    from treepack.megatron import UnsupportedMegatron
+
+    with pytest.raises(UnsupportedMegatron, match=words):
+        moe.check(types.SimpleNamespace(**fields))
+    moe.check(types.SimpleNamespace(recompute_granularity="selective",
+                                    recompute_modules=["core_attn", "moe_act"]))

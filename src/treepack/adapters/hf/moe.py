@@ -9,23 +9,11 @@ from treepack.adapters.hf import compat
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core import deprecation
+from treepack.core.multiplicity import row_multiplicity  # noqa: F401 - hf.row_multiplicity
 from treepack.core.tree import TreePack
 
 __all__ = ["row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
            "weighted_router_aux_loss"]
-
-
-def row_multiplicity(pack: TreePack) -> Tensor:
-    """How many original tokens each packed row stands for.
-
-    Args:
-        pack: a :class:`~treepack.TreePack`.
-
-    Returns:
-        [T'] float: occurrences of each row (0 for padding).
-    """
-    rows = pack.rows[pack.rows >= 0]
-    return torch.bincount(rows, minlength=pack.num_rows).float()
 
 
 def router_aux_loss(model, pack, router_logits) -> Tensor:

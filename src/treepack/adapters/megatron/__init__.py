@@ -22,11 +22,11 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
     raise ImportError("treepack.megatron needs megatron-core >= 0.16: pip install "
                       "'treepack[megatron]'") from e
 
-from treepack.adapters.megatron.attention import (TreeCoreAttention, TreePackedSeqParams,  # noqa: E402
-                                                  UnsupportedMegatron, layer_spec)
-from treepack.adapters.megatron.forward import (StageOutput, TreeForward,  # noqa: E402
-                                                forward_stage, forward_step, is_prepared,
-                                                logprobs, prepare, unwrap)
+from treepack.adapters.megatron.attention import (  # noqa: E402
+    TreeCoreAttention, TreePackedSeqParams, UnsupportedMegatron, layer_spec)
+from treepack.adapters.megatron.forward import (  # noqa: E402
+    StageOutput, TreeForward, forward_stage, forward_step, is_prepared, logprobs, prepare,
+    unwrap)
 
 __all__ = ["layer_spec", "prepare", "logprobs", "forward_step", "forward_stage", "StageOutput",
            "is_prepared", "unwrap", "TreeCoreAttention", "TreePackedSeqParams", "TreeForward",

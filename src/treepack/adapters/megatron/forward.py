@@ -35,12 +35,13 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.megatron import rotary
+from treepack.adapters.megatron import moe, rotary
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
                                                   swap, tree_layers)
 from treepack.attention import TreeAttention
 from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
 from treepack.core.agreement import agreement, pack_identity
+from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.softmax import Head
 from treepack.core.tree import TreePack
@@ -85,7 +86,8 @@ def prepare(model):
 
     Raises:
         UnsupportedMegatron: multi-token prediction, CUDA graphs, YaRN or multi-latent
-            attention, or a layer without a core attention (a Mamba hybrid).
+            attention, a layer without a core attention (a Mamba hybrid), or an MoE model
+            with recomputed MoE layers or routing replay (:func:`.moe.check`).
         TypeError: not a ``GPTModel``.
     """
     core = unwrap(model)
@@ -107,6 +109,9 @@ def prepare(model):
             f"{type(core).__name__} has {layers} layers on this stage but {found} core "
             "attentions: layers without attention (Mamba) are not routed yet")
     rotary.install(core)
+    if moe.has_moe(core):
+        moe.check(config)
+        moe.install(core)
     _PREPARED.add(core)
     return model
 
@@ -144,6 +149,10 @@ class TreeForward:
             rows = torch.cat((rows, fill.expand(width - rows.shape[0])))
         self.rows, self.width = rows, width
         self.depths = pack.position_ids[rows]
+        # the original tokens each row stands for (an MoE router's weights); 0 for the copies
+        weights = row_multiplicity(pack)[rows]
+        self.weights = weights.masked_fill(torch.arange(width, device=pack.device)
+                                           >= self.stop - self.start, 0)
         self.attention = TreeAttention(pack, backend, block_size=block_size)
         self.exchange = None if cp is None else HeadExchange(
             cp, cp_rank, cp_size, total, width, error=UnsupportedMegatron)
@@ -328,7 +337,8 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
                           tp["size"] if core.config.sequence_parallel else 1)
     kind = rotary.position_kind(core)
     last = core.post_process
-    with _hidden_out(core) if last else contextlib.nullcontext({}) as head:
+    routed = moe.active(forward.weights, tp["rank"], tp["size"], core.config.sequence_parallel)
+    with _hidden_out(core) if last else contextlib.nullcontext({}) as head, routed:
         output = model(input_ids=pack.input_ids[forward.rows][None],
                        position_ids=rotary.position_ids(kind, forward.depths),
                        attention_mask=None, packed_seq_params=forward.params())
@@ -413,6 +423,8 @@ def _check(core, pack, temperature, align) -> np.ndarray:
                          "treepack.megatron.prepare(model) once first")
     check_align(align)
     temps = per_sequence_temperature(temperature, pack.num_sequences)
+    if moe.has_moe(core):
+        moe.check(core.config)
     device = next(core.parameters()).device
     if pack.device != device:
         raise ValueError(f"the model computes on {device} but the pack is on {pack.device}; "
