@@ -86,8 +86,12 @@ def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trai
                                                m["treepack/achieved_ratio"]):
             assert 0 < ideal <= achievable <= achieved < 1, (path, m)
         assert set(m["treepack/lost_rows/split_and_repeat"]) == {0.0}, (path, m)
-        if path == "v1":
+        if path == "v1":  # the rows carry session_id: every later turn extends the last
             assert set(m["treepack/lost_rows/false_forks"]) == {0.0}, m
+            assert set(m["treepack/session_forks/sessions"]) == {0.0}, m
+            assert set(m["treepack/session_forks/rows"]) == {0.0}, m
+        else:  # v0's rows carry no session
+            assert "treepack/session_forks/rows" not in m, m
         log_prob_ratio = tree["update_metrics"]["treepack/log_prob_token_ratio"]
         assert log_prob_ratio and all(0 < x < 1 for x in log_prob_ratio), log_prob_ratio
         assert "treepack/log_prob_token_ratio" not in stock["update_metrics"]
@@ -96,6 +100,59 @@ def test_verl_worker_on_the_trainers_batches_equals_stock(world, model_dir, trai
         grouper = r["prefix_grouper", path]
         for key in ("log_probs", "entropy", "ref_log_probs", "log_probs_after"):
             assert all(torch.equal(a, b) for a, b in zip(grouper[key], stock[key])), (path, key)
+
+
+def rerender_a_later_turn(batches_path: str, out_path: str, depth: int) -> int:
+    """The trainer's v1 batches (every call's, every rank's) with one agent session's second
+    turn re-rendered: its prompt's token at ``depth``, inside the first turn's response (past
+    the agent group's shortest prompt, the system prompt), changed. Saved without v0; returns
+    the first turn's length, all of which the second turn's prompt held."""
+    batches = torch.load(batches_path, weights_only=False)
+    changed, first = 0, None
+    for call in ("log_prob", "ref", "update"):
+        for td in batches["v1"][call]:
+            rows = [i for i, (uid, session) in enumerate(zip(td["uid"], td["session_id"]))
+                    if uid.startswith("a") and session == 1]
+            if not rows:
+                continue
+            plen = td["prompts"].offsets().diff()
+            lengths = td["input_ids"].offsets().diff()
+            turn0, turn1 = sorted(rows, key=lambda i: int(plen[i]))
+            assert plen[turn0] <= depth < lengths[turn0], (plen[turn0], lengths[turn0])
+            for key in ("input_ids", "prompts"):
+                at = int(td[key].offsets()[turn1]) + depth
+                values = td[key].values()
+                values[at] = 4 + (int(values[at]) - 3) % (verl_workers.VOCAB - 4)
+            first, changed = int(lengths[turn0]), changed + 1
+    assert changed == 3, changed  # the session's rank, in each call
+    torch.save({"v1": batches["v1"]}, out_path)
+    return first
+
+
+def test_verl_worker_reports_a_re_rendered_later_turn_of_a_session(model_dir, trainer_batches,
+                                                                   tmp_path):
+    """verl v1's agent-loop rows carry ``session_id``: the engine reads ``{uid}_{session_id}``
+    as sessions, so a later turn whose re-rendered history no longer extends the previous
+    turn's ids (invisible to the false forks: it differs past the group's shortest prompt) is
+    logged, summed over the ranks, as one forked session and the rows its forest loses;
+    outputs and update still equal stock verl's (2 ranks)."""
+    depth = 11  # the agent prompt's system prompt is 10 tokens
+    batches = tmp_path / "rerendered.pt"
+    first = rerender_a_later_turn(trainer_batches[2], str(batches), depth)
+    out = tmp_path / "result.pt"
+    spawn(verl_trainer_path.compare_workers, 2, model_dir, str(batches), str(out))
+    r = torch.load(out, weights_only=False)
+    assert not any("stock engine path" in m for m in r["messages"]), r["messages"]
+    tree = r["tree", "v1"]
+    assert_worker_equals_stock(tree, r["stock", "v1"], "v1")
+    m = tree["update_metrics"]
+    assert set(m["treepack/lost_rows/false_forks"]) == {0.0}, m
+    # one mini-batch holds the session, and each rank reports the sum over ranks (verl lists
+    # every rank's metrics of every mini-batch); the second turn shares `depth` of the first
+    # turn's rows instead of all of them
+    for name, value in (("sessions", 1), ("rows", first - depth)):
+        got = list(m[f"treepack/session_forks/{name}"])
+        assert set(got) == {0.0, value} and got.count(value) == 2, (name, value, got)
 
 
 def assert_worker_equals_stock(tree, stock, path):

@@ -54,7 +54,11 @@ What changes, and what does not:
 - **Metrics.** Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens);
   verl's trainer logs an update's as ``actor/treepack/token_ratio``. It drops the metrics of
   log-prob passes, so an update also reports the engine's last log-prob pass (this rank's
-  packed rows / tokens over the pass) as ``treepack/log_prob_token_ratio``.
+  packed rows / tokens over the pass) as ``treepack/log_prob_token_ratio``. An update also
+  reports where its sharing was lost (``treepack/*_ratio``, ``treepack/lost_rows/*``:
+  :func:`treepack.sharing.report` over the rank's rows, summed over the ranks) and, on v1
+  agent-loop rows (which carry ``session_id``), the sessions whose later turns do not
+  extend the earlier ones (``treepack/session_forks/{sessions,rows}``).
 - **Trees larger than the budget run in parts** (:mod:`treepack.hf.parts`) where the plan
   would split one and repeat its prefix, under FSDP or FSDP2: the rank's batch is one micro-batch
   whose trees run in forwards of at most the budget, every row once. A log-prob pass is
@@ -216,18 +220,40 @@ class TreepackEngine(FSDPEngineWithLMHead):
         ``treepack/lost_rows/split_and_repeat`` (the rank's mini-batch cut into packs, one per
         micro-batch). Rows lost across ranks and mini-batches are the trainer's
         (``treepack/groups_split_*``). With images, rows are counted over (id, image) pairs
-        (``keys``), as the packs are built."""
+        (``keys``), as the packs are built.
+
+        Rows that carry verl v1's ``session_id`` (every agent-loop row in TransferQueue does)
+        are read as sessions ``{uid}_{session_id}`` (``sessions=`` of the report), and
+        ``treepack/session_forks/sessions`` and ``treepack/session_forks/rows`` report the
+        sessions in which a later turn does not extend the previous turn's ids (a re-rendered
+        history) and the rows their forests would save had every turn extended the last;
+        outside ``lost_rows``, summed over the ranks (each session's turns on this rank)."""
         fields = set(data.keys())
         uid = list(data["uid"]) if "uid" in fields else None
         prompts = data["prompts"] if "prompts" in fields else None
         plen = (prompts.offsets().diff().cpu().numpy()
                 if prompts is not None and prompts.is_nested else None)
+        sessions = (None if uid is None or "session_id" not in fields else
+                    [f"{u}_{s}" for u, s in zip(uid, data["session_id"])])
+        if sessions is not None:  # each session's turns in order, on the rows it holds
+            order = _turn_order(sessions, plen)  # (a session is within one uid: uid stays)
+            sequences, sessions = [sequences[i] for i in order], [sessions[i] for i in order]
+            plen = None if plen is None else plen[order]
+            pack_of = pack_of[order]
+            keys = None if keys is None else [keys[i] for i in order]
         lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of,
-                              keys=keys)  # (id, image) pairs, as the packs
-        counts = torch.tensor(lost.counts(), dtype=torch.float64, device=_device())
+                              keys=keys, sessions=sessions)  # (id, image) pairs, as the packs
+        forked = [sum(f.rows for f in lost.session_forks), len(lost.session_forks),
+                  int(sessions is not None)]
+        counts = torch.tensor(lost.counts() + forked, dtype=torch.float64, device=_device())
         torch.distributed.all_reduce(counts, group=group)
-        for name, value in sharing.metrics_from_counts(counts.tolist(), lost.measured).items():
+        counts = counts.tolist()
+        for name, value in sharing.metrics_from_counts(counts[:-3], lost.measured).items():
             collected["metrics"][name] = [value]
+        rows, forks, measured = counts[-3:]
+        if measured:  # every rank reads the same fields
+            collected["metrics"]["treepack/session_forks/sessions"] = [forks]
+            collected["metrics"]["treepack/session_forks/rows"] = [rows]
 
     def _stock_reason(self, data) -> str | None:
         """Why this batch runs verl's stock path, or None to pack it."""
@@ -531,6 +557,18 @@ def _text_positions(positions):
     """Row 0 (the text positions) of verl's nested ``[rows, 4, length]`` mrope ids, nested."""
     values, offsets = positions.values(), positions.offsets()
     return torch.nested.nested_tensor_from_jagged(values[0], offsets)
+
+
+def _turn_order(sessions: list, plen) -> np.ndarray:
+    """A permutation of the rows that puts each session's turns in order on the positions
+    its rows hold (so every other row, and the ``uid`` of every position, stays put): by
+    prompt length, as a turn's prompt holds every earlier turn (verl's rows carry no turn
+    index; ``actor.shuffle=true`` mixes them), ties in batch order."""
+    si = np.unique(sessions, return_inverse=True)[1].reshape(-1)  # keys: strings
+    length = np.zeros(len(sessions), dtype=np.int64) if plen is None else plen
+    order = np.empty(len(sessions), dtype=np.int64)
+    order[np.argsort(si, kind="stable")] = np.lexsort((length, si))
+    return order
 
 
 def _host_sequences(data) -> list[np.ndarray]:
