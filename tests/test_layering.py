@@ -167,7 +167,7 @@ def test_short_paths_are_the_same_modules():
     import treepack
 
     for short, place in treepack.PATHS.items():
-        if short in ("trl", "verl", "verl_lean", "verl_trainer", "megatron"):
+        if short in ("trl", "verl", "verl_lean", "verl_trainer", "verl_megatron", "megatron"):
             continue  # their frameworks are optional; tested with them
         assert importlib.import_module(f"treepack.{short}") is \
             importlib.import_module(f"treepack.{place}"), short

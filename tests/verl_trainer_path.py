@@ -67,17 +67,19 @@ def docs_command() -> list[str]:
     return shlex.split(command.replace("\\\n", " "))
 
 
-def compose_config(model_dir: str, *, treepack: bool, world: int, extra=()):
+def compose_config(model_dir: str, *, treepack: bool, world: int, extra=(), drop=()):
     """verl's trainer config from the docs' command, on ``world`` CPU ranks; ``treepack=False``
-    drops the treepack line (stock verl)."""
+    drops the treepack line (stock verl), ``drop`` the lines (of the command and
+    :data:`CPU_OVERRIDES`) that start with any of its prefixes."""
     from hydra import compose, initialize_config_dir
 
     import verl.trainer.main_ppo as main_ppo
 
-    overrides = [w for w in docs_command()[3:]
-                 if treepack or not w.startswith("actor_rollout_ref.model.external_lib=")]
-    overrides += CPU_OVERRIDES + [f"actor_rollout_ref.model.path={model_dir}",
-                                  f"trainer.n_gpus_per_node={world}", *extra]
+    if not treepack:
+        drop = (*drop, "actor_rollout_ref.model.external_lib=")
+    overrides = [w for w in docs_command()[3:] + CPU_OVERRIDES if not w.startswith(tuple(drop))]
+    overrides += [f"actor_rollout_ref.model.path={model_dir}",
+                  f"trainer.n_gpus_per_node={world}", *extra]
     config_dir = Path(main_ppo.__file__).parent / "config"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose("ppo_trainer", overrides=overrides)
@@ -360,13 +362,13 @@ def v0_batches(config, fields, world: int) -> dict:
 
 # ------------------------------------------------------------------------------ the workers
 
-def _workers(config, engine):
+def _workers(config, engine, backends=("fsdp", "fsdp2")):
     """verl's ActorRolloutRefWorker for roles actor and ref, built as main_ppo builds them, on
-    the given engine (the ``cpu`` key of verl's engine registry)."""
+    the given engine (the ``cpu`` key of verl's engine registry for ``backends``)."""
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    for backend in ("fsdp", "fsdp2"):
+    for backend in backends:
         EngineRegistry._engines["language_model"][backend]["cpu"] = engine
     built = {}
     for role in ("actor", "ref"):

@@ -182,12 +182,16 @@ def make_engine(engine_cls, path: str, strategy: str, model_config=None, lr: flo
                                       "override_config": {"attn_implementation": "sdpa"},
                                       **(model_config or {})}),
         engine_config=FSDPEngineConfig(**config),
-        optimizer_config=FSDPOptimizerConfig(lr=lr, total_training_steps=10,
-                                             lr_warmup_steps=0, weight_decay=0.0,
-                                             clip_grad=1.0),
+        optimizer_config=FSDPOptimizerConfig(**optimizer_settings(lr)),
         checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine
+
+
+def optimizer_settings(lr: float) -> dict:
+    """Every test engine's optimizer: AdamW at ``lr``, no warm-up or decay, clipping at 1."""
+    return dict(lr=lr, total_training_steps=10, lr_warmup_steps=0, weight_decay=0.0,
+                clip_grad=1.0)
 
 
 # ------------------------------------------------------------------------------- the batch
@@ -337,6 +341,15 @@ def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=
     else:
         flags["temperature"] = temperature
     return tu.get_tensordict(tensors, non_tensor_dict=flags)
+
+
+def ref_and_advantages(old: list, rows: list[dict], g: torch.Generator):
+    """An update's reference log-probs (the old ones, perturbed) and advantages (of both
+    signs, on each row's response mask)."""
+    ref = [t + 0.1 * torch.randn(t.shape, generator=g) for t in old]
+    adv = [torch.tensor(r["mask"], dtype=torch.float32) * (i % 5 - 2) / 2
+           for i, r in enumerate(rows)]
+    return ref, adv
 
 
 def shard(batch, rank: int, world: int):
@@ -495,9 +508,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, strategy: 
                    base["model_output"]["log_probs"],
                    shard(make_batch(rows, stock, True), rank, world)["response_mask"]))]
         padded = {"use_remove_padding": False} if stock_padded else {}
-        ref = [t + 0.1 * torch.randn(t.shape, generator=g) for t in old]
-        adv = [torch.tensor(r["mask"], dtype=torch.float32) * (i % 5 - 2) / 2
-               for i, r in enumerate(rows)]
+        ref, adv = ref_and_advantages(old, rows, g)
         for mode in ("seq-mean-token-mean", "token-mean"):  # the last one steps
             losses, grads, norms = {}, {}, {}
             for label, engine in (("stock", stock), ("tree", tree)):
@@ -597,9 +608,9 @@ def expected_sharing(engine, data, group) -> dict:
     the packs are built) and over ids alone: what ``treepack/achievable_ratio`` must be, and
     what it was when the engine's report ignored the image keys."""
     from treepack import sharing
-    from treepack.adapters.verl import _host_sequences
+    from treepack.adapters.verl_batches import host_sequences
 
-    sequences = _host_sequences(data)
+    sequences = host_sequences(data)
     keys = engine._images(data, sequences).keys
     out = {}
     for name, k in (("keys", keys), ("ids", None)):

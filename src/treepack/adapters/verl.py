@@ -7,8 +7,10 @@ forward then runs on prefix-tree packs)::
 
 verl imports ``external_lib`` in every worker before it builds the engine; importing this
 module registers :class:`TreepackEngine` as verl's FSDP / FSDP2 language-model engine
-(``treepack.verl.register()`` does the same from a launch script). Written against verl
-0.9.1 (``treepack[verl]`` pins it).
+(``treepack.verl.register()`` does the same from a launch script) and, where megatron-core is
+installed, :class:`treepack.verl_megatron.TreepackMegatronEngine` as its Megatron one
+(``model_engine=megatron``; :func:`register_megatron`). Written against verl 0.9.1
+(``treepack[verl]`` pins it).
 
 What changes, and what does not:
 
@@ -86,11 +88,14 @@ from torch import Tensor
 from treepack.adapters import hf, verl_trainer
 from treepack.adapters.hf import vision
 from treepack.adapters.hf.forwarding import inside_refusal
+from treepack.adapters.verl_batches import (collect, host_sequences, log_sharing,
+                                            micro_batches, note_pass, output_refusal,
+                                            positions_refusal, temperature_refusal,
+                                            text_positions, token_budget, verl_device)
 from treepack.adapters.verl_trainer import say_once
 from treepack.core import deprecation
 from treepack.core.outputs import from_logits, per_sequence_temperature
 from treepack.core.tree import TreePack
-from treepack.planning import sharing
 from treepack.planning.parts import split
 from treepack.planning.planner import plan
 
@@ -98,14 +103,14 @@ try:
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id, get_device_name
     from verl.utils.model import extract_multi_modal_inputs
-    from verl.utils.py_functional import append_to_dict
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine.utils import detach_tree
 except ImportError as e:  # pragma: no cover - exercised only without verl
     raise ImportError("treepack.verl needs verl 0.9.1: pip install 'treepack[verl]'") from e
 
-__all__ = ["TreepackEngine", "TreepackLeanEngine", "register", "VERL_VERSION", "verl_log_probs"]
+__all__ = ["TreepackEngine", "TreepackLeanEngine", "register", "register_megatron", "VERL_VERSION",
+           "verl_log_probs"]
 
 VERL_VERSION = "0.9.1"
 
@@ -130,7 +135,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         reason = self._stock_reason(data)
         # every rank takes the same path, or their collectives would not line up
-        anyone = torch.tensor([reason is not None], dtype=torch.int32, device=_device())
+        anyone = torch.tensor([reason is not None], dtype=torch.int32, device=verl_device())
         torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX,
                                      group=self.get_data_parallel_group())
         if anyone.item():
@@ -153,23 +158,23 @@ class TreepackEngine(FSDPEngineWithLMHead):
         torch.distributed.all_reduce(batch_num_tokens, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
                              dp_size=self.get_data_parallel_size())
-        sequences = _host_sequences(data)
+        sequences = host_sequences(data)
         images = self._images(data, sequences)
         keys = None if images is None else images.keys
         planned = self._plan(data, sequences, keys=keys)
         if self._in_parts(planned, group):
             collected = self._parts_step(data, sequences, loss_function, forward_only, images)
             if not forward_only:  # parts compute every row of the rank's batch once
-                self._log_sharing(collected, data, sequences,
+                log_sharing(collected, data, sequences,
                                   np.zeros(len(sequences), dtype=np.int64), group, keys)
             return collected
-        micro = _micro_batches(planned)
-        count = torch.tensor([len(micro)], device=_device())
+        micro = micro_batches(planned)
+        count = torch.tensor([len(micro)], device=verl_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
         count = int(count.item())
         if len(micro) < count:  # as many real micro-batches as every other rank: verl
             # aggregates metrics per micro-batch index
-            micro = _micro_batches(self._plan(data, sequences, count, keys))
+            micro = micro_batches(self._plan(data, sequences, count, keys))
         keep_outputs = forward_only or tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False)  # verl drops them in training
         grad = contextlib.nullcontext() if not forward_only else torch.no_grad()
@@ -197,73 +202,24 @@ class TreepackEngine(FSDPEngineWithLMHead):
             if not keep_outputs:
                 out.pop("model_output", None)
             outputs.append(out)
-        collected = _collect(outputs, micro)
+        collected = collect(outputs, micro)
         if not forward_only:
             pack_of = np.zeros(len(sequences), dtype=np.int64)
             for j, rows in enumerate(micro):
                 pack_of[rows] = j
-            self._log_sharing(collected, data, sequences, pack_of, group, keys)
+            log_sharing(collected, data, sequences, pack_of, group, keys)
         packed, tokens = np.sum([out["sizes"] for out in outputs if "sizes" in out] or [[0, 0]],
                                 axis=0)
-        if forward_only:  # verl's trainer drops a log-prob pass's metrics: report it with the
-            self._log_prob_token_ratio = packed / max(tokens, 1)  # next update's
-        elif getattr(self, "_log_prob_token_ratio", None) is not None:
-            collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
+        note_pass(self, collected, forward_only, packed / max(tokens, 1))
         return collected
-
-    def _log_sharing(self, collected: dict, data, sequences, pack_of, group,
-                     keys=None) -> None:
-        """Where this update's sharing was lost (:func:`treepack.sharing.report`), summed over
-        the data-parallel ranks: ``treepack/{ideal,achievable,achieved}_ratio`` (each rank's
-        mini-batch as one forest; as computed), ``treepack/lost_rows/false_forks`` (rollouts
-        of one ``uid`` whose prompts differ within the uid's shortest) and
-        ``treepack/lost_rows/split_and_repeat`` (the rank's mini-batch cut into packs, one per
-        micro-batch). Rows lost across ranks and mini-batches are the trainer's
-        (``treepack/groups_split_*``). With images, rows are counted over (id, image) pairs
-        (``keys``), as the packs are built.
-
-        Rows that carry verl v1's ``session_id`` (every agent-loop row in TransferQueue does)
-        are read as sessions ``{uid}_{session_id}`` (``sessions=`` of the report), and
-        ``treepack/session_forks/sessions`` and ``treepack/session_forks/rows`` report the
-        sessions in which a later turn does not extend the previous turn's ids (a re-rendered
-        history) and the rows their forests would save had every turn extended the last;
-        outside ``lost_rows``, summed over the ranks (each session's turns on this rank)."""
-        fields = set(data.keys())
-        uid = list(data["uid"]) if "uid" in fields else None
-        prompts = data["prompts"] if "prompts" in fields else None
-        plen = (prompts.offsets().diff().cpu().numpy()
-                if prompts is not None and prompts.is_nested else None)
-        sessions = (None if uid is None or "session_id" not in fields else
-                    [f"{u}_{s}" for u, s in zip(uid, data["session_id"])])
-        if sessions is not None:  # each session's turns in order, on the rows it holds
-            order = _turn_order(sessions, plen)  # (a session is within one uid: uid stays)
-            sequences, sessions = [sequences[i] for i in order], [sessions[i] for i in order]
-            plen = None if plen is None else plen[order]
-            pack_of = pack_of[order]
-            keys = None if keys is None else [keys[i] for i in order]
-        lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of,
-                              keys=keys, sessions=sessions)  # (id, image) pairs, as the packs
-        forked = [sum(f.rows for f in lost.session_forks), len(lost.session_forks),
-                  int(sessions is not None)]
-        counts = torch.tensor(lost.counts() + forked, dtype=torch.float64, device=_device())
-        torch.distributed.all_reduce(counts, group=group)
-        counts = counts.tolist()
-        for name, value in sharing.metrics_from_counts(counts[:-3], lost.measured).items():
-            collected["metrics"][name] = [value]
-        rows, forks, measured = counts[-3:]
-        if measured:  # every rank reads the same fields
-            collected["metrics"]["treepack/session_forks/sessions"] = [forks]
-            collected["metrics"]["treepack/session_forks/rows"] = [rows]
 
     def _stock_reason(self, data) -> str | None:
         """Why this batch runs verl's stock path, or None to pack it."""
         if self._treepack_refused:
             return f"the model cannot be tree-packed ({self._treepack_refused})"
-        flags = {k: tu.get_non_tensor_data(data=data, key=k, default=False)
-                 for k in ("use_fused_kernels", "distillation_use_topk", "distillation_only",
-                           "calculate_sum_pi_squared")}
-        if any(flags.values()):
-            return f"{[k for k, v in flags.items() if v]} (outputs treepack does not produce)"
+        reason = output_refusal(data)
+        if reason:
+            return reason
         # read as verl's own forward reads it: every row carries one, ``{}`` for text
         inputs = extract_multi_modal_inputs(data.get("multi_modal_inputs", []))
         if inputs:
@@ -276,15 +232,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
             # gives the text ones (depths) and hf.Images the others, as the model computes them
             if self._images_refusal({}) is not None:
                 return "multi-dimensional (mrope) position ids of a model without images"
-            positions = _text_positions(positions)
-        pos, offsets = positions.values(), positions.offsets()
-        start = torch.repeat_interleave(offsets[:-1], offsets.diff())
-        if not torch.equal(pos, torch.arange(len(pos), device=pos.device) - start):
-            return "position ids that are not 0 .. length - 1 in every row"
-        t = torch.as_tensor(data["temperature"], dtype=torch.float32)
-        if not bool((torch.isfinite(t) & (t > 0)).all()):
-            return f"temperature {t.tolist()} (verl clamps it to 1e-8; treepack needs > 0)"
-        return None
+            positions = text_positions(positions)
+        return positions_refusal(positions) or temperature_refusal(data)
 
     def _images_refusal(self, inputs: dict) -> str | None:
         """Why a batch with these multi-modal inputs (``{}``: none) cannot pack, or None."""
@@ -314,10 +263,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _budget(self, data) -> int:
         """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""
-        if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
-            return int(data["max_token_len_per_gpu"]) * int(self.ulysses_sequence_parallel_size)
-        longest = int(data["input_ids"].offsets().diff().max())
-        return int(data["micro_batch_size_per_gpu"]) * longest
+        return token_budget(data, self.ulysses_sequence_parallel_size)
 
     def _plan(self, data, sequences: list[np.ndarray], count: int = 1, keys=None):
         """The rank's packs: one per micro-batch, trees kept together, at least ``count`` of
@@ -335,7 +281,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
         rank's plan repeats rows (a tree larger than the budget), and every rank can."""
         wants = planned is not None and planned.packed_rows > planned.min_rows
         cannot = self._parts_refusal()
-        flags = torch.tensor([int(wants), int(cannot is not None)], device=_device())
+        flags = torch.tensor([int(wants), int(cannot is not None)], device=verl_device())
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
         if flags[0].item() and flags[1].item():
             say_once("a tree is larger than the token budget and is split, its prefix "
@@ -366,7 +312,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
         """
         temperature = per_sequence_temperature(data["temperature"], len(sequences))
         entropy = tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False)
-        device = _device()
+        device = verl_device()
         offsets = data["input_ids"].offsets().to(device)
         parts = split(TreePack.from_sequences(
             sequences, layout="flat", device=device,
@@ -406,11 +352,8 @@ class TreepackEngine(FSDPEngineWithLMHead):
                   "sizes": (parts.pack.num_packed_rows, tokens)}
         if keep:
             result["model_output"] = {k: v.detach() for k, v in nested(out).items()}
-        collected = _collect([result], [np.arange(len(sequences))])
-        if forward_only:
-            self._log_prob_token_ratio = metrics["treepack/token_ratio"]
-        elif getattr(self, "_log_prob_token_ratio", None) is not None:
-            collected["metrics"]["treepack/log_prob_token_ratio"] = [self._log_prob_token_ratio]
+        collected = collect([result], [np.arange(len(sequences))])
+        note_pass(self, collected, forward_only, metrics["treepack/token_ratio"])
         return collected
 
     def _tree_step(self, micro_batch, sequences, loss_function, forward_only, images=None):
@@ -470,7 +413,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
 
     def _idle_step(self):
         """An empty pack through the model: collectives in step, nothing learned."""
-        device = _device()
+        device = verl_device()
         with self._autocast():
             logits = hf.forward(self.module, TreePack.empty(1, device=device)).logits
         return logits.sum() * 0.0, {"loss": 0.0, "metrics": {}}
@@ -481,11 +424,6 @@ class TreepackEngine(FSDPEngineWithLMHead):
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
-
-
-def _device() -> torch.device:
-    """The device verl computes on (its parameters may be offloaded to the CPU)."""
-    return torch.zeros(0).to(get_device_id()).device
 
 
 # verl 0.9.1's apply_monkey_patch replaces these classes' forwards, for every model of the
@@ -553,31 +491,6 @@ def _image_count(inputs: dict) -> int:
     return len(inputs["pixel_values"] if grids is None else grids)
 
 
-def _text_positions(positions):
-    """Row 0 (the text positions) of verl's nested ``[rows, 4, length]`` mrope ids, nested."""
-    values, offsets = positions.values(), positions.offsets()
-    return torch.nested.nested_tensor_from_jagged(values[0], offsets)
-
-
-def _turn_order(sessions: list, plen) -> np.ndarray:
-    """A permutation of the rows that puts each session's turns in order on the positions
-    its rows hold (so every other row, and the ``uid`` of every position, stays put): by
-    prompt length, as a turn's prompt holds every earlier turn (verl's rows carry no turn
-    index; ``actor.shuffle=true`` mixes them), ties in batch order."""
-    si = np.unique(sessions, return_inverse=True)[1].reshape(-1)  # keys: strings
-    length = np.zeros(len(sessions), dtype=np.int64) if plen is None else plen
-    order = np.empty(len(sessions), dtype=np.int64)
-    order[np.argsort(si, kind="stable")] = np.lexsort((length, si))
-    return order
-
-
-def _host_sequences(data) -> list[np.ndarray]:
-    """The sequences' token ids on the host (one copy of the nested values, if on a
-    device)."""
-    ids = data["input_ids"]
-    return np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
-
-
 def _model_name(module) -> str:
     try:
         return type(hf.unwrap(module)).__name__
@@ -611,34 +524,10 @@ def verl_log_probs(pack: TreePack, logits: Tensor, temperature: float | Tensor,
     return out.logprobs, out.entropy
 
 
-def _micro_batches(planned) -> list[np.ndarray]:
-    """The sequences of each of the rank's non-empty packs."""
-    return [] if planned is None else [spec.seq_ids for spec in planned.specs[0]
-                                        if len(spec.seq_ids)]
-
-
-def _collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
-    """verl's ``postprocess_batch_func`` for tree micro-batches: model outputs back in the
-    batch's row order, losses and metrics listed per micro-batch."""
-    model_output: dict[str, list] = {}
-    for out in outputs:
-        for key, value in out.get("model_output", {}).items():
-            model_output.setdefault(key, []).extend(value.unbind())
-    order = np.argsort(np.concatenate(micro)) if micro else np.zeros(0, dtype=np.int64)
-    for key, per_sequence in model_output.items():
-        model_output[key] = torch.nested.as_nested_tensor([per_sequence[i] for i in order],
-                                                          layout=torch.jagged)
-    metrics: dict = {}
-    for out in outputs:
-        append_to_dict(metrics, out.get("metrics", {}))
-    return {"model_output": model_output, "loss": [out["loss"] for out in outputs],
-            "metrics": metrics}
-
-
 class TreepackLeanEngine(TreepackEngine):
     """:class:`TreepackEngine` with the lean head: log-probs and entropies come from hidden
-    states inside the model's forward (:func:`treepack.hf.logprobs`, ``head="inside"``), so the ``[T', V]``
-    logits never exist. Switched on by ``external_lib=treepack.verl_lean``. Micro-batches
+    states inside the model's forward (:func:`treepack.hf.logprobs`, ``head="inside"``), so
+    the ``[T', V]`` logits never exist. Switched on by ``external_lib=treepack.verl_lean``. Micro-batches
     whose rows have different temperatures, and models that transform logits after their
     head, use full logits (logged once)."""
 
@@ -669,5 +558,28 @@ def register(devices=("cuda", "npu"), engine: type = TreepackEngine) -> None:
             entries[device] = engine
 
 
+def register_megatron(devices=("cuda", "npu")) -> bool:
+    """Make :class:`treepack.verl_megatron.TreepackMegatronEngine` verl's Megatron
+    language-model engine (``strategy=megatron``), where megatron-core is installed. Importing
+    this module does it.
+
+    Args:
+        devices: device names to register for, besides those the stock engine holds.
+
+    Returns:
+        Whether megatron-core was found (and the engine registered).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
+            "megatron.core") is None:
+        return False
+    from treepack.adapters import verl_megatron
+
+    verl_megatron.register(devices)
+    return True
+
+
 register()
+register_megatron()
 verl_trainer.install()  # the trainer process imports this module too (external_lib)

@@ -1,0 +1,171 @@
+"""What verl's language-model engines with tree packs share (:mod:`treepack.verl`'s FSDP
+engine, :mod:`treepack.verl_megatron`'s Megatron engine): reading verl's batches, the
+reasons a batch keeps verl's stock path, the micro-batch budget, outputs back in the batch's
+order, and the metrics of sharing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treepack.planning import sharing
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id
+    from verl.utils.py_functional import append_to_dict
+except ImportError as e:  # pragma: no cover - exercised only without verl
+    raise ImportError("treepack.verl needs verl 0.9.1: pip install 'treepack[verl]'") from e
+
+__all__ = ["verl_device", "host_sequences", "token_budget", "micro_batches", "collect",
+           "output_refusal", "positions_refusal", "temperature_refusal", "text_positions",
+           "log_sharing", "turn_order", "note_pass"]
+
+
+def verl_device() -> torch.device:
+    """The device verl computes on (its parameters may be offloaded to the CPU)."""
+    return torch.zeros(0).to(get_device_id()).device
+
+
+def host_sequences(data) -> list[np.ndarray]:
+    """The sequences' token ids on the host (one copy of the nested values, if on a
+    device)."""
+    ids = data["input_ids"]
+    return np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
+
+
+def token_budget(data, ranks: int) -> int:
+    """Packed rows per micro-batch, as verl budgets a micro-batch: ``max_token_len_per_gpu``
+    times the ``ranks`` that split each one (Ulysses or context parallel), or without
+    dynamic batch sizes ``micro_batch_size_per_gpu`` times the longest row."""
+    if tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return int(data["max_token_len_per_gpu"]) * int(ranks)
+    longest = int(data["input_ids"].offsets().diff().max())
+    return int(data["micro_batch_size_per_gpu"]) * longest
+
+
+def micro_batches(planned) -> list[np.ndarray]:
+    """The sequences of each of the rank's non-empty packs."""
+    return [] if planned is None else [spec.seq_ids for spec in planned.specs[0]
+                                        if len(spec.seq_ids)]
+
+
+def collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
+    """verl's ``postprocess_batch_func`` for tree micro-batches: model outputs back in the
+    batch's row order, losses and metrics listed per micro-batch."""
+    model_output: dict[str, list] = {}
+    for out in outputs:
+        for key, value in out.get("model_output", {}).items():
+            model_output.setdefault(key, []).extend(value.unbind())
+    order = np.argsort(np.concatenate(micro)) if micro else np.zeros(0, dtype=np.int64)
+    for key, per_sequence in model_output.items():
+        model_output[key] = torch.nested.as_nested_tensor([per_sequence[i] for i in order],
+                                                          layout=torch.jagged)
+    metrics: dict = {}
+    for out in outputs:
+        append_to_dict(metrics, out.get("metrics", {}))
+    return {"model_output": model_output, "loss": [out["loss"] for out in outputs],
+            "metrics": metrics}
+
+
+def output_refusal(data) -> str | None:
+    """Why verl asks this batch for outputs a tree forward does not produce (fused kernels,
+    distillation, sum of squared probabilities), or None."""
+    flags = {k: tu.get_non_tensor_data(data=data, key=k, default=False)
+             for k in ("use_fused_kernels", "distillation_use_topk", "distillation_only",
+                       "calculate_sum_pi_squared")}
+    if any(flags.values()):
+        return f"{[k for k, v in flags.items() if v]} (outputs treepack does not produce)"
+    return None
+
+
+def positions_refusal(positions) -> str | None:
+    """Why nested text position ids keep a batch on verl's stock path (ids other than
+    ``0 .. length - 1`` in a row, which a tree's depths would not reproduce), or None."""
+    pos, offsets = positions.values(), positions.offsets()
+    start = torch.repeat_interleave(offsets[:-1], offsets.diff())
+    if not torch.equal(pos, torch.arange(len(pos), device=pos.device) - start):
+        return "position ids that are not 0 .. length - 1 in every row"
+    return None
+
+
+def temperature_refusal(data) -> str | None:
+    """Why the batch's temperature keeps it on verl's stock path (not finite and > 0), or
+    None."""
+    t = torch.as_tensor(data["temperature"], dtype=torch.float32)
+    if not bool((torch.isfinite(t) & (t > 0)).all()):
+        return f"temperature {t.tolist()} (verl clamps it to 1e-8; treepack needs > 0)"
+    return None
+
+
+def text_positions(positions):
+    """Row 0 (the text positions) of verl's nested ``[rows, 4, length]`` mrope ids, nested."""
+    values, offsets = positions.values(), positions.offsets()
+    return torch.nested.nested_tensor_from_jagged(values[0], offsets)
+
+
+def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None) -> None:
+    """Where this update's sharing was lost (:func:`treepack.sharing.report`), summed over
+    the data-parallel ranks: ``treepack/{ideal,achievable,achieved}_ratio`` (each rank's
+    mini-batch as one forest; as computed), ``treepack/lost_rows/false_forks`` (rollouts
+    of one ``uid`` whose prompts differ within the uid's shortest) and
+    ``treepack/lost_rows/split_and_repeat`` (the rank's mini-batch cut into packs, one per
+    micro-batch). Rows lost across ranks and mini-batches are the trainer's
+    (``treepack/groups_split_*``). With images, rows are counted over (id, image) pairs
+    (``keys``), as the packs are built.
+
+    Rows that carry verl v1's ``session_id`` (every agent-loop row in TransferQueue does)
+    are read as sessions ``{uid}_{session_id}`` (``sessions=`` of the report), and
+    ``treepack/session_forks/sessions`` and ``treepack/session_forks/rows`` report the
+    sessions in which a later turn does not extend the previous turn's ids (a re-rendered
+    history) and the rows their forests would save had every turn extended the last;
+    outside ``lost_rows``, summed over the ranks (each session's turns on this rank)."""
+    fields = set(data.keys())
+    uid = list(data["uid"]) if "uid" in fields else None
+    prompts = data["prompts"] if "prompts" in fields else None
+    plen = (prompts.offsets().diff().cpu().numpy()
+            if prompts is not None and prompts.is_nested else None)
+    sessions = (None if uid is None or "session_id" not in fields else
+                [f"{u}_{s}" for u, s in zip(uid, data["session_id"])])
+    if sessions is not None:  # each session's turns in order, on the rows it holds
+        order = turn_order(sessions, plen)  # (a session is within one uid: uid stays)
+        sequences, sessions = [sequences[i] for i in order], [sessions[i] for i in order]
+        plen = None if plen is None else plen[order]
+        pack_of = pack_of[order]
+        keys = None if keys is None else [keys[i] for i in order]
+    lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of,
+                          keys=keys, sessions=sessions)  # (id, image) pairs, as the packs
+    forked = [sum(f.rows for f in lost.session_forks), len(lost.session_forks),
+              int(sessions is not None)]
+    counts = torch.tensor(lost.counts() + forked, dtype=torch.float64, device=verl_device())
+    torch.distributed.all_reduce(counts, group=group)
+    counts = counts.tolist()
+    for name, value in sharing.metrics_from_counts(counts[:-3], lost.measured).items():
+        collected["metrics"][name] = [value]
+    rows, forks, measured = counts[-3:]
+    if measured:  # every rank reads the same fields
+        collected["metrics"]["treepack/session_forks/sessions"] = [forks]
+        collected["metrics"]["treepack/session_forks/rows"] = [rows]
+
+
+def turn_order(sessions: list, plen) -> np.ndarray:
+    """A permutation of the rows that puts each session's turns in order on the positions
+    its rows hold (so every other row, and the ``uid`` of every position, stays put): by
+    prompt length, as a turn's prompt holds every earlier turn (verl's rows carry no turn
+    index; ``actor.shuffle=true`` mixes them), ties in batch order."""
+    si = np.unique(sessions, return_inverse=True)[1].reshape(-1)  # keys: strings
+    length = np.zeros(len(sessions), dtype=np.int64) if plen is None else plen
+    order = np.empty(len(sessions), dtype=np.int64)
+    order[np.argsort(si, kind="stable")] = np.lexsort((length, si))
+    return order
+
+
+def note_pass(engine, collected: dict, forward_only: bool, ratio: float) -> None:
+    """verl's trainer drops a log-prob pass's metrics: an engine keeps the pass's token ratio
+    (its packed rows / tokens) and an update reports the last one as
+    ``treepack/log_prob_token_ratio``."""
+    if forward_only:
+        engine._log_prob_token_ratio = ratio
+    elif getattr(engine, "_log_prob_token_ratio", None) is not None:
+        collected["metrics"]["treepack/log_prob_token_ratio"] = [engine._log_prob_token_ratio]

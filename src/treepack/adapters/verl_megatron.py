@@ -1,0 +1,234 @@
+"""verl's Megatron engine on tree packs: ``actor_rollout_ref.actor.strategy=megatron`` together
+with ``actor_rollout_ref.model.external_lib=treepack.verl``.
+
+Importing :mod:`treepack.verl` registers :class:`TreepackMegatronEngine` as verl's Megatron
+language-model engine where megatron-core is installed (``treepack.verl.register_megatron()``
+does it from a launch script). Written against verl 0.9.1 and megatron-core 0.16.
+
+What changes, and what does not:
+
+- **Micro-batches are trees.** Each data-parallel rank's rows are planned with
+  :func:`treepack.plan` under verl's budget for a micro-batch (``max_token_len_per_gpu`` times
+  the context-parallel size, or ``micro_batch_size_per_gpu`` times the longest row), so the
+  rollouts of one prompt and the turns of one trajectory share one pack; every data-parallel
+  rank runs as many micro-batches (the count is all-reduced, as verl's
+  ``same_micro_num_in_dp``).
+- **The packs go through Megatron's own schedule** (``get_forward_backward_func``, with
+  pipeline stages as verl configures them): each stage runs
+  :func:`treepack.megatron.forward_stage` on the pack, with the tree as every layer's core
+  attention, rows at their depths, and tensor, sequence, context and expert parallelism as
+  :mod:`treepack.megatron` does them. The last stage's log-probs and entropies come from the
+  vocabulary-parallel head in verl's prediction-aligned layout, each row at its temperature,
+  and feed verl's own ``postprocess_micro_batch_func``: its loss, its loss scaling
+  (``num_micro_batch``, the per-token regime) and its metrics are unchanged.
+- **Outputs in the batch's order**, nested, as verl's stock engine returns them.
+- **Metrics**: ``treepack/token_ratio`` per micro-batch, ``treepack/log_prob_token_ratio``
+  and the sharing report (``treepack/*_ratio``, ``treepack/lost_rows/*``,
+  ``treepack/session_forks/*``) as the FSDP engine reports them (:mod:`treepack.verl`).
+- **Transparent fallback, by name.** verl's stock path runs (one log line, logger
+  ``treepack.verl``) for a model :func:`treepack.megatron.prepare` refuses on any stage
+  (multi-token prediction, CUDA graphs, YaRN or multi-latent attention, Mamba layers, MoE
+  layers recomputed), verl's fused kernels, routing replay, dynamic context parallelism,
+  virtual pipeline stages (not tested with trees yet), multi-modal inputs, distillation
+  outputs, position ids other than ``0 .. length - 1``, a temperature that is not finite
+  and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
+  rank, since a refusal can hold on one pipeline stage only.
+- **Trees over the budget** are split by the plan, their prefix repeated in each pack (said
+  once): parts (every row once) do not run on Megatron yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from treepack.adapters import megatron as tm
+from treepack.adapters import verl_batches as vb
+from treepack.adapters.verl_trainer import say_once
+from treepack.core.outputs import per_sequence_temperature
+from treepack.core.tree import TreePack
+from treepack.planning.planner import plan
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id
+    from verl.utils.model import extract_multi_modal_inputs
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+except ImportError as e:  # pragma: no cover - exercised only without verl's Megatron engine
+    raise ImportError("treepack's verl Megatron engine needs verl 0.9.1 and megatron-core >= "
+                      "0.16: pip install 'treepack[verl,megatron]'") from e
+
+__all__ = ["TreepackMegatronEngine", "register"]
+
+
+class TreepackMegatronEngine(MegatronEngineWithLMHead):
+    """verl's Megatron language-model engine with tree-packed micro-batches (module doc)."""
+
+    treepack_backend = "auto"  # the attention backend of the packed forwards
+
+    def initialize(self):
+        super().initialize()
+        self._treepack_refused = None
+        try:
+            for chunk in self.module:  # each virtual pipeline chunk of this stage
+                tm.prepare(chunk)
+        except (TypeError, tm.UnsupportedMegatron) as e:
+            self._treepack_refused = str(e)
+
+    # ---------------------------------------------------------------- the seam
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        reason = self._stock_reason(data)
+        # every rank of every stage takes the same path: a model can be refused on one
+        # pipeline stage only, and the schedule's collectives span all of them
+        anyone = torch.tensor([reason is not None], dtype=torch.int32, device=vb.verl_device())
+        torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
+        if anyone.item():
+            say_once("running verl's stock Megatron engine path: "
+                     + (reason or "another rank's batch or model stage cannot be tree-packed"))
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        return self._packed_step(data, loss_function, forward_only)
+
+    def _stock_reason(self, data) -> str | None:
+        """Why this batch runs verl's stock path on this rank, or None to pack it."""
+        if self._treepack_refused:
+            return f"the model cannot be tree-packed ({self._treepack_refused})"
+        config = self.engine_config
+        named = {"use_fused_kernels": config.use_fused_kernels,
+                 "router_replay": self.enable_routing_replay,
+                 "dynamic_context_parallel": config.dynamic_context_parallel,
+                 "virtual_pipeline_model_parallel_size": len(self.module) > 1}
+        if any(named.values()):
+            return f"{[k for k, v in named.items() if v]} (not run on trees)"
+        if len(data) == 0:
+            return "a data-parallel rank without rows"
+        inputs = extract_multi_modal_inputs(data.get("multi_modal_inputs", []))
+        if inputs:
+            return (f"multi-modal inputs {sorted(inputs)} (treepack.megatron runs text "
+                    "models)")
+        positions = data["position_ids"]
+        if positions.dim() == 3:
+            return "multi-dimensional (mrope) position ids"
+        return (vb.output_refusal(data) or vb.positions_refusal(positions)
+                or vb.temperature_refusal(data))
+
+    # ---------------------------------------------------------------- packed steps
+
+    def _packed_step(self, data, loss_function, forward_only):
+        """:meth:`forward_backward_batch` on tree packs (every rank can pack)."""
+        group = self.get_data_parallel_group()
+        cp = self.engine_config.context_parallel_size
+        tu.assign_non_tensor(data, sp_size=cp)
+        self._loss_normalisers(data, group)
+        sequences = vb.host_sequences(data)
+        budget = vb.token_budget(data, cp)
+        planned = plan(sequences, max_tokens=budget)
+        if planned.packed_rows > planned.min_rows:
+            say_once("a tree is larger than the token budget and is split, its prefix "
+                     "repeated in every pack: trees in parts do not run on Megatron yet")
+        micro = vb.micro_batches(planned)
+        count = torch.tensor([len(micro)], device=vb.verl_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        count = int(count.item())
+        if len(micro) < count:  # as many real micro-batches as the others where it can
+            micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count))
+        items = []
+        for i in range(count):  # past its packs, a rank reruns one at weight 0
+            real = i < len(micro)
+            picked = micro[i] if real else micro[0][:1]
+            batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
+            tu.assign_non_tensor(batch, num_micro_batch=count)
+            items.append((batch, [sequences[r] for r in picked], real))
+        step = functools.partial(self._tree_forward_step, loss_function=loss_function,
+                                 forward_only=forward_only)
+        losses = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(items),
+            model=self.module, num_microbatches=count, seq_length=1, micro_batch_size=1,
+            forward_only=forward_only)
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return {}  # as verl's stock engine: outputs on the last stage
+        keep = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output",
+                                                      default=False)
+        if not keep:
+            for out in losses:
+                out.pop("model_output", None)
+        collected = vb.collect(losses, micro)
+        if not forward_only:
+            pack_of = np.zeros(len(sequences), dtype=np.int64)
+            for j, rows in enumerate(micro):
+                pack_of[rows] = j
+            vb.log_sharing(collected, data, sequences, pack_of, group)
+        packed, tokens = np.sum([out["sizes"] for out in losses if "sizes" in out] or [[0, 0]],
+                                axis=0)
+        vb.note_pass(self, collected, forward_only, packed / max(tokens, 1))
+        return collected
+
+    def _loss_normalisers(self, data, group) -> None:
+        """What verl's stock ``forward_backward_batch`` hands its loss: the global count of
+        loss tokens, the data-parallel size and, in Megatron's per-token regime, the global
+        count of routed tokens."""
+        loss_mask = data["loss_mask"]
+        tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum())
+        tokens = tokens.to(get_device_id())
+        torch.distributed.all_reduce(tokens, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item(),
+                             dp_size=self.get_data_parallel_size())
+        if self.tf_config is not None and self.tf_config.calculate_per_token_loss:
+            routed = self._routed_num_tokens(data).to(get_device_id())
+            torch.distributed.all_reduce(routed, group=group)
+            tu.assign_non_tensor(data, routed_num_tokens=routed.item())
+
+    def _tree_forward_step(self, batch_iter, model, loss_function, forward_only):
+        """Megatron's ``forward_step_func`` on a tree micro-batch: this stage's forward of
+        the pack, and on the last stage verl's loss on its log-probs."""
+        batch, sequences, real = next(batch_iter)
+        temperature = per_sequence_temperature(batch["temperature"], len(sequences))
+        batch = batch.to(get_device_id())
+        offsets = batch["input_ids"].offsets()
+        entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
+        pack = TreePack.from_sequences(sequences, layout="flat", device=offsets.device)
+        stage = tm.forward_stage(model, pack, temperature=temperature, entropy=entropy,
+                                 align="prediction", backend=self.treepack_backend)
+
+        def loss_func(output_tensor):
+            out = stage.logprobs()
+            model_output = {"log_probs": torch.nested.nested_tensor_from_jagged(
+                out.logprobs, offsets)}
+            if entropy:
+                model_output["entropy"] = torch.nested.nested_tensor_from_jagged(
+                    out.entropy, offsets)
+            *loss, output = self.postprocess_micro_batch_func(
+                output=model_output, data=batch, forward_only=forward_only,
+                loss_function=loss_function)
+            output["metrics"] = dict(output["metrics"])
+            output["metrics"]["treepack/token_ratio"] = (
+                pack.num_packed_rows / max(pack.num_original_tokens, 1))
+            output["sizes"] = (pack.num_packed_rows, pack.num_original_tokens)
+            if not real:  # a rerun: nothing learned (nor counted), nothing returned
+                loss = [x * 0 for x in loss]
+                output["loss"] = 0.0
+                output.pop("model_output", None)
+                output.pop("sizes")
+            return (*loss, output)
+
+        return stage.output, loss_func
+
+
+def register(devices=("cuda", "npu"), engine: type = TreepackMegatronEngine) -> None:
+    """Make ``engine`` verl's Megatron language-model engine: every registry entry that names
+    verl's stock ``MegatronEngineWithLMHead`` (any device, any vendor), and the plain
+    ``devices`` keys (``("cpu",)`` in the tests). Importing :mod:`treepack.verl` does it.
+    """
+    table = EngineRegistry._engines.setdefault("language_model", {})
+    entries = table.setdefault("megatron", {})
+    for key, registered in list(entries.items()):
+        if registered is MegatronEngineWithLMHead or (
+                isinstance(registered, type) and issubclass(registered, TreepackMegatronEngine)):
+            entries[key] = engine
+    for device in devices:
+        entries[device] = engine

@@ -1,0 +1,155 @@
+"""treepack.verl against verl's real Megatron engine (CPU, gloo): the stock
+``MegatronEngineWithLMHead`` and ``TreepackMegatronEngine``, built by verl from the same
+checkpoint through mbridge, must give the same log-probs, entropies, losses and gradients.
+Runs where verl and megatron-core are installed together (`.ci/run` makes a `.venv-verl`
+with both)."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl", reason="verl tests run in the verl environment (.ci/run)")
+pytest.importorskip("megatron.core", reason="verl's Megatron engine needs megatron-core")
+pytest.importorskip("mbridge", reason="verl's Megatron engine builds models with mbridge")
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as mp  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".* engine is not available")
+
+import verl_megatron_workers  # noqa: E402  (the CPU platform, megatron-core and mbridge)
+import verl_workers  # noqa: E402
+from launch import free_port  # noqa: E402
+
+TOLERANCE = 1e-5  # relative, float32
+
+
+def spawn(fn, world, *args):
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("verl_megatron")))
+
+
+@pytest.mark.parametrize("world,tp,pp,cp", [(1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 1, 1),
+                                            (2, 1, 2, 1), (2, 1, 1, 2)],
+                         ids=["one_rank", "dp2", "tp2_sequence_parallel", "pp2", "cp2"])
+def test_verl_megatron_engine_equals_stock(world, tp, pp, cp, model_dir, tmp_path):
+    """Log-probs and entropies (one temperature, one per row, a fixed micro-batch size), the
+    update's loss and every gradient under verl's ppo_loss in two aggregations, the grad
+    norm, and the log-probs after one optimizer step: the tree engine equals verl's stock
+    Megatron engine (THD packs) at each parallel layout."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_engines, world, model_dir, str(out), tp, pp, cp)
+    r = torch.load(out, weights_only=False)
+    assert r["registered"] == "TreepackMegatronEngine"
+    assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
+    for name in ("scalar", "per_row", "fixed_size"):
+        assert r[f"log_probs_{name}"] < TOLERANCE, (name, r)
+        assert r[f"entropy_{name}"] < TOLERANCE, (name, r)
+    assert r["token_ratio"] and all(0 < x < 1 for x in r["token_ratio"]), r["token_ratio"]
+    for mode in ("seq-mean-token-mean", "token-mean"):
+        tree, stock = r[f"loss_{mode}"]
+        assert tree == pytest.approx(stock, rel=TOLERANCE), (mode, tree, stock)
+        assert r[f"grad_names_{mode}"], mode
+        assert r[f"grads_{mode}"] < TOLERANCE, (mode, r[f"grads_{mode}"])
+    tree, stock = r["grad_norm"]
+    assert tree == pytest.approx(stock, rel=TOLERANCE)
+    assert r["log_probs_after_step"] < 1e-4, r["log_probs_after_step"]
+    m = r["update_metrics"]
+    assert "treepack/log_prob_token_ratio" in m and "treepack/achievable_ratio" in m, m
+
+
+@pytest.fixture(scope="module")
+def trainer_batches(model_dir, tmp_path_factory):
+    """The v1 trainer's worker batches for one and two data-parallel ranks, made by verl's
+    trainer code with Ray and TransferQueue running (in a subprocess, as test_verl.py's)."""
+    root = tmp_path_factory.mktemp("trainer")
+    code = ("import verl_workers, verl_trainer_path as t\n"
+            "for dp in (1, 2):\n"
+            f"    t.trainer_batches({model_dir!r}, dp, f'{root}/batches{{dp}}.pt')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return {dp: str(root / f"batches{dp}.pt") for dp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
+                         ids=["dp2", "tp2_sequence_parallel", "pp2", "cp2"])
+def test_verl_megatron_worker_on_the_trainers_batches_equals_stock(tp, pp, cp, model_dir,
+                                                                  trainer_batches, tmp_path):
+    """verl's ActorRolloutRefWorker (actor and ref) with ``model_engine=megatron``, built from
+    the docs' GRPO command composed with verl's Hydra config, fed what the v1 trainer hands
+    each data-parallel rank (agent-loop rows through TransferQueue): compute_log_prob,
+    compute_ref_log_prob, update_actor, compute_log_prob again, equal to stock verl's
+    Megatron engine, at two ranks in each layout."""
+    world = 2
+    dp = world // (tp * pp * cp)
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_workers, world, model_dir, trainer_batches[dp],
+          str(out), tp, pp, cp)
+    r = torch.load(out, weights_only=False)
+    assert r["engines_tree"] == ("TreepackMegatronEngine", "TreepackMegatronEngine")
+    assert r["engines_stock"] == ("MegatronEngineWithLMHead", "MegatronEngineWithLMHead")
+    assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
+    tree, stock = r["tree"], r["stock"]
+    for key in ("log_probs", "entropy", "ref_log_probs"):
+        assert verl_workers.relative_error(tree[key], stock[key]) < TOLERANCE, key
+    # after one AdamW step at lr 1e-3 on each, float32 rounding moved apart by Adam's
+    # normalisation of near-zero gradients
+    assert verl_workers.relative_error(tree["log_probs_after"], stock["log_probs_after"]) < 1e-4
+    m, s = tree["update_metrics"], stock["update_metrics"]
+    for key in ("grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss"):
+        assert np.allclose(m[key], s[key], rtol=TOLERANCE, atol=1e-7), (key, m[key], s[key])
+    ratios = m["treepack/token_ratio"]
+    assert ratios and all(0 < x < 1 for x in ratios), ratios
+    assert set(m["treepack/lost_rows/false_forks"]) == {0.0}, m
+    assert set(m["treepack/session_forks/sessions"]) == {0.0}, m
+    assert all(0 < x < 1 for x in m["treepack/log_prob_token_ratio"]), m
+    assert "treepack/token_ratio" not in s
+
+
+def test_verl_megatron_ranks_fall_back_together(model_dir, tmp_path):
+    """One data-parallel rank's rows cannot be packed (temperature 0): both ranks run verl's
+    stock Megatron path, each says why once, and the outputs are stock's bit for bit."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.divergent_fallback, 2, model_dir, str(out))
+    ranks = torch.load(out, weights_only=False)["ranks"]
+    for rank, (messages, result) in enumerate(ranks):
+        said = [m for m in messages if "stock Megatron engine path" in m]
+        assert len(said) == 1, (rank, messages)
+        assert result["equal"], rank
+    assert "temperature" in ranks[0][1]["reason"] and "temperature" in ranks[0][0][0]
+    assert ranks[1][1]["reason"] is None  # its own rows could pack
+    assert "another rank" in ranks[1][0][0]
+
+
+def test_verl_external_lib_registers_the_megatron_engine():
+    """Importing treepack.verl (verl's external_lib) makes TreepackMegatronEngine the
+    Megatron language-model engine verl's registry hands out."""
+    import treepack.verl  # noqa: F401
+    from treepack.adapters.verl_megatron import TreepackMegatronEngine
+    from verl.workers.engine.base import EngineRegistry
+
+    registered = EngineRegistry._engines["language_model"]["megatron"]
+    assert registered and all(v is TreepackMegatronEngine for v in registered.values()), registered
+
+
+def test_verl_megatron_engine_in_bfloat16_is_as_close_to_float32_as_stock(model_dir, tmp_path):
+    """verl's own dtype (bfloat16, its model in Megatron's Float16Module): the tree engine's
+    log-probs, entropies and update gradients are as close to the float32 stock engine's as
+    the bfloat16 stock engine's are (within 1.5x its error)."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_bfloat16, 1, model_dir, str(out))
+    r = torch.load(out, weights_only=False)
+    assert r["modules"] == ["GPTModel", "Float16Module", "Float16Module"], r["modules"]
+    for key in ("log_probs", "entropy", "grads"):
+        tree, stock = r["tree"][key], r["stock"][key]
+        assert 0 < stock < 0.05, (key, stock)  # bfloat16's own rounding, not a broken run
+        assert tree <= 1.5 * stock, (key, tree, stock)
