@@ -233,9 +233,10 @@ def grad_error(got: dict, want: dict) -> float:
 
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: str,
-                    tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+                    tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None) -> None:
     """Stock ``MegatronEngineWithLMHead`` vs ``TreepackMegatronEngine`` at TP x PP x CP (the
-    rest data-parallel) on the same batches; rank 0 saves the measured errors."""
+    rest data-parallel; ``vpp`` virtual stages per pipeline stage) on the same batches; rank
+    0 saves the measured errors."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
     from verl.workers.utils.padding import response_from_nested
 
@@ -247,12 +248,14 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: 
     init(rank, world, port)
     try:
         treepack_verl.register_megatron(devices=("cpu",))
-        stock = make_engine(MegatronEngineWithLMHead, model_dir, tp=tp, pp=pp, cp=cp)
-        tree = make_engine(TreepackMegatronEngine, model_dir, tp=tp, pp=pp, cp=cp)
+        layout = dict(tp=tp, pp=pp, cp=cp, virtual_pipeline_model_parallel_size=vpp)
+        stock = make_engine(MegatronEngineWithLMHead, model_dir, **layout)
+        tree = make_engine(TreepackMegatronEngine, model_dir, **layout)
+        result_chunks = len(tree.module)
         dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         last = mpu.is_pipeline_last_stage(ignore_virtual=True)
         rows = make_rows()
-        result = {"registered": type(tree).__name__, "dp": dp}
+        result = {"registered": type(tree).__name__, "dp": dp, "chunks": result_chunks}
         log = captured_log()
 
         def infer(engine, **kw):

@@ -126,15 +126,15 @@ TOLERANCE = 1e-5  # relative, float32
 
 # ------------------------------------------------------------------------------- the model
 
-def make_model_dir(root: str, family: str = "qwen2") -> str:
-    """A random tiny model (Qwen2, or a ``treepack.zoo`` family such as the hybrid
-    ``qwen3_5``) and a word-level tokenizer, saved where verl loads models from."""
+def make_model_dir(root: str, family: str = "qwen2", layers: int = 2) -> str:
+    """A random tiny model (Qwen2 of ``layers`` layers, or a ``treepack.zoo`` family such as
+    the hybrid ``qwen3_5``) and a word-level tokenizer, saved where verl loads models from."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    path = os.path.join(root, f"tiny_{family}")
+    path = os.path.join(root, f"tiny_{family}" + ("" if layers == 2 else f"_{layers}"))
     torch.manual_seed(0)
     from treepack import zoo
 
@@ -145,7 +145,8 @@ def make_model_dir(root: str, family: str = "qwen2") -> str:
         model.save_pretrained(path)
     elif family == "qwen2":
         config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2,
                              max_position_embeddings=512, tie_word_embeddings=False,
                              pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
         Qwen2ForCausalLM(config).save_pretrained(path)

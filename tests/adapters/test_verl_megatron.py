@@ -36,18 +36,31 @@ def model_dir(tmp_path_factory):
     return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("verl_megatron")))
 
 
-@pytest.mark.parametrize("world,tp,pp,cp", [(1, 1, 1, 1), (2, 1, 1, 1), (2, 2, 1, 1),
-                                            (2, 1, 2, 1), (2, 1, 1, 2)],
-                         ids=["one_rank", "dp2", "tp2_sequence_parallel", "pp2", "cp2"])
-def test_verl_megatron_engine_equals_stock(world, tp, pp, cp, model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """The model with 4 layers: 2 pipeline stages of 2 virtual stages each."""
+    return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("verl_megatron4")),
+                                       layers=4)
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,vpp", [(1, 1, 1, 1, None), (2, 1, 1, 1, None),
+                                                (2, 2, 1, 1, None), (2, 1, 2, 1, None),
+                                                (2, 1, 1, 2, None), (2, 1, 2, 1, 2)],
+                         ids=["one_rank", "dp2", "tp2_sequence_parallel", "pp2", "cp2",
+                              "pp2_virtual2"])
+def test_verl_megatron_engine_equals_stock(world, tp, pp, cp, vpp, model_dir, four_layers,
+                                           tmp_path):
     """Log-probs and entropies (one temperature, one per row, a fixed micro-batch size), the
     update's loss and every gradient under verl's ppo_loss in two aggregations, the grad
     norm, and the log-probs after one optimizer step: the tree engine equals verl's stock
-    Megatron engine (THD packs) at each parallel layout."""
+    Megatron engine (THD packs) at each parallel layout, the interleaved schedule (virtual
+    pipeline stages) included."""
     out = tmp_path / "result.pt"
-    spawn(verl_megatron_workers.compare_engines, world, model_dir, str(out), tp, pp, cp)
+    spawn(verl_megatron_workers.compare_engines, world, four_layers if vpp else model_dir,
+          str(out), tp, pp, cp, vpp)
     r = torch.load(out, weights_only=False)
     assert r["registered"] == "TreepackMegatronEngine"
+    assert r["chunks"] == (vpp or 1)
     assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
     for name in ("scalar", "per_row", "fixed_size"):
         assert r[f"log_probs_{name}"] < TOLERANCE, (name, r)

@@ -14,8 +14,9 @@ What changes, and what does not:
   rank runs as many micro-batches (the count is all-reduced, as verl's
   ``same_micro_num_in_dp``).
 - **The packs go through Megatron's own schedule** (``get_forward_backward_func``, with
-  pipeline stages as verl configures them): each stage runs
-  :func:`treepack.megatron.forward_stage` on the pack, with the tree as every layer's core
+  pipeline and virtual pipeline stages as verl configures them): each stage (each model
+  chunk of an interleaved schedule) runs :func:`treepack.megatron.forward_stage` on the
+  pack, with the tree as every layer's core
   attention, rows at their depths, and tensor, sequence, context and expert parallelism as
   :mod:`treepack.megatron` does them. The last stage's log-probs and entropies come from the
   vocabulary-parallel head in verl's prediction-aligned layout, each row at its temperature,
@@ -29,9 +30,8 @@ What changes, and what does not:
   ``treepack.verl``) for a model :func:`treepack.megatron.prepare` refuses on any stage
   (multi-token prediction, CUDA graphs, YaRN or multi-latent attention, Mamba layers, MoE
   layers recomputed), verl's fused kernels, routing replay, dynamic context parallelism,
-  virtual pipeline stages (not tested with trees yet), multi-modal inputs, distillation
-  outputs, position ids other than ``0 .. length - 1``, a temperature that is not finite
-  and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
+  multi-modal inputs, distillation outputs, position ids other than ``0 .. length - 1``, a
+  temperature that is not finite and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
   rank, since a refusal can hold on one pipeline stage only.
 - **Trees over the budget** are split by the plan, their prefix repeated in each pack (said
   once): parts (every row once) do not run on Megatron yet.
@@ -56,6 +56,7 @@ from treepack.planning.planner import plan
 try:
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id
+    from verl.utils.megatron.pipeline_parallel import make_batch_generator
     from verl.utils.model import extract_multi_modal_inputs
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
@@ -101,8 +102,7 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         config = self.engine_config
         named = {"use_fused_kernels": config.use_fused_kernels,
                  "router_replay": self.enable_routing_replay,
-                 "dynamic_context_parallel": config.dynamic_context_parallel,
-                 "virtual_pipeline_model_parallel_size": len(self.module) > 1}
+                 "dynamic_context_parallel": config.dynamic_context_parallel}
         if any(named.values()):
             return f"{[k for k, v in named.items() if v]} (not run on trees)"
         if len(data) == 0:
@@ -135,6 +135,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         count = torch.tensor([len(micro)], device=vb.verl_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
         count = int(count.item())
+        group_size = self._microbatch_group()
+        count = -(-count // group_size) * group_size  # the interleaved schedule's groups
         if len(micro) < count:  # as many real micro-batches as the others where it can
             micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count))
         items = []
@@ -147,7 +149,7 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         step = functools.partial(self._tree_forward_step, loss_function=loss_function,
                                  forward_only=forward_only)
         losses = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(items),
+            forward_step_func=step, data_iterator=make_batch_generator(items, len(self.module)),
             model=self.module, num_microbatches=count, seq_length=1, micro_batch_size=1,
             forward_only=forward_only)
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
@@ -182,6 +184,15 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
             routed = self._routed_num_tokens(data).to(get_device_id())
             torch.distributed.all_reduce(routed, group=group)
             tu.assign_non_tensor(data, routed_num_tokens=routed.item())
+
+    def _microbatch_group(self) -> int:
+        """The micro-batch count's divisor: the interleaved (virtual pipeline) schedule runs
+        micro-batches in groups of ``microbatch_group_size_per_vp_stage``, as verl's stock
+        path divides them; else 1."""
+        vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+        if vpp is not None and vpp > 1:
+            return int(self.tf_config.microbatch_group_size_per_vp_stage)
+        return 1
 
     def _tree_forward_step(self, batch_iter, model, loss_function, forward_only):
         """Megatron's ``forward_step_func`` on a tree micro-batch: this stage's forward of
