@@ -336,6 +336,43 @@ def test_refuses_a_model_that_ignores_position_ids():
     assert not hf.is_prepared(model)
 
 
+def _tiny_from_config(name: str, **kwargs):
+    """A tiny random transformers model from config class ``name`` (no zoo family)."""
+    config = getattr(transformers, name)(vocab_size=zoo.VOCAB, hidden_size=32,
+                                         intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, **kwargs)
+    for key in ("attention_dropout", "hidden_dropout", "hidden_dropout_prob",
+                "attention_probs_dropout_prob"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("name,kwargs,words", [
+    # Doge adds a learned dynamic bias (A, dt_proj) through its attention mask
+    ("DogeConfig", dict(num_key_value_heads=4), "adds values of its own to the attention mask"),
+    # RoBERTa built as a causal LM counts positions from padding_idx + 1
+    ("RobertaConfig", dict(is_decoder=True), "positions other than 0 .. L-1"),
+    # BERT without is_decoder attends both ways
+    ("BertConfig", {}, "is not causal"),
+], ids=["doge_attention_bias", "roberta_shifted_positions", "bert_bidirectional"])
+def test_refuses_what_the_census_found_silently_wrong(name, kwargs, words):
+    """Models a pack used to get wrong without an error (issue 35's census): each is refused
+    by name, with the reason, from what the model does rather than from a list of names."""
+    model = _tiny_from_config(name, **kwargs).double()
+    with pytest.raises(hf.UnsupportedModel, match=words):
+        hf.prepare(model)
+    assert not hf.is_prepared(model)
+
+
+def test_bert_built_as_a_decoder_is_exact():
+    """The same encoder told to be causal (is_decoder=True) reads positions from 0 and runs
+    exactly on a pack."""
+    model = _tiny_from_config("BertConfig", is_decoder=True).double()
+    assert verify(model, SEQS).passed
+
+
 def test_refuses_a_layer_that_bypasses_the_attention_interface():
     model = zoo.tiny_model("llama")
     layer = model.model.layers[1].self_attn

@@ -6,6 +6,7 @@ import contextlib
 import weakref
 
 import torch
+from torch import Tensor
 
 from treepack.adapters.hf import compat
 from treepack.adapters.hf.routing import (NO_POSITIONS, ORIGINAL, TREE_FORWARD_KWARG,
@@ -153,6 +154,7 @@ def prepare(model, *, check: bool = True):
     if check:
         try:
             _check_reads_position_ids(model, core)
+            _check_causal_from_zero(model, core)
         except Exception:
             compat.set_attn_implementation(config, original)
             unroute_mixers(_HELD.pop(core))
@@ -266,6 +268,41 @@ def _check_reads_position_ids(model, core) -> None:
             "their depth. treepack supports models that take positions from position_ids "
             "(rotary or learned absolute); run this one unpacked"
         )
+
+
+def _check_causal_from_zero(model, core) -> None:
+    """Three ordinary 2-token forwards (no tree) through ``model`` as given: the first token's
+    logits must not change with the second token (the model is causal), and the logits must
+    not change when ``position_ids = [0, 1]`` is given instead of left to the model (its own
+    positions for an unpadded sequence start at 0, as a tree's depths do)."""
+    device = next(model.parameters()).device
+    vocab = text_config(core).vocab_size
+    ids, other = (torch.tensor([pair], device=device) % vocab for pair in ([1, 2], [1, 3]))
+    positions = torch.tensor([[0, 1]], device=device)
+    try:
+        with eval_no_grad(model):
+            given = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            changed = model(input_ids=other, position_ids=positions, use_cache=False).logits
+            default = model(input_ids=ids, use_cache=False).logits
+    except Exception:  # a model that needs more than ids to run ordinarily (a vision-language
+        return  # model's processor inputs): the tree forward's checks above stand
+    name = type(core).__name__
+
+    def moved(a: Tensor, b: Tensor) -> bool:
+        return bool((a.float() - b.float()).abs().max()
+                    > 1e-4 * b.float().abs().max().clamp_min(1e-6))
+
+    if moved(changed[0, 0], given[0, 0]):
+        raise UnsupportedModel(
+            f"{name} is not causal: its first token's logits changed with the second token "
+            "(bidirectional attention, as a BERT-style encoder without is_decoder=True). On a "
+            "pack its attention would become causal, a different model. Build it as a "
+            "decoder (config.is_decoder=True) or run it unpacked")
+    if moved(default, given):
+        raise UnsupportedModel(
+            f"{name} gives an unpadded sequence positions other than 0 .. L-1 when none are "
+            "passed (RoBERTa-style models count from padding_idx + 1): a tree's depths start "
+            "at 0, so every position would be shifted. Run this model unpacked")
 
 
 def pair_cost(model) -> float:

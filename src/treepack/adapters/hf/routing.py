@@ -87,6 +87,13 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
             f"{type(module).__name__} uses attention sinks (s_aux), which treepack's backends "
             "do not implement yet; run this model unpacked"
         )
+    if _carries_values(attention_mask):
+        raise UnsupportedModel(
+            f"{type(module).__name__} adds values of its own to the attention mask (a learned "
+            "attention bias, as Doge's dynamic mask), which a tree's attention would drop: "
+            "the log-probs would go wrong once those weights move, and their gradients would "
+            "be missing. Run this model unpacked"
+        )
     tree.calls += 1
     tree.windowed += kwargs.get("sliding_window") is not None
     out = tree.attend(
@@ -97,6 +104,14 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         dropout=kwargs.get("dropout", 0.0),
     )
     return out.transpose(1, 2).contiguous(), None  # [1, T', H, D] as transformers expects
+
+
+def _carries_values(mask) -> bool:
+    """Whether an attention mask a layer passes in a tree forward (where treepack builds none)
+    holds values besides 0 and -inf: a bias, not just which keys a query sees."""
+    if mask is None or not torch.is_tensor(mask) or not mask.is_floating_point():
+        return False
+    return bool((torch.isfinite(mask) & (mask != 0)).any())
 
 
 def _mask(*args, config=None, **kwargs):
