@@ -154,6 +154,33 @@ def test_verify_command_exit_status_1_above_tolerance(capsys, monkeypatch):
     assert code == 1 and "FAIL" in out
 
 
+def test_verify_all_runs_the_census_writes_its_table_and_fails_on_a_wrong_family(
+        capsys, monkeypatch, tmp_path):
+    """`treepack verify --all`: the census's table on stdout and in --markdown; exit 1 when a
+    family is silently wrong, crashed or hung, 0 when every one is exact, refused or not
+    built. (The census itself: tests/face/test_census.py.)"""
+    pytest.importorskip("transformers")
+    from treepack.face import census
+
+    seen = {}
+
+    def fake(names=None, *, timeout, workers=2):
+        seen["timeout"] = timeout
+        return outcomes
+
+    monkeypatch.setattr(census, "census", fake)
+    outcomes = [census.Outcome("llama", "exact", "logprobs 1e-16"),
+                census.Outcome("doge", "refused", "a bias")]
+    table = tmp_path / "census.md"
+    code, out, _ = run(capsys, "verify", "--all", "--timeout", "7", "--markdown", str(table))
+    assert code == 0 and seen["timeout"] == 7
+    assert "2 families: 1 exact, 1 refused" in out and table.read_text() in out + "\n"
+    outcomes.append(census.Outcome("x", "wrong", "grads 1e-2"))
+    assert run(capsys, "verify", "--all")[0] == 1
+    with pytest.raises(SystemExit):  # one family or all of them
+        cli.main(["verify", "--all", "--family", "llama"])
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
 def test_verify_command_passes_on_a_vision_language_family(capsys, family):
     pytest.importorskip("transformers")

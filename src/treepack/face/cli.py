@@ -457,7 +457,21 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _census(args) -> int:
+    from treepack.face import census
+
+    outcomes = census.census(timeout=args.timeout)
+    text = census.table(outcomes)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+    return int(any(o.status in ("wrong", "crash", "hang") for o in outcomes))
+
+
 def _verify(args) -> int:
+    if args.all:
+        return _census(args)
     import torch
 
     from treepack.adapters import hf, zoo
@@ -566,10 +580,19 @@ def build_parser() -> argparse.ArgumentParser:
         "backward, AdamW) packed and with every sequence alone, and compare log-probs, loss, "
         "gradients and parameters. A vision-language FAMILY runs a built-in batch with images "
         "(each sequence alone gets its own images; the vision tower's gradients are "
-        "compared too). Exit status 1 when above tolerance.",
+        "compared too). Exit status 1 when above tolerance. --all runs the census: every "
+        "family of the installed transformers' causal-LM mapping, tiny and random, in float64, "
+        "each in a process of its own, classed exact / refused / not built / wrong / crash / "
+        "hang; exit status 1 if any is wrong, crashed or hung.",
     )
-    verify.add_argument("--family", required=True,
-                        choices=sorted(FAMILIES) + sorted(VISION_FAMILIES))
+    which = verify.add_mutually_exclusive_group(required=True)
+    which.add_argument("--family", choices=sorted(FAMILIES) + sorted(VISION_FAMILIES))
+    which.add_argument("--all", action="store_true",
+                       help="the census of every causal-LM family of the installed transformers")
+    verify.add_argument("--timeout", type=_positive_int, default=120,
+                        help="--all: seconds per family before it counts as a hang")
+    verify.add_argument("--markdown", default=None, metavar="FILE",
+                        help="--all: also write the table to FILE")
     verify.add_argument("--layers", type=_layers, default=2,
                         help=f"layers of the tiny model (1 .. {MAX_VERIFY_LAYERS})")
     verify.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)

@@ -96,7 +96,8 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
         raise ValueError(f"output={output!r} must be one of {OUTPUTS}")
     if mixers is None:
         mixers = TreeForward(pack, backend, block_size)
-    ids, positions = _input_ids(pack, text_config(core).pad_token_id), pack.position_ids
+    pad = getattr(text_config(core), "pad_token_id", None)  # CodeGen's config has none
+    ids, positions = _input_ids(pack, pad), pack.position_ids
     if rows is not None:
         ids, positions = ids[rows], positions[rows]
     heads, hook = [], None

@@ -309,6 +309,20 @@ def _layer_conv(wrapped, original):
     return causal_conv1d_fn
 
 
+def level_chunk(chunk_size: int, width: int) -> int:
+    """The chunk size a tree level of ``width`` rows scans with: the layer's own, or, for a
+    level shorter than it, the power of two (at least 16) that holds the level.
+
+    The chunked scans are exact for any chunk size (it sets how the sum is split, not what it
+    sums), and transformers' torch forms pad every call to whole chunks: a tree's short levels
+    (a GRPO group's prompt chain, an agent's tool steps) would otherwise each pay a whole
+    chunk per chain (Falcon-H1's 256), more than the run of every sequence alone pays.
+    """
+    if width >= chunk_size:
+        return chunk_size
+    return min(chunk_size, max(16, 1 << max(width - 1, 0).bit_length()))
+
+
 def _tree(kwargs: dict) -> TreeForward | None:
     """The pack a routed mixer runs on: a forward keyword (module-level routing) or what
     its layer's pre-hook took (per-layer routing)."""
@@ -365,7 +379,8 @@ def _gated_delta(original):
 
         def kernel(batch, state):  # zeros past a segment's end: beta = 0 and g = 0 keep it
             return original(batch["q"], batch["k"], batch["v"], g=batch["g"], beta=batch["b"],
-                            chunk_size=chunk_size, initial_state=state, output_final_state=True,
+                            chunk_size=level_chunk(chunk_size, batch["q"].shape[1]),
+                            initial_state=state, output_final_state=True,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
 
         out = tree.scan(kernel, {"q": query[0], "k": key[0], "v": value[0], "g": g[0],
@@ -406,7 +421,8 @@ def _ssd(original):
         everything = (float("-inf"), float("inf"))
 
         def kernel(batch, state):
-            return original(batch["x"], batch["dt"], A, batch["B"], batch["C"], chunk_size, D=D,
+            return original(batch["x"], batch["dt"], A, batch["B"], batch["C"],
+                            level_chunk(chunk_size, batch["x"].shape[1]), D=D,
                             dt_bias=None, initial_states=state, dt_softplus=False,
                             dt_limit=everything, return_final_states=True, **kwargs)
 

@@ -1,0 +1,199 @@
+"""A census of every family a user may bring: each model type of the installed transformers'
+causal-LM mapping, built tiny and random, run in float64 on a tree pack and compared with every
+sequence alone (:func:`treepack.verify`: log-probs and every gradient), and put in one class:
+
+- ``exact``: it verifies;
+- ``refused``: treepack refuses it, and says why (:class:`treepack.hf.UnsupportedModel`);
+- ``not built``: its config cannot be made tiny here, or its model does not build (why);
+- ``wrong``: treepack accepts it and the tree differs from every sequence alone (silently
+  wrong: what must never happen);
+- ``crash``: an error that is not a refusal, from treepack's path;
+- ``hang``: no answer within the timeout.
+
+Each family runs in a process of its own, with a timeout, so a hang or a crash of one cannot
+stop the others. ``treepack verify --all`` runs it; docs/models.md carries its table.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+__all__ = ["Outcome", "families", "run_one", "census", "table", "CLASSES", "MAX_PARAMETERS"]
+
+CLASSES = ("exact", "refused", "not built", "wrong", "crash", "hang")
+
+# Every size field a transformers config may have, made tiny; windows and chunks short enough
+# that the verification batch's 6-24-token sequences cross them.
+_TINY = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    sliding_window=5, attention_chunk_size=5, moe_intermediate_size=32, num_experts=4,
+    num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=16, n_layer=2, n_head=4, n_embd=64, d_model=64,
+    num_layers=2, ffn_dim=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, n_positions=256,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # state-space and linear-attention mixers: 8 heads of 16 over hidden 64 x expand 2
+    mamba_n_heads=8, mamba_num_heads=8, mamba_d_head=16, mamba_head_dim=16, mamba_d_ssm=128,
+    mamba_d_state=16, mamba_dt_rank=8,
+    # sparse attention's indexer: its top-k shorter than the sequences
+    index_head_dim=16, index_n_heads=4, index_topk=4,
+    n_group=1, topk_group=1,  # expert groups: one, over the 4 experts
+    vocab_size_per_layer_input=97, hidden_size_per_layer_input=8,  # Gemma 4's per-layer input
+    emb_dim=64, n_layers=2,  # XLM's names
+    attention_types=[[["global", "local"], 1]],  # GPT-Neo: one global and one local layer
+)
+MAX_PARAMETERS = 50_000_000  # a tiny model is far below; above, parts were left full size
+_DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+             "attention_probs_dropout_prob", "hidden_dropout_prob", "dropout",
+             "activation_dropout")
+
+
+@dataclass
+class Outcome:
+    """One family's class and why (the refusal, the error, the largest error)."""
+
+    family: str
+    status: str
+    reason: str = ""
+
+    def row(self) -> str:
+        reason = " ".join(self.reason.split())[:300].replace("|", "/")
+        return f"| {self.family} | {self.status} | {reason} |"
+
+
+def families() -> list[str]:
+    """The model types of the installed transformers' causal-LM mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _tiny_model(family: str, dtype):
+    """``family``'s causal LM, tiny, random, in ``dtype``, dropout off."""
+    import inspect
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[family]
+    defaults = config_class()
+    if getattr(defaults, "sub_configs", None) and "text_config" in defaults.sub_configs:
+        raise ValueError("a composite config (text_config): built through its text model's "
+                         "own type")
+    accepted = set(inspect.signature(config_class.__init__).parameters) | set(vars(defaults))
+    kwargs = {k: v for k, v in _TINY.items() if k in accepted}
+    if "kv_lora_rank" in accepted:  # multi-latent attention: as many key heads as queries,
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # its own head sizes
+        kwargs.pop("head_dim", None)
+    if "rotary_dim" in accepted:  # partial rotary within the tiny heads
+        kwargs["rotary_dim"] = 8
+    kinds = getattr(defaults, "layer_types", None)
+    if isinstance(kinds, (list, tuple)) and kinds and "layer_types" in accepted:
+        kinds = list(dict.fromkeys(kinds))  # each kind of layer once, in the model's order
+        kwargs.update(layer_types=kinds, num_hidden_layers=max(len(kinds), 2))
+        if len(kinds) == 1:
+            kwargs["layer_types"] = kinds * 2
+    if "attn_layer_indices" in accepted and getattr(defaults, "attn_layer_indices", 0) is None:
+        kwargs["attn_layer_indices"] = [1]  # a hybrid with attention too (Bamba: none)
+    if "expand" in accepted and "num_heads" in accepted:  # Mamba2: heads x head_dim fill it
+        kwargs["num_heads"] = _TINY["hidden_size"] * getattr(defaults, "expand", 2) // 16
+    if "is_decoder" in accepted:
+        kwargs["is_decoder"] = True  # encoders run as causal LMs only as decoders
+    config = config_class(**kwargs)
+    for key in _DROPOUTS:
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+    transformers.set_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    size = sum(p.numel() for p in model.parameters())
+    if size > MAX_PARAMETERS:  # towers (audio, vision) whose sizes the census does not shrink
+        raise ValueError(f"{size / 1e6:.0f}M parameters after the tiny sizes: parts the "
+                         "census does not make tiny (verify holds several copies)")
+    with torch.no_grad():  # it runs an ordinary batch, or it was not built right here
+        model(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8]]), use_cache=False)
+    return model
+
+
+def run_one(family: str) -> Outcome:
+    """``family``'s outcome, in this process."""
+    from treepack.adapters import hf
+    from treepack.adapters.zoo import VOCAB
+    from treepack.face.verification import verification_batch, verify
+
+    import torch
+
+    model, why = None, []
+    for dtype in (torch.float64, torch.float32):  # float32 where a kernel refuses float64
+        try:
+            model = _tiny_model(family, dtype)
+            break
+        except Exception as e:  # noqa: BLE001 - any failure to build is "not built", with why
+            why.append(f"{str(dtype)[6:]}: {type(e).__name__}: {e}")
+    if model is None:
+        return Outcome(family, "not built", "; ".join(why))
+    print("CENSUS-BUILT", flush=True)  # a process killed before this line was building
+    sequences = verification_batch(VOCAB)
+    try:
+        report = verify(model, sequences)
+    except hf.UnsupportedModel as e:
+        return Outcome(family, "refused", str(e))
+    except Exception as e:  # noqa: BLE001 - reported as a crash, never swallowed silently
+        return Outcome(family, "crash", f"{type(e).__name__}: {e}")
+    measured = ", ".join(f"{q} {report.errors[q].max_rel:.1e}" for q in ("logprobs", "grads"))
+    measured += "" if dtype == torch.float64 else " (float32: a kernel refuses float64)"
+    if report.passed:
+        return Outcome(family, "exact", measured)
+    return Outcome(family, "wrong", measured + " (over the allowance)")
+
+
+def _child(family: str, timeout: float) -> Outcome:
+    """``family`` in a process of its own, within ``timeout`` seconds."""
+    code = ("import json, warnings; warnings.filterwarnings('ignore')\n"
+            "from treepack.face.census import run_one\n"
+            f"o = run_one({family!r})\n"
+            "print('CENSUS-ANSWER' + json.dumps([o.family, o.status, o.reason]))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        seen = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        if "CENSUS-BUILT" not in seen:  # its default-size parts take that long to build
+            return Outcome(family, "not built", f"building the model took over {timeout:.0f} s")
+        return Outcome(family, "hang", f"no answer within {timeout:.0f} s")
+    for line in done.stdout.splitlines():
+        if line.startswith("CENSUS-ANSWER"):
+            return Outcome(*json.loads(line[len("CENSUS-ANSWER"):]))
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    if "CENSUS-BUILT" not in done.stdout:  # killed (out of memory) or failed while building
+        return Outcome(family, "not built", f"the process ended while building the model "
+                                            f"(exit {done.returncode}): {tail[0]}")
+    return Outcome(family, "crash", f"exit {done.returncode}: {tail[0]}")
+
+
+def census(names: list[str] | None = None, *, timeout: float = 120.0,
+           workers: int = 2) -> list[Outcome]:
+    """Every family's :class:`Outcome` (``names``: these, else :func:`families`)."""
+    names = families() if names is None else names
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda f: _child(f, timeout), names))
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The census as a markdown table, with the count of each class first."""
+    import transformers
+
+    counts = {c: sum(o.status == c for o in outcomes) for c in CLASSES}
+    head = (f"transformers {transformers.__version__}: {len(outcomes)} families: "
+            + ", ".join(f"{n} {c}" for c, n in counts.items()))
+    rows = "\n".join(o.row() for o in outcomes)
+    return f"{head}\n\n| family | status | reason |\n|---|---|---|\n{rows}\n"

@@ -1,0 +1,67 @@
+"""The census (treepack.face.census, `treepack verify --all`): each family's class, in a
+process of its own, with a timeout."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from treepack.face import census  # noqa: E402
+
+
+@pytest.mark.parametrize("family,status,words", [
+    ("llama", "exact", "logprobs"),
+    ("minicpm3", "exact", "grads"),  # its float32 norm's rounding: docs/models.md
+    ("codegen", "exact", "logprobs"),  # a config without pad_token_id (used to crash)
+    ("doge", "refused", "attention mask"),  # a learned bias in its mask
+    ("roberta", "refused", "padding_idx"),  # positions from padding_idx + 1
+    ("falcon_h1", "exact", "grads"),  # its 256-row chunks: the tree's levels scan short
+    ("bamba", "exact", "grads"),  # with an attention layer (attn_layer_indices)
+    ("nemotron_h", "exact", "grads"),
+    ("qwen3_next", "exact", "grads"),  # each layer kind once (layer_types)
+    # the families issue 35 names: exact above, or refused by name here
+    ("gpt_oss", "refused", "sinks"),
+    ("granite_swa", "refused", "sinks"),
+    ("mimo_v2_flash", "refused", "sinks"),
+    ("flint", "refused", "sinks"),
+    ("llama4_text", "refused", "chunked_attention"),
+    ("glm_moe_dsa", "refused", "indexed_attention"),
+    ("deepseek_v32", "refused", "indexed_attention"),
+    ("bailing_hybrid", "refused", "linear_attention"),
+    ("deepseek_v4", "refused", "compressed_attention"),
+    ("kimi_linear", "refused", "Kimi Delta Attention"),
+    ("minimax", "refused", "linear_attention"),
+    ("falcon_mamba", "refused", "linear_attention"),
+    ("jamba", "refused", "Mamba (v1)"),
+    ("no_such_family", "not built", "KeyError"),
+])
+def test_each_family_gets_its_class_and_reason(family, status, words):
+    out = census.run_one(family)
+    assert (out.status, out.family) == (status, family), out
+    assert words in out.reason, out
+
+
+def test_a_family_runs_in_its_own_process_and_a_timeout_is_reported():
+    """The child's answer crosses the process boundary; one that takes too long is stopped
+    and reported (a hang once built, not built before), and the others still get theirs."""
+    done = census.census(["llama", "doge"], timeout=300)
+    assert [(o.family, o.status) for o in done] == [("llama", "exact"), ("doge", "refused")]
+    slow = census._child("llama", timeout=0.01)  # not even built in time
+    assert slow.status == "not built" and "building the model took" in slow.reason, slow
+
+
+def test_the_table_counts_every_class():
+    rows = [census.Outcome("a", "exact", "logprobs 1e-16"), census.Outcome("b", "refused", "x|y"),
+            census.Outcome("c", "wrong", "grads 1e-2")]
+    text = census.table(rows)
+    assert "3 families: 1 exact, 1 refused, 0 not built, 1 wrong, 0 crash, 0 hang" in text
+    assert "| b | refused | x/y |" in text  # a pipe in a reason does not break the table
+
+
+@pytest.mark.slow
+def test_the_census_finds_nothing_wrong_crashed_or_hung():
+    """Every family of the installed transformers' causal-LM mapping is exact, refused with
+    its reason, or not built with why: none silently wrong, none crashed, none hung."""
+    outcomes = census.census(timeout=240)
+    bad = [o for o in outcomes if o.status in ("wrong", "crash", "hang")]
+    assert not bad, census.table(bad)
+    assert sum(o.status == "exact" for o in outcomes) >= 90, census.table(outcomes)
