@@ -12,11 +12,13 @@ from treepack.attention import BACKENDS, TreeAttention, segment
 from strategies import forests
 
 
-def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None):
+def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sinks=None):
     """Each sequence alone: causal attention over its own path, nothing shared.
 
     A row shared by several sequences takes its output from the first sequence through it;
-    padding rows attend only themselves.
+    padding rows attend only themselves. ``sinks`` (one logit per query head, GPT-OSS's
+    ``s_aux``) join every softmax as a column that attends to nothing, as transformers'
+    eager GPT-OSS attention does.
     """
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -32,7 +34,13 @@ def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None):
         visible = j <= i
         if window is not None:
             visible &= i - j < window
-        out = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v[0][:, path]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks[:, None, None].expand(-1, n, 1)
+            probs = torch.cat((scores, column), -1).softmax(-1)[..., :-1]
+        out = probs @ v[0][:, path]
         for p, r in enumerate(path.tolist()):
             if r not in seen:
                 seen.add(r)
@@ -108,6 +116,48 @@ def test_gradients_equal_reference(seqs, opt, backend):
                                  (q, k, v))
     for a, b in zip(got, expect):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=14), options,
+       st.sampled_from(["segment", "dense", "auto"]))
+def test_attention_sinks_equal_each_sequence_alone(seqs, opt, backend):
+    """A sink logit per query head (GPT-OSS, Granite-SWA, MiMo-V2-Flash, Flint) in every
+    softmax, windows included: outputs and the gradients of q, k, v and the sinks equal
+    each sequence alone (its padding rows, which nothing reads, left out)."""
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    q, k, v = (x.requires_grad_() for x in qkv(pack, *opt["heads"]))
+    sinks = torch.randn(q.shape[1], dtype=q.dtype, generator=torch.Generator().manual_seed(1))
+    sinks.requires_grad_()
+    kw = dict(scale=0.3, window=opt["window"])
+    with call_cost(opt["call_cost"]):
+        got = TreeAttention(pack, backend)(q, k, v, sinks=sinks, **kw)
+    expect = reference_attention(q, k, v, pack, sinks=sinks, **kw)
+    real = pack.num_packed_rows
+    torch.testing.assert_close(got[:, :, :real], expect[:, :, :real], rtol=1e-12, atol=1e-12)
+    weight = torch.randn(got.shape, dtype=q.dtype)
+    weight[:, :, real:] = 0
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q, k, v, sinks)),
+                    torch.autograd.grad((expect * weight).sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_sinks_change_the_output_and_are_refused_where_not_run():
+    """A negative control (without the sink the outputs differ), and the backends that do
+    not run sinks yet say so, naming the one that does; a sink per head is checked."""
+    pack = TreePack.from_sequences([[1, 2, 3, 4], [1, 2, 5], [6, 7]])
+    q, k, v = qkv(pack, 4, 2)
+    sinks = torch.zeros(4, dtype=q.dtype)
+    with_sink = TreeAttention(pack, "segment")(q, k, v, sinks=sinks)
+    assert (with_sink - TreeAttention(pack, "segment")(q, k, v)).abs().max() > 1e-3
+    for backend in ("varlen", "flex"):
+        with pytest.raises(RuntimeError, match=f"backend='{backend}' cannot run here: "
+                                               "attention sinks.*backend='segment'"):
+            TreeAttention(pack, backend)(q, k, v, sinks=sinks)
+    with pytest.raises(ValueError, match=r"one logit per query head \(4,\)"):
+        TreeAttention(pack, "segment")(q, k, v, sinks=torch.zeros(2, dtype=q.dtype))
+    with pytest.raises(ValueError, match="softcap=2.0 with attention sinks"):
+        TreeAttention(pack, "segment")(q, k, v, sinks=sinks, softcap=2.0)
 
 
 @pytest.mark.parametrize("backend, softcap", [("segment", 1.5), ("varlen", None)])

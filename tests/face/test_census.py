@@ -18,11 +18,12 @@ from treepack.face import census  # noqa: E402
     ("bamba", "exact", "grads"),  # with an attention layer (attn_layer_indices)
     ("nemotron_h", "exact", "grads"),
     ("qwen3_next", "exact", "grads"),  # each layer kind once (layer_types)
-    # the families issue 35 names: exact above, or refused by name here
-    ("gpt_oss", "refused", "sinks"),
-    ("granite_swa", "refused", "sinks"),
-    ("mimo_v2_flash", "refused", "sinks"),
-    ("flint", "refused", "sinks"),
+    # attention sinks (s_aux), with GPT-OSS's alternating windows and MoE
+    ("gpt_oss", "exact", "grads"),
+    ("granite_swa", "exact", "grads"),
+    ("mimo_v2_flash", "exact", "grads"),
+    ("flint", "exact", "grads"),
+    # the other families issue 35 names: refused by name
     ("llama4_text", "refused", "chunked_attention"),
     ("glm_moe_dsa", "refused", "indexed_attention"),
     ("deepseek_v32", "refused", "indexed_attention"),

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
+import torch
 from torch import Tensor
 
 from treepack.attention import dense, flex, segment, varlen
@@ -65,6 +66,7 @@ BACKENDS: dict[str, Backend] = {
     "dense": dense.attention,
 }
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
+SINK_BACKENDS = {"segment": segment.attention, "dense": dense.attention}  # attention sinks
 
 log = logging.getLogger("treepack")
 _LOGGED: set[tuple[str, str]] = set()
@@ -126,6 +128,7 @@ class TreeAttention:
         softcap: float | None = None,
         window: int | None = None,
         dropout: float = 0.0,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         rows = self.pack.num_rows
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -151,6 +154,9 @@ class TreeAttention:
             scale = q.shape[-1] ** -0.5
         softcap = softcap or None
         backend = self.backend
+        if sinks is not None:
+            return self._with_sinks(q, k, v, sinks, scale=scale, softcap=softcap,
+                                    window=window, dropout=dropout)
         if backend == "auto":
             backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
             if (backend, why) not in _LOGGED:
@@ -159,3 +165,31 @@ class TreeAttention:
         return BACKENDS[backend](
             q, k, v, self, scale=scale, softcap=softcap, window=window, dropout=dropout
         )
+
+    def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout) -> Tensor:
+        """Attention with a learned sink logit per query head (GPT-OSS's ``s_aux``): a term
+        ``exp(sinks[h])`` in every softmax denominator, attending to nothing.
+
+        It is one more key that every query sees whatever its window: a channel appended to
+        the queries holds ``sinks[h] / scale`` and to the keys 0, and the extra key is 1 there
+        and 0 elsewhere, with a zero value. Its score is ``sinks[h]``, every other score is
+        unchanged, and the sink's gradient flows through the queries' extra channel.
+        """
+        heads = q.shape[1]
+        if sinks.shape != (heads,):
+            raise ValueError(f"sinks of shape {tuple(sinks.shape)}: one logit per query head "
+                             f"({heads},) expected")
+        backend = "segment" if self.backend == "auto" else self.backend
+        if backend not in SINK_BACKENDS:
+            raise RuntimeError(
+                f"backend={backend!r} cannot run here: attention sinks (a learned logit per "
+                f"head in the softmax denominator) run on {' / '.join(SINK_BACKENDS)}; use "
+                "backend='segment' (or 'auto', which picks it)")
+        if softcap is not None:
+            raise ValueError(f"softcap={softcap} with attention sinks: no model caps its "
+                             "scores and has sinks, and the sink's own score must not be capped")
+        sink = (sinks.to(q.dtype) / scale)[None, :, None, None].expand(1, heads, q.shape[2], 1)
+        q = torch.cat((q, sink), -1)
+        k = torch.cat((k, k.new_zeros((*k.shape[:3], 1))), -1)
+        return SINK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=None, window=window,
+                                      dropout=dropout, sink=True)

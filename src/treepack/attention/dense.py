@@ -61,6 +61,20 @@ def visible(pack, window: int | None) -> Tensor:
     return mask if win is None else mask & win
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False) -> Tensor:
     mask = visible(attend.pack, window)
+    if sink:  # one more key, seen by every query (TreeAttention._with_sinks)
+        k, v = with_sink_key(k, v, 2)
+        mask = torch.cat((mask, mask.new_ones((mask.shape[0], 1))), 1)
     return sdpa(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)
+
+
+def with_sink_key(k: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``k`` (its last channel the sink's) and ``v`` with the sink key appended along ``dim``:
+    1 in that channel and 0 elsewhere, and a zero value."""
+    shape = list(k.shape)
+    shape[dim] = 1
+    key = k.new_zeros(shape)
+    key[..., -1] = 1
+    shape[-1] = v.shape[-1]
+    return torch.cat((k, key), dim), torch.cat((v, v.new_zeros(shape)), dim)

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from treepack.attention.chains import Chains, chains, gather_rows, geometric_bucket
-from treepack.attention.dense import sdpa
+from treepack.attention.dense import sdpa, with_sink_key
 from treepack.core.derived import derived_from_pack
 
 CHUNK_ELEMENTS = 1 << 24  # scores (or mask entries) per chunk of a masked group
@@ -178,14 +178,16 @@ class _SelectSlots(torch.autograd.Function):
         return grad.index_select(1, row_slot), None, None
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False) -> Tensor:
     plan = shape_groups(attend.pack, window, q.shape[1] * q.shape[3])
     return attend_groups(q, k, v, plan, scale=scale, softcap=softcap, window=window,
-                         dropout=dropout)
+                         dropout=dropout, sink=sink)
 
 
-def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout) -> Tensor:
-    """``q`` ``[1, Hq, rows, D]`` against ``k``/``v`` ``[1, Hkv, keys, D]`` by ``plan``."""
+def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout,
+                  sink=False) -> Tensor:
+    """``q`` ``[1, Hq, rows, D]`` against ``k``/``v`` ``[1, Hkv, keys, D]`` by ``plan``;
+    with ``sink``, one more key that every query sees (:meth:`TreeAttention._with_sinks`)."""
     q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
     q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
     sizes = [g.size * g.kv for g in plan.groups]
@@ -196,17 +198,17 @@ def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout
         qg = qg.unflatten(1, (g.size, g.q)).transpose(0, 1)  # [G, Hq, q, D]
         kg = kg.unflatten(1, (g.size, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
         vg = vg.unflatten(1, (g.size, g.kv)).transpose(0, 1)
-        if window is None and softcap is None and g.padding is None:
+        if window is None and softcap is None and g.padding is None and not sink:
             out = sdpa(qg, kg, vg, causal_lower_right(g.q, g.kv), scale=scale, softcap=None,
                        dropout=dropout)
         else:
             out = _masked_chunks(qg, kg, vg, g, window, scale=scale, softcap=softcap,
-                                 dropout=dropout)
+                                 dropout=dropout, sink=sink)
         outs.append(out.transpose(0, 1).flatten(1, 2))  # [Hq, G * q, D]
     return torch.cat(outs, dim=1).index_select(1, plan.row_slot)[None]  # [1, Hq, T', D]
 
 
-def _masked_chunks(qg, kg, vg, group: Group, window, **kw) -> Tensor:
+def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, **kw) -> Tensor:
     """Bottom-right causal (and windowed) attention with an explicit mask, in query chunks.
 
     Query t of a chain with ``q`` queries and ``kv`` keys sees key u iff ``u <= off + t``
@@ -236,5 +238,10 @@ def _masked_chunks(qg, kg, vg, group: Group, window, **kw) -> Tensor:
             mask = mask & (u < pad.keys)
         if window is not None:
             mask = mask & (u > off + t - window)
-        outs.append(sdpa(qg[:, :, t0:t1], kg[:, :, a:b], vg[:, :, a:b], mask, **kw))
+        ks, vs = kg[:, :, a:b], vg[:, :, a:b]
+        if sink:  # the sink key after the chain's keys, seen by every query of the chunk
+            ks, vs = with_sink_key(ks, vs, 2)
+            mask = torch.cat((mask.expand(*mask.shape[:-1], b - a),
+                              mask.new_ones((*mask.shape[:-1], 1))), -1)
+        outs.append(sdpa(qg[:, :, t0:t1], ks, vs, mask, **kw))
     return torch.cat(outs, dim=2)

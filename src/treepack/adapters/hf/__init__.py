@@ -13,7 +13,8 @@ from its hidden states and LM head, or from the head inside the forward (:mod:`.
 What would be silently wrong is refused with :class:`UnsupportedModel` (a ``ValueError`` and a
 ``NotImplementedError``), naming the fix: a model whose layers do not all go through
 transformers' attention interface (custom attention code, recurrent layers it does not
-route), a model that ignores ``position_ids``, attention sinks, and rotary scalings that read
+route), a model that ignores ``position_ids``, attention sinks in parts or under sequence
+parallelism, and rotary scalings that read
 the longest position. Keyword arguments that would break the tree (caches, ``labels``,
 attention masks, flash "padding-free" boundaries) raise ``ValueError``. An MoE router
 auxiliary loss is recomputed with each packed row weighted by the number of original tokens it

@@ -139,7 +139,7 @@ def prepare(model, *, check: bool = True):
     Raises:
         UnsupportedModel: a model treepack cannot run exactly (recurrent layers of a family
             it does not route, positions not read from ``position_ids``, attention that
-            bypasses transformers' interface, ALiBi, attention sinks); the model is left
+            bypasses transformers' interface, ALiBi); the model is left
             unchanged.
     """
     core = unwrap(model)

@@ -82,10 +82,12 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         original = ORIGINAL[compat.attn_implementation(module.config)]
         return compat.attention_function(module, original)(module, query, key, value,
                                                            attention_mask, **kwargs)
-    if kwargs.get("s_aux") is not None:
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and type(tree) is not TreeForward:
         raise UnsupportedModel(
-            f"{type(module).__name__} uses attention sinks (s_aux), which treepack's backends "
-            "do not implement yet; run this model unpacked"
+            f"{type(module).__name__} uses attention sinks (s_aux), which treepack runs on a "
+            "whole pack only, not yet in parts or over a sequence-parallel group: run this "
+            "model on packs within one forward's budget, without sequence_parallel"
         )
     if _carries_values(attention_mask):
         raise UnsupportedModel(
@@ -102,6 +104,7 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         softcap=kwargs.get("softcap"),
         window=kwargs.get("sliding_window"),
         dropout=kwargs.get("dropout", 0.0),
+        **({} if sinks is None else {"sinks": sinks}),
     )
     return out.transpose(1, 2).contiguous(), None  # [1, T', H, D] as transformers expects
 
