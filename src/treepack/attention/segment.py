@@ -241,7 +241,6 @@ def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, **kw) -> Tensor
         ks, vs = kg[:, :, a:b], vg[:, :, a:b]
         if sink:  # the sink key after the chain's keys, seen by every query of the chunk
             ks, vs = with_sink_key(ks, vs, 2)
-            mask = torch.cat((mask.expand(*mask.shape[:-1], b - a),
-                              mask.new_ones((*mask.shape[:-1], 1))), -1)
+            mask = torch.cat((mask, mask.new_ones((*mask.shape[:-1], 1))), -1)
         outs.append(sdpa(qg[:, :, t0:t1], ks, vs, mask, **kw))
     return torch.cat(outs, dim=2)

@@ -28,7 +28,7 @@ __all__ = ["Outcome", "families", "run_one", "census", "table", "CLASSES", "MAX_
 CLASSES = ("exact", "refused", "not built", "wrong", "crash", "hang")
 
 # Every size field a transformers config may have, made tiny; windows and chunks short enough
-# that the verification batch's 6-24-token sequences cross them.
+# that the verification batch's sequences (up to 32 tokens) cross them.
 _TINY = dict(
     vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -99,13 +99,13 @@ def _tiny_model(family: str, dtype):
     kinds = getattr(defaults, "layer_types", None)
     if isinstance(kinds, (list, tuple)) and kinds and "layer_types" in accepted:
         kinds = list(dict.fromkeys(kinds))  # each kind of layer once, in the model's order
-        kwargs.update(layer_types=kinds, num_hidden_layers=max(len(kinds), 2))
-        if len(kinds) == 1:
-            kwargs["layer_types"] = kinds * 2
+        kinds = kinds * 2 if len(kinds) == 1 else kinds
+        kwargs.update(layer_types=kinds, num_hidden_layers=len(kinds))
     if "attn_layer_indices" in accepted and getattr(defaults, "attn_layer_indices", 0) is None:
         kwargs["attn_layer_indices"] = [1]  # a hybrid with attention too (Bamba: none)
     if "expand" in accepted and "num_heads" in accepted:  # Mamba2: heads x head_dim fill it
-        kwargs["num_heads"] = _TINY["hidden_size"] * getattr(defaults, "expand", 2) // 16
+        kwargs["num_heads"] = (_TINY["hidden_size"] * getattr(defaults, "expand", 2)
+                               // _TINY["head_dim"])
     if "is_decoder" in accepted:
         kwargs["is_decoder"] = True  # encoders run as causal LMs only as decoders
     config = config_class(**kwargs)

@@ -124,6 +124,8 @@ class ShardedForward(TreeForward):
         total: the forward's rows (the pack's, or the part's).
     """
 
+    SINKS = False  # the sinks are not sliced to this rank's heads yet
+
     def __init__(self, inner: TreeForward, sp: SequenceParallel, total: int):
         self.inner, self.sp, self.total, self.pack = inner, sp, total, inner.pack
         self.exchange = exchange.HeadExchange(sp.group, sp.rank, sp.size, total,

@@ -101,6 +101,8 @@ class PartForward(TreeForward):
     """The per-forward object of one part: every token mixer over the part's context and
     own rows."""
 
+    SINKS = False  # the sink key is not carried between parts yet
+
     def __init__(self, carried: Carried, index: int):
         self.pack = carried.parts.pack
         self.carried, self.index = carried, index
