@@ -31,6 +31,13 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
 9. vlm       bench/vlm.py: vision-language GRPO (1-4 images a prompt) and a screenshot agent,
              tree vs padding-free vs padded, the FLOP-ratio limit with the vision tower, and
              the vision tower's share of the step.
+10. megatron bench/megatron.py --device cuda, once per megatron-core wheel in .whl/ (the device
+             image has none: carry ``.whl``; each wheel for this Python is unzipped into a
+             folder of its own; without one, the installed megatron-core):
+             the tree on a GPTModel against every sequence alone through Megatron's own
+             attention (float32 flex / segment, bfloat16 varlen / flex in ``Float16Module``),
+             then tree vs padding-free vs padded training steps on the Qwen2.5-0.5B shape.
+             Not in the default parts.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
@@ -441,6 +448,70 @@ def part_vlm(device, dry):
                    vision_share=row["vision_share"]["tree"])
 
 
+def megatron_versions() -> list[tuple[str, str | None]]:
+    """``(name, folder)`` per megatron-core to run: each wheel in .whl/ unzipped into a folder
+    of its own (a wheel is a zip; nothing to install), else the installed one (folder None)."""
+    import glob
+    import tempfile
+    import zipfile
+
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"  # wheels for this Python
+    wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", f"megatron_core-*-{tag}-*.whl")))
+    if not wheels:
+        return [("installed", None)]
+    out = []
+    for wheel in wheels:
+        folder = tempfile.mkdtemp(prefix="mcore-")
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(folder)
+        out.append((os.path.basename(wheel).split("-")[1], folder))
+    return out
+
+
+def part_megatron(device, dry, parts=("verify", "step")):
+    """bench/megatron.py on this one device per megatron-core (module doc, part 10)."""
+    import subprocess
+
+    for version, folder in megatron_versions():
+        out = os.path.join(os.environ.get("OUT") or ".", f"megatron-{version}.json")
+        command = [sys.executable, os.path.join(ROOT, "bench", "megatron.py"), "--device",
+                   str(device), "--json", out, "--parts", *parts] + (
+                       ["--quick", "--shape", "tiny"] if dry else [])
+        env = dict(os.environ)
+        if folder:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (folder, env.get("PYTHONPATH"))))
+        timeout = min(300.0, max(120.0, BUDGET[0] - elapsed()))
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                  env=env)
+        except subprocess.TimeoutExpired:
+            done = None
+        print(done.stdout if done else "", flush=True)
+        if not os.path.exists(out):
+            reason = (f"exited {done.returncode}: {done.stderr[-400:]}" if done
+                      else f"timed out after {timeout:.0f} s")
+            record("megatron", version=version, error=f"bench/megatron.py {reason}")
+            continue
+        with open(out) as f:
+            report = json.load(f)
+        for row in report.get("verify") or []:
+            record("megatron", version=report["megatron_core"], **row)
+        for name, row in (report.get("step") or {}).items():
+            record("megatron", version=report["megatron_core"], workload=name,
+                   model="megatron step", tokens=row["tokens"], rows=row["rows"],
+                   **{f"{k}_s": row[k]["seconds"] for k in ("tree", "padding_free", "padded")},
+                   **{f"{k}_peak_mib": row[k].get("peak_mib")
+                      for k in ("tree", "padding_free", "padded")},
+                   tree_vs_padding_free=row["tree/padding_free"]["median"],
+                   tree_vs_padded=row["tree/padded"]["median"],
+                   loss_tree=row["tree"]["loss"], loss_padded=row["padded"]["loss"])
+        if done is not None and done.returncode:
+            record("megatron", version=version,
+                   error=f"bench/megatron.py exited {done.returncode}: {done.stderr[-400:]}")
+        record("megatron", version=report["megatron_core"],
+               note=f"transformer_engine: {report['transformer_engine']}")
+
+
 def record_sp(report: dict) -> None:
     """One ``sp`` row per P and workload of bench/sp.py's JSON report."""
     errors = report["gradient_errors"]
@@ -467,7 +538,7 @@ def fmt(x, spec=".3f"):
 
 # a row without its part's key: the part failed whole
 ROW_KEYS = {"verify": "family", "attention": "workload", "lean": "variant", "flex": "pack",
-            "step": "workload", "sp": "workload", "vlm": "workload"}
+            "step": "workload", "sp": "workload", "vlm": "workload", "megatron": "workload"}
 
 
 def summary() -> list[str]:
@@ -517,6 +588,9 @@ def summary() -> list[str]:
     for row in rows_of("vlm"):
         cells = ", ".join(f"{k} {fmt(v)}" for k, v in row.items() if k != "workload")
         lines.append(f"vlm       {row['workload']:<12}{cells}")
+    for row in rows_of("megatron"):
+        cells = ", ".join(f"{k} {fmt(v, '.3g')}" for k, v in row.items() if k != "workload")
+        lines.append(f"megatron  {row['workload']:<12}{cells}")
     return lines
 
 
@@ -602,6 +676,11 @@ def bars() -> list[str]:
         worst = max(r["tree_vs_padding_free"] for r in sp)
         out.append(f"bar: SP tree step never slower than padding-free: "
                    f"{verdict(worst <= 1.0, sp)} (worst {worst:.3f})")
+    mverify = [r for r in rows_of("megatron") if "result" in r]
+    if mverify:
+        bad = [r for r in mverify if r["result"] != "PASS"]
+        out.append(f"bar: megatron tree equals each sequence alone: "
+                   f"{verdict(not bad, mverify)} ({len(mverify) - len(bad)}/{len(mverify)})")
     verify = rows_of("verify")
     if verify:
         bad = [r for r in verify if r["result"] in ("FAIL", "ERROR")]
@@ -625,6 +704,8 @@ def main():
                         help="verify only these families (a rerun of what failed)")
     parser.add_argument("--no-flex-step", action="store_true",
                         help="the step part on the auto backend only")
+    parser.add_argument("--megatron-parts", nargs="+", default=["verify", "step"],
+                        help="the megatron part's own parts (bench/megatron.py --parts)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dry = args.dry_run or device.type != "cuda"
@@ -652,6 +733,8 @@ def main():
         "sp": lambda: part_sp(device, dry),
         # vision-language models (bench/vlm.py): tree vs padding-free vs padded
         "vlm": lambda: part_vlm(device, dry),
+        # megatron-core (bench/megatron.py --device): tree vs each sequence alone, then steps
+        "megatron": lambda: part_megatron(device, dry, args.megatron_parts),
     }
     for name in args.parts:
         if elapsed() > BUDGET[0]:

@@ -28,6 +28,21 @@ the forward (the rank that holds the most); and at CP = 2 the bytes each attenti
 forward hands the all-to-all per rank, against the formula ``(h + 2 k' + h) · d · w`` elements
 (``h`` query heads and ``k' = lcm(k, CP)`` key/value heads of the TP rank, ``w`` rows per CP
 rank).
+
+On one device (``--device cuda``, or ``--device cpu`` for a check of the same code): one
+process, TP = 1, and two parts.
+
+- ``verify``: the tree against every sequence alone through Megatron's own attention on the
+  same model (GQA with rope; the same with a 64-position window on every other layer), in
+  float32 (flex and segment: varlen refuses float32) and in bfloat16 inside Megatron's
+  ``Float16Module`` (varlen and flex). Log-probs and every parameter gradient (of a fixed
+  random weighting of the log-probs) against the float32 reference; in bfloat16 the error
+  is divided by the bfloat16 model's own error run sequence by sequence (its spread).
+- ``step``: the timing above on a Qwen2.5-0.5B-shaped model in bfloat16 (24 layers, hidden
+  896, 14 / 2 heads of 64, vocabulary 151,936; ``--shape tiny``: the CPU model), padded in
+  micro-batches of 4 rows (fewer where they would pass 8,192 padded tokens: Megatron's local
+  attention holds every layer's ``[b, h, L, L]`` scores) and padding-free in packs of at
+  most 32,768 tokens, with the peak memory of each step.
 """
 
 from __future__ import annotations
@@ -65,40 +80,57 @@ LAYOUTS = {"TP=1": dict(tp=1, cp=1), "TP=2": dict(tp=2, cp=1), "CP=2": dict(tp=1
 STEPS = ("tree", "padding_free", "padded")
 
 
-def build(tp: int, cp: int):
+SHAPES = {"tiny": dict(MODEL, vocab=VOCAB),
+          "qwen2.5-0.5b": dict(num_layers=24, hidden_size=896, num_attention_heads=14,
+                               num_query_groups=2, kv_channels=64, ffn_hidden_size=4864,
+                               vocab=151936)}
+
+
+def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, device="cpu",
+          **fields):
+    """The bench's GPTModel (float32; in Megatron's ``Float16Module`` with ``bf16``), prepared
+    for trees; ``fields`` go to its ``TransformerConfig``."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import treepack.megatron as tm
 
+    shape = dict(shape or SHAPES["tiny"])
+    vocab = shape.pop("vocab")
     config = TransformerConfig(
-        **MODEL, use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False,
+        **shape, use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False,
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, attention_dropout=0.0,
         hidden_dropout=0.0, params_dtype=torch.float32, tensor_model_parallel_size=tp,
-        context_parallel_size=cp)
+        context_parallel_size=cp, bf16=bf16, **fields)
     spec = tm.layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=1 << 16,
+    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=1 << 16,
                      position_embedding_type="rope")
-    return tm.prepare(model)
+    model.to(device)
+    return tm.prepare(Float16Module(config, model) if bf16 else model)
 
 
-def tree_step(model, pack: TreePack):
+def tree_step(model, pack: TreePack, backend: str = "auto", count: int | None = None):
+    """The mean NLL of the pack's predictions (over ``count`` where the pack is one of several
+    making up a batch)."""
     import treepack.megatron as tm
 
-    mask, count = pack.prediction_mask, pack.num_predictions
+    mask, count = pack.prediction_mask, count or pack.num_predictions
 
     def forward():
-        return -tm.logprobs(model, pack).logprobs.where(mask, 0).sum() / count
+        out = tm.logprobs(model, pack, backend=backend).logprobs
+        return -out.where(mask, 0).sum() / count
 
     return forward
 
 
-def padded_step(model, sequences: list):
-    """Megatron's own step on a right-padded batch: full logits, its loss on a copy."""
+def padded_step(model, sequences: list, device="cpu", count: int | None = None):
+    """Megatron's own step on a right-padded batch: full logits, its loss on a copy (the mean
+    over ``count`` predictions where the batch is a micro-batch of a larger one)."""
     from megatron.core import tensor_parallel
 
     width = max(map(len, sequences))
@@ -112,7 +144,9 @@ def padded_step(model, sequences: list):
     labels = torch.roll(ids, -1, 1)
     predicted = real & torch.roll(real, -1, 1)
     predicted[:, -1] = False
-    count = int(predicted.sum())
+    count = count or int(predicted.sum())
+    ids, positions, causal, labels, predicted = (
+        t.to(device) for t in (ids, positions, causal, labels, predicted))
 
     def forward():
         logits = model(ids, positions, causal)  # [B, L, V / tp]
@@ -230,13 +264,230 @@ def combine(name: str, every: list[dict]) -> dict:
     return rows
 
 
+# ---------------------------------------------------------------- one device (--device)
+
+VERIFY = {"gqa-rope": {}, "window-64": dict(window_size=(63, 0), window_attn_skip_freq=2)}
+
+
+def in_packs(sequences: list, budget: int) -> list[list]:
+    """Consecutive sequences in groups of at most ``budget`` tokens (padding-free packs)."""
+    out, size = [[]], 0
+    for seq in sequences:
+        if out[-1] and size + len(seq) > budget:
+            out.append([])
+            size = 0
+        out[-1].append(seq)
+        size += len(seq)
+    return out
+
+
+def alone(model, sequences: list, weights: torch.Tensor, device) -> tuple:
+    """Every sequence run alone through Megatron's own attention: ``[N, L]`` log-probs, and
+    the gradients of ``(weights * log-probs).sum()`` by parameter name."""
+    out = torch.zeros(weights.shape, device=device)
+    model.zero_grad(set_to_none=True)
+    for s, seq in enumerate(sequences):
+        ids = torch.tensor(seq, device=device)[None]
+        positions = torch.arange(len(seq), device=device)[None]
+        i = torch.arange(len(seq), device=device)
+        logits = model(ids, positions, (i[None, :] > i[:, None])[None, None])[0].float()
+        logp = logits.log_softmax(-1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        (weights[s, 1:len(seq)] * logp).sum().backward()
+        out[s, 1:len(seq)] = logp.detach()
+    return out, grads_of(model)
+
+
+def on_tree(model, pack: TreePack, weights: torch.Tensor, backend: str) -> tuple:
+    import treepack.megatron as tm
+
+    model.zero_grad(set_to_none=True)
+    logp = tm.logprobs(model, pack, backend=backend).logprobs.float()
+    (weights * logp).sum().backward()
+    return logp.detach(), grads_of(model)
+
+
+def grads_of(model) -> dict:
+    return {name.removeprefix("module."): p.grad.float().clone()
+            for name, p in model.named_parameters() if p.grad is not None}
+
+
+def errors(logp, grads, reference) -> dict:
+    """The log-probs' largest error, and the gradients' (per tensor, over its largest value;
+    the worst tensor)."""
+    ref_logp, ref_grads = reference
+    if set(grads) != set(ref_grads):
+        raise AssertionError(f"gradients of {sorted(set(grads) ^ set(ref_grads))} on one side")
+    return dict(logprobs=(logp - ref_logp).abs().max().item(),
+                grads=max(((grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                          for k, g in ref_grads.items()))
+
+
+def verify_rows(device, quick: bool) -> list[dict]:
+    """The tree against every sequence alone on the same model (module doc, ``verify``)."""
+    works = rl_workloads(scale=64 if quick else 16, vocab=VOCAB)[: 1 if quick else None]
+    cuda = device.type == "cuda"
+    rows = []
+    for name, fields in VERIFY.items():
+        models = {}
+        for bf16 in (False, True):
+            torch.manual_seed(0)
+            models[bf16] = build(1, 1, bf16=bf16, device=device, **fields)
+        for w in works:
+            seqs = [list(map(int, s)) for s in w.sequences]
+            pack = TreePack.from_sequences(seqs, device=device)
+            weights = torch.randn(pack.prediction_mask.shape, generator=torch.Generator()
+                                  .manual_seed(1)).to(device).where(pack.prediction_mask, 0)
+            reference = alone(models[False], seqs, weights, device)
+            spread = errors(*alone(models[True], seqs, weights, device), reference)
+            for dtype, backends in (("float32", ("flex", "segment") if cuda else ("segment",)),
+                                    ("bfloat16", ("varlen", "flex") if cuda else ("segment",))):
+                for backend in backends:
+                    row = dict(model=name, workload=w.name, dtype=dtype, backend=backend,
+                               rows=pack.num_rows, tokens=sum(map(len, seqs)))
+                    try:
+                        err = errors(*on_tree(models[dtype == "bfloat16"], pack, weights,
+                                              backend), reference)
+                    except Exception as e:  # noqa: BLE001 - a row, not the run
+                        rows.append(dict(row, result="ERROR", message=f"{type(e).__name__}: "
+                                         f"{e}"[:300]))
+                        continue
+                    if dtype == "float32":
+                        ok = err["logprobs"] <= 1e-3 and err["grads"] <= 1e-3
+                    else:  # bfloat16: within 1.5x of the model's own error sequence by sequence
+                        err.update(own_logprobs=spread["logprobs"], own_grads=spread["grads"])
+                        ok = all(err[k] <= 1.5 * max(spread[k], 1e-6 if k == "logprobs" else
+                                                     1e-4) for k in ("logprobs", "grads"))
+                    rows.append(dict(row, **err, result="PASS" if ok else "FAIL"))
+                    print("verify " + json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def step_rows(device, shape: str, scale: int, repeats: int) -> dict:
+    """Tree vs padding-free vs padded training steps on one device (module doc, ``step``)."""
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = build(1, 1, shape=SHAPES[shape], bf16=cuda, device=device)
+    vocab = SHAPES[shape]["vocab"]
+    out = {}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    for w in rl_workloads(scale=scale, vocab=vocab):
+        seqs = [list(map(int, s)) for s in w.sequences]
+        count = sum(len(s) - 1 for s in seqs)
+        # Megatron's local attention holds [b, h, L, L] scores per layer: 4 rows a
+        # micro-batch, fewer for long ones (at most 8,192 padded tokens)
+        micro = max(1, min(4, 8192 // max(map(len, seqs))))
+        tree = TreePack.from_sequences(seqs, device=device)
+        free = [TreePack.from_sequences(g, share_prefixes=False, device=device)
+                for g in in_packs(seqs, 32768)]
+        parts = {"tree": [tree_step(model, tree, count=count)],
+                 "padding_free": [tree_step(model, p, count=count) for p in free],
+                 "padded": [padded_step(model, seqs[i:i + micro], device, count=count)
+                            for i in range(0, len(seqs), micro)]}
+
+        def step(forwards):
+            def run():
+                loss = 0.0
+                for forward in forwards:  # micro-batches: each backward frees its graph
+                    part = forward()
+                    part.backward()
+                    loss += part.item()
+                sync()
+                return loss
+            return run
+
+        steps = {name: step(f) for name, f in parts.items()}
+        row = {"tokens": sum(map(len, seqs)), "rows": tree.num_rows,
+               "padding_free_rows": sum(p.num_rows for p in free)}
+        for name, run in steps.items():  # warm-up: the loss and the peak memory
+            model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            row[name] = {"loss": run()}
+            if cuda:
+                row[name]["peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+        @contextlib.contextmanager
+        def around(name):
+            model.zero_grad(set_to_none=True)
+            sync()
+            yield
+
+        times = interleave(steps, repeats, around=around)
+        for name in steps:
+            row[name]["seconds"] = statistics.median(times[name])
+        for base in ("padding_free", "padded"):
+            row[f"tree/{base}"] = Spread.of(
+                a / b for a, b in zip(times["tree"], times[base]))._asdict()
+        out[w.name] = row
+        print("step " + json.dumps({w.name: row}), flush=True)
+    return out
+
+
+def single(args) -> None:
+    """One process on one device: verify, then step (module doc)."""
+    from launch import free_port
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    if device.type != "cuda":
+        import megatron_cpu
+
+        megatron_cpu.install()
+    ps.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    import megatron.core
+
+    report = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                  torch=torch.__version__, megatron_core=megatron.core.__version__)
+    try:
+        import transformer_engine  # noqa: F401
+        report["transformer_engine"] = transformer_engine.__version__
+    except ImportError as e:
+        report["transformer_engine"] = f"not installed ({e})"
+    print("bench/megatron.py " + json.dumps(report), flush=True)
+    try:
+        if "verify" in args.parts:
+            report["verify"] = verify_rows(device, args.quick)
+        if "step" in args.parts:
+            report["step"] = step_rows(device, args.shape, 64 if args.quick else args.scale,
+                                       args.repeats or (1 if args.quick else 3))
+    finally:
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(report, out, indent=1)
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="lengths / 64, one round")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
     parser.add_argument("--json", default=None, help="write every number here")
+    parser.add_argument("--device", default=None,
+                        help="one process on this device (cuda; cpu: a check of that path)")
+    parser.add_argument("--parts", nargs="+", default=["verify", "step"],
+                        help="with --device: verify, step")
+    parser.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES),
+                        help="with --device: the step's model")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="with --device: workload lengths / scale")
     args = parser.parse_args()
+    if args.device:
+        return single(args)
     config = dict(scale=64 if args.quick else 16,
                   repeats=args.repeats or (1 if args.quick else 3))
     results = {}

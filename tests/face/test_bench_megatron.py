@@ -1,6 +1,7 @@
 """bench/megatron.py runs and measures what its table claims (the megatron environment)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,41 @@ def test_megatron_bench_quick_run(tmp_path):
         assert row["tree"]["exchange"] == row["formula"] > 0, workload
         assert "padded" not in row  # Megatron's local attention refuses CP
         assert abs(row["tree"]["loss"] - results["TP=1"][workload]["tree"]["loss"]) < 1e-5
+
+
+def test_megatron_bench_one_device_verifies_and_steps(tmp_path):
+    """``--device cpu`` runs the GPU part's code: the tree equals every sequence alone
+    (float32 to 1e-5; bfloat16 within 1.5x of the model's own error), then the steps."""
+    out = tmp_path / "one.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "megatron.py"), "--device",
+                           "cpu", "--quick", "--shape", "tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["megatron_core"] and "transformer_engine" in report
+    verify = report["verify"]
+    assert {(r["model"], r["dtype"]) for r in verify} == {
+        (m, d) for m in ("gqa-rope", "window-64") for d in ("float32", "bfloat16")}
+    for row in verify:
+        assert row["result"] == "PASS", row
+        if row["dtype"] == "float32":
+            assert row["logprobs"] < 1e-5 and row["grads"] < 1e-5, row
+    for workload, row in report["step"].items():
+        assert row["rows"] < row["padding_free_rows"] == row["tokens"], workload
+        losses = [row[k]["loss"] for k in ("tree", "padding_free", "padded")]
+        assert max(losses) - min(losses) < 1e-5, (workload, losses)
+
+
+def test_gpu_script_megatron_part(tmp_path):
+    """bench/gpu.py's megatron part (a dry run: the installed megatron-core, no wheel for this
+    Python in .whl/) records every verify row and a step row per workload, and its bar."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--dry-run",
+                           "--parts", "megatron"], capture_output=True, text=True, timeout=900,
+                          cwd=tmp_path, env={**os.environ, "OUT": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu.json").read_text())["results"]["megatron"]
+    assert not [r for r in rows if "error" in r], rows
+    assert sum(r.get("result") == "PASS" for r in rows) == 4
+    assert {r["workload"] for r in rows if r.get("model") == "megatron step"} == {
+        "grpo_long", "low_sharing", "agent"}
+    assert "bar: megatron tree equals each sequence alone: PASS (4/4)" in done.stdout
