@@ -72,6 +72,7 @@ from treepack.face.benchmark.memory import saved_storages  # noqa: E402
 from treepack.face.benchmark.timing import Spread, interleave  # noqa: E402
 from treepack.face.benchmark.traffic import Traffic  # noqa: E402
 from treepack.face.benchmark.workloads import rl_workloads  # noqa: E402
+from treepack.planning.planner import plan  # noqa: E402
 
 VOCAB = 4096
 MODEL = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
@@ -156,6 +157,31 @@ def padded_step(model, sequences: list, device="cpu", count: int | None = None):
     return forward
 
 
+def parts_step(model, pack: TreePack, budget: int, count: int):
+    """One step of the mean NLL over a tree too large for ``budget`` rows, in parts."""
+    import treepack.megatron as tm
+
+    def loss_fn(out, mask):
+        return -out.logprobs.where(mask, 0).sum() / count
+
+    return lambda: tm.backward_in_parts(model, pack, loss_fn, max_tokens=budget).loss.item()
+
+
+def split_step(model, packs: list, count: int):
+    """One step of the mean NLL over the plan's packs of a split tree, one backward each."""
+    forwards = [tree_step(model, p, count=count) for p in packs]
+
+    def step():
+        total = 0.0
+        for forward in forwards:
+            loss = forward()
+            loss.backward()
+            total += loss.item()
+        return total
+
+    return step
+
+
 def formula_bytes(rows: int, cp: int, tp: int, itemsize: int) -> int:
     """What a CP rank hands the all-to-all per attention layer in the forward: q, k and v of
     its rows out, ``(h + 2 k') d w`` elements, the output back, ``h d w`` (module doc)."""
@@ -190,7 +216,19 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
             steps = {name: tree_step(model, pack) for name, pack in packs.items()}
             if layout["cp"] == 1:
                 steps["padded"] = padded_step(model, seqs)
+            # the tree over a budget of a quarter of its rows: in parts (every row once)
+            # against the plan's split, whose packs repeat the prefix above each cut
+            budget = max(packs["tree"].num_rows // 4, max(map(len, seqs)))
+            whole = sum(len(s) - 1 for s in seqs)
+            split = [p for p in plan(seqs, max_tokens=budget).packs(0) if p.num_sequences]
+            over = {"in_parts": parts_step(model, packs["tree"], budget, whole),
+                    "split": split_step(model, split, whole)}
             result = {}
+            for name, run in over.items():  # warm-up
+                model.zero_grad(set_to_none=True)
+                result[name] = dict(loss=run(), budget=budget,
+                                    rows=sum(p.num_rows for p in split) if name == "split"
+                                    else packs["tree"].num_rows)
             for name, forward in steps.items():  # warm-up: held bytes, traffic, the loss
                 model.zero_grad(set_to_none=True)
                 traffic = Traffic()
@@ -212,9 +250,9 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
             def run(forward):
                 return lambda: forward().backward()
 
-            times = interleave({n: run(f) for n, f in steps.items()}, config["repeats"],
-                               around=around)
-            for name in steps:
+            times = interleave({**{n: run(f) for n, f in steps.items()}, **over},
+                               config["repeats"], around=around)
+            for name in times:
                 result[name]["seconds"] = times[name]
             out[w.name] = dict(result, tokens=sum(map(len, seqs)))
         with open(os.path.join(config["dir"], f"{config['layout']}-rank{rank}.json"), "w") as f:
@@ -255,10 +293,16 @@ def combine(name: str, every: list[dict]) -> dict:
             row[s] = dict(seconds=statistics.median(rounds), rounds=rounds, loss=per[0]["loss"],
                           held=max(p["held"] for p in per), rows=per[0]["rows"],
                           exchange=forward)
-        for base in ("padding_free", "padded"):
+        for s in ("in_parts", "split"):  # the tree over a budget (held: not measured)
+            per = [r[w][s] for r in every]
+            rounds = [max(t) for t in zip(*(p["seconds"] for p in per))]
+            row[s] = dict(seconds=statistics.median(rounds), rounds=rounds, loss=per[0]["loss"],
+                          rows=per[0]["rows"], budget=per[0]["budget"])
+        for top, base in (("tree", "padding_free"), ("tree", "padded"), ("in_parts", "split"),
+                          ("in_parts", "tree")):
             if base in row:
-                row[f"tree/{base}"] = Spread.of(
-                    a / b for a, b in zip(row["tree"]["rounds"], row[base]["rounds"]))._asdict()
+                row[f"{top}/{base}"] = Spread.of(
+                    a / b for a, b in zip(row[top]["rounds"], row[base]["rounds"]))._asdict()
         row["formula"] = formula_bytes(row["tree"]["rows"], layout["cp"], layout["tp"], 4)
         rows[w] = row
     return rows
@@ -518,6 +562,25 @@ def main() -> None:
                   f"{t['seconds']:.2f} | {f['seconds']:.2f} | {padded} | "
                   f"{spread('tree/padding_free')} | {spread('tree/padded')} | {held} | "
                   f"{exchange} | {loss} |")
+    print("\nThe tree over a budget of a quarter of its rows: in parts (every row once) and "
+          "the plan's split (each pack repeats the prefix above its cut), beside the whole "
+          "tree in one forward:")
+    print("| layout | workload | budget | rows in parts / split | step s in parts | split | "
+          "whole tree | in parts / split [range] | in parts / whole [range] | loss in parts / "
+          "split / whole |")
+    print("|---|---|---:|---|---:|---:|---:|---|---|---|")
+    for name, rows in results.items():
+        for w, row in rows.items():
+            p, sp, t = row["in_parts"], row["split"], row["tree"]
+
+            def spread(key, r=row):
+                s = r[key]
+                return f"{s['median']:.3f} [{s['low']:.3f}–{s['high']:.3f}]"
+
+            print(f"| {name} | {w} | {p['budget']:,} | {p['rows']:,} / {sp['rows']:,} | "
+                  f"{p['seconds']:.2f} | {sp['seconds']:.2f} | {t['seconds']:.2f} | "
+                  f"{spread('in_parts/split')} | {spread('in_parts/tree')} | "
+                  f"{p['loss']:.4f} / {sp['loss']:.4f} / {t['loss']:.4f} |")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(results, out, indent=1)

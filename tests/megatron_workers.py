@@ -245,10 +245,11 @@ def broken(how: str | None):
     from treepack.adapters.megatron import forward, rotary
     from treepack.attention import exchange
 
+    from treepack.adapters import carried
     from treepack.adapters.megatron import moe
 
     saved = (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
-             forward.Head, moe.install)
+             forward.Head, moe.install, carried.Carried.backward_inputs)
     try:
         if how == "positions":  # the rotary embedding at each row's packed index
             rotary.install = lambda model: None
@@ -275,6 +276,8 @@ def broken(how: str | None):
                 out = out.permute(2, 0, 1, 3).reshape(own, 1, -1)
                 return torch.cat((out, out.new_zeros(self.width - own, *out.shape[1:])))
             forward.TreeForward.attend = attend
+        elif how == "carried gradient":  # parts hand no gradient to the parts above
+            carried.Carried.backward_inputs = lambda self, i: ([], [])
         elif how == "vocabulary share":  # every TP rank takes its share for the first
             def head(*args, vocab_start=0, **kwargs):  # (the target's logit from the wrong
                 return saved[3](*args, vocab_start=0, **kwargs)  # rank)
@@ -282,7 +285,7 @@ def broken(how: str | None):
         yield
     finally:
         (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
-         forward.Head, moe.install) = saved
+         forward.Head, moe.install, carried.Carried.backward_inputs) = saved
 
 
 def each_case(cases: dict, path: str, run) -> None:
@@ -335,10 +338,20 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         else 1.0
     if case.get("mismatch"):  # every rank of the group its own temperature
         temps = 1.0 + 0.25 * dist.get_rank()
-    got = tm.logprobs(model, pack, temperature=temps, entropy=True,
-                      backend=case.get("backend", "auto"))
-    loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
-    loss.backward()
+    if case.get("parts"):  # a tree over the budget: every row once, in parts of that many
+        def loss_fn(out, mask):
+            return (out.logprobs * w).where(mask, 0).sum() + (out.entropy * v).where(mask, 0).sum()
+
+        run = tm.step_in_parts if case.get("step") else tm.backward_in_parts
+        got = run(model, pack, loss_fn, max_tokens=case["parts"], temperature=temps,
+                  entropy=True, recompute=case.get("recompute", "auto"))
+        assert got.parts > 2 and got.rows == pack.num_rows, (got.parts, got.rows)
+        loss = got.loss
+    else:
+        got = tm.logprobs(model, pack, temperature=temps, entropy=True,
+                          backend=case.get("backend", "auto"))
+        loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
+        loss.backward()
     grads = {}
     for k, p in model.named_parameters():
         g = p.grad.clone()

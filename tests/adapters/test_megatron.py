@@ -25,6 +25,13 @@ CASES = {
     "sliding window": {"window": 5, "config": {"window_size": (4, 0)}},
     "tied embeddings": {"tied": True},
     "a pack with fewer rows than ranks": {"batch": "tiny"},
+    # a tree over the budget: parts of at most this many rows, each row computed once
+    "in parts": {"parts": 6},
+    "in parts, sliding window, temperatures": {"parts": 5, "window": 5, "temperatures": True,
+                                               "config": {"window_size": (4, 0)}},
+    "in parts, a whole-batch loss (step_in_parts)": {"parts": 6, "step": True},
+    "in parts, every part recomputed": {"parts": 4, "recompute": True},
+    "in parts, none recomputed": {"parts": 7, "recompute": False},
 }
 
 # negative controls, each on the layouts it applies to, must be caught (Megatron's own rope
@@ -38,10 +45,21 @@ BROKEN = {
         ({"broken": "local mask"}, lambda layout: layout.get("cp", 1) > 1),
     "broken: each TP rank reads the target's logit as the first rank's":
         ({"broken": "vocabulary share"}, lambda layout: layout.get("tp", 1) > 1),
+    "broken: parts hand no gradient to the parts above":
+        ({"broken": "carried gradient", "parts": 6}, lambda layout: True),
 }
 
 # ranks of the TP x CP group that disagree: every rank must refuse, none may hang
 MISMATCH = {"temperatures that differ between ranks": {"mismatch": True}}
+
+# what a tree in parts cannot run: refused by name on every rank (case, words)
+REFUSED = {
+    "in parts, activation recomputation": (
+        {"parts": 6, "config": {"recompute_granularity": "full", "recompute_method": "uniform",
+                                "recompute_num_layers": 1}},
+        "UnsupportedMegatron: a layer ran its forward without gradients during a training "
+        "step in parts"),
+}
 
 LAYOUTS = {
     "tp1": dict(tp=1, world=1),
@@ -59,7 +77,8 @@ TOLERANCE = 1e-10
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
     spawn(megatron_workers.reference_worker, str(out),
-          {**CASES, **{n: b for n, (b, _) in BROKEN.items()}, **MISMATCH}, world=1,
+          {**CASES, **{n: b for n, (b, _) in BROKEN.items()}, **MISMATCH,
+           **{n: c for n, (c, _) in REFUSED.items()}}, world=1,
           timeout=900)
     return out
 
@@ -69,7 +88,8 @@ def layout(request, reference):
     spec = {"name": request.param.replace(" ", "_").replace(",", ""), **LAYOUTS[request.param]}
     broken = {n: b for n, (b, applies) in BROKEN.items() if applies(spec)}
     cases = {n: {**c, "sequence_parallel": spec.get("sequence_parallel", False)}
-             for n, c in {**CASES, **broken, **MISMATCH}.items()}
+             for n, c in {**CASES, **broken, **MISMATCH,
+                          **{n: c for n, (c, _) in REFUSED.items()}}.items()}
     spawn(megatron_workers.cases_worker, str(reference), cases, spec, world=spec["world"],
           timeout=900)
     results = [torch.load(reference / f"{spec['name']}-rank{r}.pt")
@@ -109,6 +129,31 @@ def test_ranks_that_disagree_refuse_on_every_rank(layout):
         assert "error" in got and got["error"].startswith("Disagreement"), (name, rank, got)
         assert "temperature (rank 0: 1.0 for each of" in got["error"], got["error"]
         assert "tensor- and context-parallel group" in got["error"], got["error"]
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_parts_cannot_run_is_refused_on_every_rank(layout, case):
+    name, results, _ = layout
+    for rank, per_case in enumerate(results):
+        got = per_case[case]
+        assert got.get("error", "").startswith(REFUSED[case][1]), (name, rank, got)
+
+
+def test_parts_refuse_moe_router_losses_by_name():
+    """A router loss is a function of every row's routing: no part holds it alone."""
+    import types
+
+    from treepack.adapters.megatron.parts import _router_losses
+
+    def config(kind="aux_loss", coeff=1e-2, z=None):
+        return types.SimpleNamespace(moe_router_load_balancing_type=kind,
+                                     moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z)
+
+    assert _router_losses(config()) == "aux_loss"
+    assert _router_losses(config(["seq_aux_loss", "global_aux_loss"], [0.0, 1e-3], 1e-3)) \
+        == "global_aux_loss and z_loss"
+    assert _router_losses(config("none")) is None
+    assert _router_losses(config(coeff=0.0)) is None
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

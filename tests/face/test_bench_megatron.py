@@ -26,6 +26,13 @@ def test_megatron_bench_quick_run(tmp_path):
     for workload, row in results["TP=1"].items():
         assert abs(row["tree"]["loss"] - row["padded"]["loss"]) < 1e-5, workload
         assert row["tree"]["rows"] < row["padding_free"]["rows"] == row["tokens"]
+        # over a budget: parts compute the tree's rows once, the split repeats prefixes
+        parts, split = row["in_parts"], row["split"]
+        assert parts["rows"] == row["tree"]["rows"] <= split["rows"], workload
+        assert parts["budget"] < row["tree"]["rows"], workload
+        for got in (parts, split):
+            assert abs(got["loss"] - row["tree"]["loss"]) < 1e-5, (workload, got)
+    assert "| TP=1 | grpo_long | " in done.stdout.split("The tree over a budget")[1]
     for workload, row in results["CP=2"].items():
         assert row["tree"]["exchange"] == row["formula"] > 0, workload
         assert "padded" not in row  # Megatron's local attention refuses CP

@@ -2,8 +2,8 @@
 part of a tree, one rank's slice of a sequence-parallel forward, or both.
 
 The predictions themselves and their placement are :mod:`treepack.lean.predictions`' (shared
-with every adapter that splits a pack's rows); here :func:`part_predictions` groups them by
-part once per pack and budget, and :func:`place` reads a packed forward's output (its logits,
+with every adapter that splits a pack's rows; :func:`part_predictions`, grouped by part once
+per pack and budget, is :mod:`treepack.adapters.carried`'s); :func:`place` reads a packed forward's output (its logits,
 or its hidden states and head) as their source.
 """
 
@@ -13,31 +13,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.core.derived import derived_from_pack
+from treepack.adapters.carried import part_predictions
 from treepack.core.softmax import Head, Logits
-from treepack.core.tree import TreePack
 from treepack.lean import predictions as lean
 from treepack.lean.predictions import Predictions
-from treepack.planning.parts import split
 
 __all__ = ["Predictions", "part_predictions", "place", "zero_of"]
-
-
-@derived_from_pack
-def part_predictions(pack: TreePack, budget: int | None, align: str) -> list[Predictions]:
-    """The predictions of each part of ``split(pack, budget)`` (``budget`` None: one part,
-    the whole pack), sources counted among the part's rows."""
-    if budget is None:
-        return [lean.predictions(pack, align)]
-    where, seq, source, token, real = lean.host_predictions(pack, align)
-    parts = split(pack, budget)
-    part_of, local, count = parts.part_of, parts.local[source], len(parts.parts)
-    order = np.lexsort((local, part_of[source]))  # by part, then source row
-    counts = np.bincount(part_of[source], minlength=count)
-    move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(pack.device)  # noqa: E731
-    return [Predictions(move(where[sel]), seq[sel], local[sel], move(token[sel]),
-                        None if real[sel].all() else move(real[sel]))
-            for sel in np.split(order, np.cumsum(counts)[:-1])]
 
 
 def place(predictions: Predictions, out, temperature: np.ndarray, *, entropy: bool,

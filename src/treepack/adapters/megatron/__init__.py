@@ -9,6 +9,9 @@ lazily).
     loss = my_loss(out.logprobs, out.entropy)  # [N, L], as treepack.hf.logprobs gives
     loss.backward()
 
+A tree larger than one forward runs in parts that each compute their rows once
+(:mod:`.parts`: ``backward_in_parts``, ``step_in_parts``, ``logprobs_in_parts``).
+
 The tree enters each layer as its ``core_attention`` (:mod:`.attention`): treepack's
 backends (``segment`` on a CPU, ``varlen`` / ``flex`` on CUDA) over the pack's rows, at
 their depths (:mod:`.rotary`). Log-probs come from the vocabulary-parallel output layer's
@@ -27,7 +30,10 @@ from treepack.adapters.megatron.attention import (  # noqa: E402
 from treepack.adapters.megatron.forward import (  # noqa: E402
     StageOutput, TreeForward, forward_stage, forward_step, is_prepared, logprobs, prepare,
     unwrap)
+from treepack.adapters.megatron.parts import (  # noqa: E402
+    PartsResult, backward_in_parts, logprobs_in_parts, step_in_parts)
 
 __all__ = ["layer_spec", "prepare", "logprobs", "forward_step", "forward_stage", "StageOutput",
            "is_prepared", "unwrap", "TreeCoreAttention", "TreePackedSeqParams", "TreeForward",
-           "UnsupportedMegatron"]
+           "UnsupportedMegatron", "backward_in_parts", "step_in_parts", "logprobs_in_parts",
+           "PartsResult"]

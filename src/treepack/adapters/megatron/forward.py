@@ -132,28 +132,34 @@ class TreeForward:
         cp: the context-parallel group (None: one rank); ``cp_rank``, ``cp_size``.
         multiple: the rows of a forward are padded to a multiple of this (Megatron's sequence
             parallelism splits them over the TP ranks).
+        rows: the pack's rows this forward computes (ascending; None: every row), as one
+            part of a tree in parts does (:mod:`.parts`); ``start`` / ``stop`` count among
+            them.
     """
 
     def __init__(self, pack: TreePack, backend: str, block_size: int, cp, cp_rank: int,
-                 cp_size: int, multiple: int):
+                 cp_size: int, multiple: int, rows: Tensor | None = None):
         self.pack, self.cp = pack, cp
-        total = pack.num_rows
+        whole = rows is None
+        every = torch.arange(pack.num_rows, device=pack.device) if whole else rows
+        total = every.shape[0]
         width = -(-total // cp_size) if total else 1
         width = -(-width // multiple) * multiple
         self.start = min(total, cp_rank * width)
         self.stop = min(total, self.start + width)
-        rows = torch.arange(self.start, self.stop, device=pack.device)
+        rows = every[self.start:self.stop]
         if rows.shape[0] < width:  # copies of a row whose outputs nothing reads
             fill = rows[-1:] if rows.shape[0] else torch.zeros(1, dtype=torch.long,
                                                                 device=pack.device)
             rows = torch.cat((rows, fill.expand(width - rows.shape[0])))
-        self.rows, self.width = rows, width
+        self.rows, self.width, self.total = rows, width, total
         self.depths = pack.position_ids[rows]
         # the original tokens each row stands for (an MoE router's weights); 0 for the copies
         weights = row_multiplicity(pack)[rows]
         self.weights = weights.masked_fill(torch.arange(width, device=pack.device)
                                            >= self.stop - self.start, 0)
-        self.attention = TreeAttention(pack, backend, block_size=block_size)
+        self.attention = TreeAttention(pack, backend, block_size=block_size) \
+            if whole else None  # a part attends through its own plans (.parts)
         self.exchange = None if cp is None else HeadExchange(
             cp, cp_rank, cp_size, total, width, error=UnsupportedMegatron)
         self.calls = 0
@@ -176,18 +182,25 @@ class TreeForward:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [1, heads, rows, d]
 
         def inner(q, k, v):
-            return self.attention(q, k, v, scale=scale, window=window, dropout=dropout)
+            return self.attend_rows(module, q, k, v, scale=scale, window=window,
+                                    dropout=dropout)
 
         if self.exchange is not None:
             with self._own_stream(dropout):
                 out = self.exchange.attend(q, k, v, inner, type(module).__name__)
         else:
-            total = self.pack.num_rows
+            total = self.total
             out = inner(*(t.narrow(2, 0, total) for t in (q, k, v)))
             if self.width > total:
                 out = torch.cat((out, out.new_zeros(*out.shape[:2], self.width - total,
                                                     out.shape[3])), 2)
         return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
+
+    def attend_rows(self, module, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
+                    window: int | None, dropout: float) -> Tensor:
+        """The tree attention over every row of the forward (``[1, heads, rows, d]``, this
+        rank's heads)."""
+        return self.attention(q, k, v, scale=scale, window=window, dropout=dropout)
 
     def _own_stream(self, dropout: float):
         """With attention dropout under CP, this rank's heads draw from a stream of their own
@@ -335,11 +348,22 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
                       gradients=torch.is_grad_enabled(), training=core.training)
     forward = TreeForward(pack, backend, block_size, cp["group"], cp["rank"], cp["size"],
                           tp["size"] if core.config.sequence_parallel else 1)
+    output, head = run_forward(model, forward, tp)
+    if not core.post_process:
+        return StageOutput(output, None)
+    return StageOutput(output, lambda: _place(core, pack, forward, output, head, temps,
+                                              entropy, align, chunk_size, tp, cp))
+
+
+def run_forward(model, forward: TreeForward, tp: dict) -> tuple[Tensor, dict]:
+    """The stage's model over ``forward``'s rows at their depths: its output, and on the last
+    stage the output layer's weight (``head``; the output is the final norm's)."""
+    core = unwrap(model)
     kind = rotary.position_kind(core)
-    last = core.post_process
     routed = moe.active(forward.weights, tp["rank"], tp["size"], core.config.sequence_parallel)
-    with _hidden_out(core) if last else contextlib.nullcontext({}) as head, routed:
-        output = model(input_ids=pack.input_ids[forward.rows][None],
+    with _hidden_out(core) if core.post_process else contextlib.nullcontext({}) as head, \
+            routed:
+        output = model(input_ids=forward.pack.input_ids[forward.rows][None],
                        position_ids=rotary.position_ids(kind, forward.depths),
                        attention_mask=None, packed_seq_params=forward.params())
     layers = len(tree_layers(core))
@@ -347,10 +371,7 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
         raise UnsupportedMegatron(
             f"{forward.calls} of the stage's {layers} tree core attentions ran: a layer "
             "bypassed its core attention")
-    if not last:
-        return StageOutput(output, None)
-    return StageOutput(output, lambda: _place(core, pack, forward, output, head, temps,
-                                              entropy, align, chunk_size, tp, cp))
+    return output, head
 
 
 def forward_step(loss_fn, **options):
@@ -386,10 +407,11 @@ def forward_step(loss_fn, **options):
 
 
 def _place(core, pack, forward: TreeForward, hidden: Tensor, head: dict, temps, entropy,
-           align, chunk_size, tp: dict, cp: dict) -> TokenLogprobs:
-    """The forward's predictions from its hidden states (``[1, rows, H]``, or this TP rank's
-    rows of them under sequence parallelism) and the vocabulary-parallel head, placed in the
-    pack's layout and summed over the CP group."""
+           align, chunk_size, tp: dict, cp: dict, every=None) -> TokenLogprobs:
+    """The forward's predictions (``every``: those of its rows, sources counted among them;
+    None: the pack's) from its hidden states (``[1, rows, H]``, or this TP rank's rows of them
+    under sequence parallelism) and the vocabulary-parallel head, placed in the pack's layout
+    and summed over the CP group."""
     hidden = hidden[0]  # [rows, H]: GPTModel returns its output layer's output batch-first
     group = tp["group"] if tp["size"] > 1 else None
     if core.config.sequence_parallel and tp["size"] > 1:
@@ -405,7 +427,8 @@ def _place(core, pack, forward: TreeForward, hidden: Tensor, head: dict, temps, 
                   vocab_start=tp["rank"] * weight.shape[0])
     shape = tuple(pack.rows.shape)
     numel = math.prod(shape)
-    mine = predictions(pack, align).within(forward.start, forward.stop)
+    every = predictions(pack, align) if every is None else every
+    mine = every.within(forward.start, forward.stop)
     logp, ent = place(mine, source, temps, entropy=entropy, numel=numel, chunk_size=chunk_size)
     if cp["size"] > 1:
         logp = sum_over(logp, cp["group"])

@@ -10,7 +10,6 @@ backward, replaying the random generators' state so that dropout draws the same 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import torch
@@ -19,7 +18,8 @@ from torch import Tensor
 
 from treepack.adapters.hf.head import head_after
 from treepack.adapters.hf.packed import packed_forward
-from treepack.adapters.hf.parts.carried import Carried, PartForward
+from treepack.adapters.carried import Carried, Walk
+from treepack.adapters.hf.parts.carried import PartForward, reentrant_checkpoint
 from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
@@ -40,8 +40,6 @@ class Run:
                  train: bool, kwargs: dict, loss_fn=None, recompute: bool | str = False,
                  router_grads: dict | None = None, sp: SequenceParallel | None = None):
         check_align(align)
-        if recompute not in (True, False, "auto"):
-            raise ValueError(f"recompute={recompute!r}: use 'auto', True or False")
         self.model, self.parts, self.train, self.loss_fn = model, parts, train, loss_fn
         self.kwargs, self.want_entropy, self.align = kwargs, entropy, align
         self.router_grads = router_grads  # part -> per layer d(loss)/d(router logits)
@@ -50,16 +48,10 @@ class Run:
         pack = parts.pack
         self.device = pack.device
         self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
-        self.children = collections.defaultdict(list)  # part -> the parts hanging off it
-        for j, part in enumerate(parts.parts):
-            self.children[part.parent].append(j)
-        self.carried = Carried(parts, train)
+        self.walk = Walk(parts, train, recompute)
+        self.children, self.recomputed = self.walk.children, self.walk.recomputed
+        self.carried = Carried(parts, train, reentrant_checkpoint)
         self.head = head_after(model) if parts.parts else "hidden"
-        self.recomputed = set()
-        if train and recompute:
-            below = {j for j in self.children if j >= 0}  # parts with parts below them
-            self.recomputed = below if recompute is True else {
-                j for j in below if any(c in below for c in self.children[j])}
         self.predictions = part_predictions(pack, parts.max_rows, align)
         dtype = torch.promote_types(unwrap(model).dtype, torch.float32)  # as normalise does
         self.logprobs = torch.zeros(tuple(pack.rows.shape), dtype=dtype, device=self.device)
@@ -71,15 +63,7 @@ class Run:
 
     def all(self) -> None:
         """Every part: its forward, its children's (depth-first, in order), its backward."""
-        stack = [(i, False) for i in reversed(self.children[-1])]
-        while stack:
-            i, children_done = stack.pop()
-            if children_done:
-                self._leave(i)
-                continue
-            self._enter(i)
-            stack.append((i, True))
-            stack.extend((c, False) for c in reversed(self.children[i]))
+        self.walk.run(self._enter, self._leave)
         if self.sp is not None:  # every rank's predictions, everywhere
             for t in (self.logprobs, self.entropy, self.loss):
                 if t is not None:
