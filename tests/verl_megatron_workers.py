@@ -233,10 +233,12 @@ def grad_error(got: dict, want: dict) -> float:
 
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: str,
-                    tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None) -> None:
+                    tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
+                    budget: int | None = None) -> None:
     """Stock ``MegatronEngineWithLMHead`` vs ``TreepackMegatronEngine`` at TP x PP x CP (the
-    rest data-parallel; ``vpp`` virtual stages per pipeline stage) on the same batches; rank
-    0 saves the measured errors."""
+    rest data-parallel; ``vpp`` virtual stages per pipeline stage) on the same batches, under
+    a token budget per GPU (``budget``: ``max_token_len_per_gpu``; verl's default here 96);
+    rank 0 saves the measured errors."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
     from verl.workers.utils.padding import response_from_nested
 
@@ -249,6 +251,8 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: 
     try:
         treepack_verl.register_megatron(devices=("cpu",))
         layout = dict(tp=tp, pp=pp, cp=cp, virtual_pipeline_model_parallel_size=vpp)
+        if budget is not None:
+            layout.update(max_token_len_per_gpu=budget, infer_max_token_len_per_gpu=budget)
         stock = make_engine(MegatronEngineWithLMHead, model_dir, **layout)
         tree = make_engine(TreepackMegatronEngine, model_dir, **layout)
         result_chunks = len(tree.module)

@@ -143,17 +143,17 @@ def test_parts_refuse_moe_router_losses_by_name():
     """A router loss is a function of every row's routing: no part holds it alone."""
     import types
 
-    from treepack.adapters.megatron.parts import _router_losses
+    from treepack.adapters.megatron.parts import router_losses
 
     def config(kind="aux_loss", coeff=1e-2, z=None):
         return types.SimpleNamespace(moe_router_load_balancing_type=kind,
                                      moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z)
 
-    assert _router_losses(config()) == "aux_loss"
-    assert _router_losses(config(["seq_aux_loss", "global_aux_loss"], [0.0, 1e-3], 1e-3)) \
+    assert router_losses(config()) == "aux_loss"
+    assert router_losses(config(["seq_aux_loss", "global_aux_loss"], [0.0, 1e-3], 1e-3)) \
         == "global_aux_loss and z_loss"
-    assert _router_losses(config("none")) is None
-    assert _router_losses(config(coeff=0.0)) is None
+    assert router_losses(config("none")) is None
+    assert router_losses(config(coeff=0.0)) is None
 
 
 @pytest.mark.parametrize("case", list(BROKEN))

@@ -43,6 +43,32 @@ def four_layers(tmp_path_factory):
                                        layers=4)
 
 
+@pytest.mark.parametrize("world,tp,cp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2)],
+                         ids=["one_rank", "dp2", "tp2_sequence_parallel", "cp2"])
+def test_verl_megatron_engine_runs_trees_over_the_budget_in_parts(world, tp, cp, model_dir,
+                                                                  tmp_path):
+    """Under a budget smaller than a GRPO group's tree (56 rows for 223), the tree engine
+    runs each rank's trees in parts (every row once) and still equals the stock engine: its
+    log-probs, entropies, losses, gradients, grad norm and the step after."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_engines, world, model_dir, str(out), tp, 1, cp, None,
+          56 // cp)
+    r = torch.load(out, weights_only=False)
+    assert not any("stock Megatron engine path" in m or "is split" in m
+                   for m in r["messages"]), r["messages"]
+    assert min(r["update_metrics"]["treepack/parts"]) > 1, r["update_metrics"]
+    for name in ("scalar", "per_row", "fixed_size"):
+        assert r[f"log_probs_{name}"] < TOLERANCE, (name, r)
+        assert r[f"entropy_{name}"] < TOLERANCE, (name, r)
+    for mode in ("seq-mean-token-mean", "token-mean"):
+        tree, stock = r[f"loss_{mode}"]
+        assert tree == pytest.approx(stock, rel=TOLERANCE), (mode, tree, stock)
+        assert r[f"grads_{mode}"] < TOLERANCE, (mode, r[f"grads_{mode}"])
+    tree, stock = r["grad_norm"]
+    assert tree == pytest.approx(stock, rel=TOLERANCE)
+    assert r["log_probs_after_step"] < 1e-4, r["log_probs_after_step"]
+
+
 @pytest.mark.parametrize("world,tp,pp,cp,vpp", [(1, 1, 1, 1, None), (2, 1, 1, 1, None),
                                                 (2, 2, 1, 1, None), (2, 1, 2, 1, None),
                                                 (2, 1, 1, 2, None), (2, 1, 2, 1, 2)],

@@ -88,6 +88,7 @@ from torch import Tensor
 from treepack.adapters import hf, verl_trainer
 from treepack.adapters.hf import vision
 from treepack.adapters.hf.forwarding import inside_refusal
+from treepack.adapters.verl_batches import in_parts as vb_in_parts
 from treepack.adapters.verl_batches import (collect, host_sequences, log_sharing,
                                             micro_batches, note_pass, output_refusal,
                                             positions_refusal, temperature_refusal,
@@ -279,15 +280,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
     def _in_parts(self, planned, group) -> bool:
         """Whether this batch runs in parts (every row once, :mod:`treepack.hf.parts`): some
         rank's plan repeats rows (a tree larger than the budget), and every rank can."""
-        wants = planned is not None and planned.packed_rows > planned.min_rows
-        cannot = self._parts_refusal()
-        flags = torch.tensor([int(wants), int(cannot is not None)], device=verl_device())
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
-        if flags[0].item() and flags[1].item():
-            say_once("a tree is larger than the token budget and is split, its prefix "
-                     "repeated in every pack: "
-                     + (cannot or "another rank cannot run trees in parts"))
-        return bool(flags[0].item()) and not flags[1].item()
+        return vb_in_parts(planned, self._parts_refusal(), group)
 
     def _parts_refusal(self) -> str | None:
         """Why this engine cannot run trees in parts, or None."""

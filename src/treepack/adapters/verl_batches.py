@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treepack.adapters.verl_trainer import say_once
 from treepack.planning import sharing
 
 try:
@@ -169,3 +170,17 @@ def note_pass(engine, collected: dict, forward_only: bool, ratio: float) -> None
         engine._log_prob_token_ratio = ratio
     elif getattr(engine, "_log_prob_token_ratio", None) is not None:
         collected["metrics"]["treepack/log_prob_token_ratio"] = [engine._log_prob_token_ratio]
+
+
+def in_parts(planned, cannot: str | None, group=None) -> bool:
+    """Whether a step runs its trees in parts (every row once): some rank's plan repeats rows
+    (a tree larger than the budget) and no rank refuses parts (``cannot``: this rank's
+    reason); decided over ``group`` (None: every rank). A step that wants parts but cannot
+    have them says why once."""
+    wants = planned is not None and planned.packed_rows > planned.min_rows
+    flags = torch.tensor([int(wants), int(cannot is not None)], device=verl_device())
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+    if flags[0].item() and flags[1].item():
+        say_once("a tree is larger than the token budget and is split, its prefix repeated in "
+                 "every pack: " + (cannot or "another rank cannot run trees in parts"))
+    return bool(flags[0].item()) and not flags[1].item()

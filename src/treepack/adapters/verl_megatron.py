@@ -33,12 +33,22 @@ What changes, and what does not:
   multi-modal inputs, distillation outputs, position ids other than ``0 .. length - 1``, a
   temperature that is not finite and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
   rank, since a refusal can hold on one pipeline stage only.
-- **Trees over the budget** are split by the plan, their prefix repeated in each pack (said
-  once): parts (every row once) do not run on Megatron yet.
+- **Trees over the budget run in parts** (:func:`treepack.megatron.step_in_parts`, every row
+  once) where a rank's plan would repeat rows: the rank's batch is one micro-batch of
+  Megatron's schedule, whose forward step runs the parts (the log-probs without gradients,
+  verl's loss and its gradient with respect to each log-prob and entropy, then each part's
+  forward and backward with that gradient, inside DDP's ``no_sync``) and hands the schedule a
+  zero loss over every parameter, so Megatron finalises and reduces the gradients as for any
+  step. The loss is scaled as the schedule scales verl's (times the CP size; in the per-token
+  regime not at all). Under pipeline parallelism, activation recomputation or MoE router
+  losses, which parts refuse, the plan splits such a tree, its prefix repeated in each pack
+  (said once). The choice is all-reduced over every rank. ``treepack/parts`` reports the
+  forwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -47,10 +57,13 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from treepack.adapters import megatron as tm
+from treepack.adapters.megatron import moe
+from treepack.adapters.megatron import parts as tm_parts
 from treepack.adapters import verl_batches as vb
 from treepack.adapters.verl_trainer import say_once
 from treepack.core.outputs import per_sequence_temperature
 from treepack.core.tree import TreePack
+from treepack.planning.parts import split
 from treepack.planning.planner import plan
 
 try:
@@ -128,30 +141,12 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         sequences = vb.host_sequences(data)
         budget = vb.token_budget(data, cp)
         planned = plan(sequences, max_tokens=budget)
-        if planned.packed_rows > planned.min_rows:
-            say_once("a tree is larger than the token budget and is split, its prefix "
-                     "repeated in every pack: trees in parts do not run on Megatron yet")
-        micro = vb.micro_batches(planned)
-        count = torch.tensor([len(micro)], device=vb.verl_device())
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
-        count = int(count.item())
-        group_size = self._microbatch_group()
-        count = -(-count // group_size) * group_size  # the interleaved schedule's groups
-        if len(micro) < count:  # as many real micro-batches as the others where it can
-            micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count))
-        items = []
-        for i in range(count):  # past its packs, a rank reruns one at weight 0
-            real = i < len(micro)
-            picked = micro[i] if real else micro[0][:1]
-            batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
-            tu.assign_non_tensor(batch, num_micro_batch=count)
-            items.append((batch, [sequences[r] for r in picked], real))
-        step = functools.partial(self._tree_forward_step, loss_function=loss_function,
-                                 forward_only=forward_only)
-        losses = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=make_batch_generator(items, len(self.module)),
-            model=self.module, num_microbatches=count, seq_length=1, micro_batch_size=1,
-            forward_only=forward_only)
+        if self._in_parts(planned):
+            micro = [np.arange(len(sequences))]
+            losses = self._parts_step(data, sequences, budget, loss_function, forward_only)
+        else:
+            micro, losses = self._tree_steps(data, sequences, budget, planned, loss_function,
+                                             forward_only, group)
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return {}  # as verl's stock engine: outputs on the last stage
         keep = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output",
@@ -169,6 +164,112 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
                                 axis=0)
         vb.note_pass(self, collected, forward_only, packed / max(tokens, 1))
         return collected
+
+    def _tree_steps(self, data, sequences, budget, planned, loss_function, forward_only,
+                    group):
+        """The rank's rows as tree packs under the budget, each a micro-batch of Megatron's
+        schedule: the packs (rows per micro-batch) and the schedule's outputs."""
+        micro = vb.micro_batches(planned)
+        count = torch.tensor([len(micro)], device=vb.verl_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+        count = int(count.item())
+        group_size = self._microbatch_group()
+        count = -(-count // group_size) * group_size  # the interleaved schedule's groups
+        if len(micro) < count:  # as many real micro-batches as the others where it can
+            micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count))
+        items = []
+        for i in range(count):  # past its packs, a rank reruns one at weight 0
+            real = i < len(micro)
+            picked = micro[i] if real else micro[0][:1]
+            batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
+            tu.assign_non_tensor(batch, num_micro_batch=count)
+            items.append((batch, [sequences[r] for r in picked], real))
+        step = functools.partial(self._tree_forward_step, loss_function=loss_function,
+                                 forward_only=forward_only)
+        return micro, get_forward_backward_func()(
+            forward_step_func=step, data_iterator=make_batch_generator(items, len(self.module)),
+            model=self.module, num_microbatches=count, seq_length=1, micro_batch_size=1,
+            forward_only=forward_only)
+
+    # ---------------------------------------------------------------- trees in parts
+
+    def _in_parts(self, planned) -> bool:
+        """Whether this step runs in parts: some rank's plan repeats rows (a tree larger
+        than the budget) and no rank refuses parts (decided over every rank)."""
+        return vb.in_parts(planned, self._parts_refusal())
+
+    def _parts_refusal(self) -> str | None:
+        """Why this engine cannot run trees in parts, or None."""
+        config = self.tf_config
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            return ("pipeline parallelism (a part's backward follows its children's, and "
+                    "Megatron's schedules run backwards in the order of the forwards)")
+        if config.recompute_granularity is not None:
+            return ("activation recomputation (recompute_granularity="
+                    f"{config.recompute_granularity!r})")
+        losses = any(moe.has_moe(tm.unwrap(chunk)) for chunk in self.module) \
+            and tm_parts.router_losses(config)
+        if losses:
+            return f"the MoE router's {losses} (a function of every row's routing)"
+        return None
+
+    def _parts_step(self, data, sequences, budget, loss_function, forward_only) -> list:
+        """The rank's batch as one micro-batch of Megatron's schedule, its trees in parts of
+        at most ``budget`` rows (module doc): the schedule's outputs."""
+        temperature = per_sequence_temperature(data["temperature"], len(sequences))
+        entropy = bool(tu.get_non_tensor_data(data, key="calculate_entropy", default=False))
+        tu.assign_non_tensor(data, num_micro_batch=1)
+        batch = data.to(get_device_id())
+        offsets = batch["input_ids"].offsets()
+        parts = split(TreePack.from_sequences(sequences, layout="flat", device=offsets.device),
+                      budget)
+        cp = mpu.get_context_parallel_world_size()
+        settings = dict(temperature=temperature, entropy=entropy, align="prediction")
+        state = {}
+
+        def postprocess(out, only: bool):
+            values = {"log_probs": out.logprobs}
+            if entropy:
+                values["entropy"] = out.entropy
+            model_output = {k: torch.nested.nested_tensor_from_jagged(v, offsets)
+                            for k, v in values.items()}
+            state["result"] = self.postprocess_micro_batch_func(
+                output=model_output, data=batch, forward_only=only,
+                loss_function=loss_function)
+            return state["result"]
+
+        def loss_fn(out, mask):  # verl's loss, scaled as the schedule would scale it
+            *loss, _ = postprocess(out, False)
+            return loss[0] if len(loss) == 2 else loss[0] * cp
+
+        def step(batch_iter, model):
+            next(batch_iter)
+            if forward_only:
+                postprocess(tm.logprobs_in_parts(model, parts, **settings), True)
+                zero = torch.zeros((), device=offsets.device)
+            else:
+                no_sync = getattr(model, "no_sync", None)
+                with no_sync() if no_sync is not None else contextlib.nullcontext():
+                    tm.step_in_parts(model, parts, loss_fn, **settings)
+                # the gradients are in place: the schedule's backward adds zeros to every
+                # parameter, so DDP sees each one ready and reduces as for any step
+                zero = sum((p * 0).sum() for p in model.parameters() if p.requires_grad)
+
+            def loss_func(output_tensor):
+                *loss, output = state["result"]
+                output["metrics"] = dict(output["metrics"])
+                output["metrics"]["treepack/token_ratio"] = (
+                    parts.pack.num_packed_rows / max(parts.pack.num_original_tokens, 1))
+                output["metrics"]["treepack/parts"] = len(parts.parts)
+                output["sizes"] = (parts.pack.num_packed_rows, parts.pack.num_original_tokens)
+                return (output_tensor, *loss[1:], output)
+
+            return zero, loss_func
+
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=make_batch_generator([None], len(self.module)),
+            model=self.module, num_microbatches=1, seq_length=1, micro_batch_size=1,
+            forward_only=forward_only)
 
     def _loss_normalisers(self, data, group) -> None:
         """What verl's stock ``forward_backward_batch`` hands its loss: the global count of

@@ -217,9 +217,9 @@ def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, e
             raise ValueError(f"recompute={recompute!r}: use 'auto', True or False")
         if train and core.config.recompute_granularity is not None:
             raise _no_reentrant()
-        if train and moe.has_moe(core) and _router_losses(core.config):
+        if train and moe.has_moe(core) and router_losses(core.config):
             raise UnsupportedMegatron(
-                f"the MoE router's {_router_losses(core.config)} is a function of every row's "
+                f"the MoE router's {router_losses(core.config)} is a function of every row's "
                 "routing, which no part holds alone: train trees over the budget without it "
                 "(moe_aux_loss_coeff=0, moe_z_loss_coeff=None), or split them with "
                 "treepack.plan")
@@ -231,7 +231,9 @@ def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, e
     return parts, temps
 
 
-def _router_losses(config) -> str | None:
+def router_losses(config) -> str | None:
+    """The MoE router losses ``config`` turns on (``"aux_loss and z_loss"``), or None: each
+    is a function of every row's routing, which no part holds alone."""
     kinds = config.moe_router_load_balancing_type
     kinds = [kinds] if isinstance(kinds, str) else list(kinds)
     coeff = config.moe_aux_loss_coeff
