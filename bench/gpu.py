@@ -36,7 +36,8 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              folder of its own; without one, the installed megatron-core):
              the tree on a GPTModel against every sequence alone through Megatron's own
              attention (float32 flex / segment, bfloat16 varlen / flex in ``Float16Module``),
-             then tree vs padding-free vs padded training steps on the Qwen2.5-0.5B shape.
+             then tree vs padding-free vs padded training steps on the Qwen2.5-0.5B shape,
+             and the tree under a quarter of its rows: in parts against the plan's split.
              Not in the default parts.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
@@ -504,6 +505,11 @@ def part_megatron(device, dry, parts=("verify", "step")):
                       for k in ("tree", "padding_free", "padded")},
                    tree_vs_padding_free=row["tree/padding_free"]["median"],
                    tree_vs_padded=row["tree/padded"]["median"],
+                   budget=row["budget"], split_rows=row["split_rows"],
+                   **{f"{k}_s": row[k]["seconds"] for k in ("in_parts", "split")},
+                   **{f"{k}_peak_mib": row[k].get("peak_mib") for k in ("in_parts", "split")},
+                   parts_vs_split=row["in_parts/split"]["median"],
+                   parts_vs_tree=row["in_parts/tree"]["median"],
                    loss_tree=row["tree"]["loss"], loss_padded=row["padded"]["loss"])
         if done is not None and done.returncode:
             record("megatron", version=version,

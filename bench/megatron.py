@@ -35,14 +35,17 @@ process, TP = 1, and two parts.
 - ``verify``: the tree against every sequence alone through Megatron's own attention on the
   same model (GQA with rope; the same with a 64-position window on every other layer), in
   float32 (flex and segment: varlen refuses float32) and in bfloat16 inside Megatron's
-  ``Float16Module`` (varlen and flex). Log-probs and every parameter gradient (of a fixed
+  ``Float16Module`` (varlen and flex), and in parts under a quarter of the tree's rows
+  (``treepack.megatron.backward_in_parts``). Log-probs and every parameter gradient (of a fixed
   random weighting of the log-probs) against the float32 reference; in bfloat16 the error
   is divided by the bfloat16 model's own error run sequence by sequence (its spread).
 - ``step``: the timing above on a Qwen2.5-0.5B-shaped model in bfloat16 (24 layers, hidden
   896, 14 / 2 heads of 64, vocabulary 151,936; ``--shape tiny``: the CPU model), padded in
   micro-batches of 4 rows (fewer where they would pass 8,192 padded tokens: Megatron's local
   attention holds every layer's ``[b, h, L, L]`` scores) and padding-free in packs of at
-  most 32,768 tokens, with the peak memory of each step.
+  most 32,768 tokens, with the peak memory of each step; and the tree under a budget of a
+  quarter of its rows, in parts (``treepack.megatron.backward_in_parts``) against the plan's
+  split (each pack repeating its prefix).
 """
 
 from __future__ import annotations
@@ -157,14 +160,19 @@ def padded_step(model, sequences: list, device="cpu", count: int | None = None):
     return forward
 
 
-def parts_step(model, pack: TreePack, budget: int, count: int):
-    """One step of the mean NLL over a tree too large for ``budget`` rows, in parts."""
+def parts_step(model, pack: TreePack, budget: int, count: int, value: bool = True):
+    """One step of the mean NLL over a tree too large for ``budget`` rows, in parts: its loss
+    (a number; ``value=False``: a detached tensor, the backward done)."""
     import treepack.megatron as tm
 
     def loss_fn(out, mask):
         return -out.logprobs.where(mask, 0).sum() / count
 
-    return lambda: tm.backward_in_parts(model, pack, loss_fn, max_tokens=budget).loss.item()
+    def step():
+        loss = tm.backward_in_parts(model, pack, loss_fn, max_tokens=budget).loss
+        return loss.item() if value else loss
+
+    return step
 
 
 def split_step(model, packs: list, count: int):
@@ -350,6 +358,18 @@ def on_tree(model, pack: TreePack, weights: torch.Tensor, backend: str) -> tuple
     return logp.detach(), grads_of(model)
 
 
+def in_parts(model, pack: TreePack, weights: torch.Tensor, budget: int) -> tuple:
+    """:func:`on_tree` with the tree over ``budget`` rows, in parts (every row once)."""
+    import treepack.megatron as tm
+
+    def loss_fn(out, mask):
+        return (weights * out.logprobs.float()).where(mask, 0).sum()
+
+    model.zero_grad(set_to_none=True)
+    result = tm.backward_in_parts(model, pack, loss_fn, max_tokens=budget)
+    return result.logprobs.float(), grads_of(model)
+
+
 def grads_of(model) -> dict:
     return {name.removeprefix("module."): p.grad.float().clone()
             for name, p in model.named_parameters() if p.grad is not None}
@@ -383,14 +403,17 @@ def verify_rows(device, quick: bool) -> list[dict]:
                                   .manual_seed(1)).to(device).where(pack.prediction_mask, 0)
             reference = alone(models[False], seqs, weights, device)
             spread = errors(*alone(models[True], seqs, weights, device), reference)
+            budget = max(pack.num_rows // 4, max(map(len, seqs)))
             for dtype, backends in (("float32", ("flex", "segment") if cuda else ("segment",)),
                                     ("bfloat16", ("varlen", "flex") if cuda else ("segment",))):
-                for backend in backends:
+                for backend in (*backends, "parts"):  # parts: under a quarter of the rows
                     row = dict(model=name, workload=w.name, dtype=dtype, backend=backend,
                                rows=pack.num_rows, tokens=sum(map(len, seqs)))
+                    model = models[dtype == "bfloat16"]
                     try:
-                        err = errors(*on_tree(models[dtype == "bfloat16"], pack, weights,
-                                              backend), reference)
+                        err = errors(*(in_parts(model, pack, weights, budget)
+                                       if backend == "parts" else
+                                       on_tree(model, pack, weights, backend)), reference)
                     except Exception as e:  # noqa: BLE001 - a row, not the run
                         rows.append(dict(row, result="ERROR", message=f"{type(e).__name__}: "
                                          f"{e}"[:300]))
@@ -427,7 +450,11 @@ def step_rows(device, shape: str, scale: int, repeats: int) -> dict:
         tree = TreePack.from_sequences(seqs, device=device)
         free = [TreePack.from_sequences(g, share_prefixes=False, device=device)
                 for g in in_packs(seqs, 32768)]
+        budget = max(tree.num_rows // 4, max(map(len, seqs)))  # a tree over a budget:
+        split = [p for p in plan(seqs, max_tokens=budget, device=device).packs(0) if p.num_sequences]
         parts = {"tree": [tree_step(model, tree, count=count)],
+                 "in_parts": [parts_step(model, tree, budget, count, value=False)],
+                 "split": [tree_step(model, p, count=count) for p in split],
                  "padding_free": [tree_step(model, p, count=count) for p in free],
                  "padded": [padded_step(model, seqs[i:i + micro], device, count=count)
                             for i in range(0, len(seqs), micro)]}
@@ -437,15 +464,17 @@ def step_rows(device, shape: str, scale: int, repeats: int) -> dict:
                 loss = 0.0
                 for forward in forwards:  # micro-batches: each backward frees its graph
                     part = forward()
-                    part.backward()
-                    loss += part.item()
+                    if part.requires_grad:  # in parts, the backward is done already
+                        part.backward()
+                    loss += float(part)
                 sync()
                 return loss
             return run
 
         steps = {name: step(f) for name, f in parts.items()}
         row = {"tokens": sum(map(len, seqs)), "rows": tree.num_rows,
-               "padding_free_rows": sum(p.num_rows for p in free)}
+               "padding_free_rows": sum(p.num_rows for p in free), "budget": budget,
+               "split_rows": sum(p.num_rows for p in split)}
         for name, run in steps.items():  # warm-up: the loss and the peak memory
             model.zero_grad(set_to_none=True)
             if cuda:
@@ -464,9 +493,10 @@ def step_rows(device, shape: str, scale: int, repeats: int) -> dict:
         times = interleave(steps, repeats, around=around)
         for name in steps:
             row[name]["seconds"] = statistics.median(times[name])
-        for base in ("padding_free", "padded"):
-            row[f"tree/{base}"] = Spread.of(
-                a / b for a, b in zip(times["tree"], times[base]))._asdict()
+        for top, base in (("tree", "padding_free"), ("tree", "padded"), ("in_parts", "split"),
+                          ("in_parts", "tree")):
+            row[f"{top}/{base}"] = Spread.of(
+                a / b for a, b in zip(times[top], times[base]))._asdict()
         out[w.name] = row
         print("step " + json.dumps({w.name: row}), flush=True)
     return out

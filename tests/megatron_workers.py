@@ -153,20 +153,40 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
+def _layout(param: torch.Tensor) -> tuple[int, int] | None:
+    """``(partition_dim, partition_stride)`` of a TP-split parameter, else None. A learnable
+    softmax offset (attention sinks) is split by heads without Megatron's marks: one entry
+    per TP-local head."""
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim, getattr(param, "partition_stride", 1)
+    if getattr(param, "_treepack_heads", False):
+        return 0, 1
+    return None
+
+
+def mark_head_split(model) -> None:
+    """Mark each core attention's learnable softmax offset as split by heads (``_layout``)."""
+    for name, p in model.named_parameters():
+        if name.endswith("softmax_offset"):
+            p._treepack_heads = True
+
+
 def shard_of(param: torch.Tensor, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """This TP rank's piece of ``full`` as Megatron lays ``param`` out."""
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+    layout = _layout(param)
+    if layout is None or size == 1:
         return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride = layout
     pieces = full.chunk(size * stride, dim)
     return torch.cat([pieces[rank + size * s] for s in range(stride)], dim)
 
 
 def full_of(param: torch.Tensor, local: torch.Tensor, group, size: int) -> torch.Tensor:
     """The whole tensor from every TP rank's ``local`` piece (the inverse of ``shard_of``)."""
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
+    layout = _layout(param)
+    if layout is None or size == 1:
         return local
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride = layout
     every = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(every, local.contiguous(), group=group)
     pieces = [p.chunk(stride, dim) for p in every]
@@ -262,10 +282,11 @@ def broken(how: str | None):
                 return (torch.zeros_like(out[0]), *out[1:]) if scatter == 1 else out
             exchange._Exchange.backward = staticmethod(backward)
         elif how == "local mask":  # each CP rank attends among its own rows only
-            def attend(self, module, query, key, value, *, scale, window, dropout):
+            def attend(self, module, query, key, value, *, scale, window, dropout,
+                       sinks=None):
                 if self.exchange is None:
                     return saved[2](self, module, query, key, value, scale=scale,
-                                    window=window, dropout=dropout)
+                                    window=window, dropout=dropout, sinks=sinks)
                 self.calls += 1
                 own = self.own
                 mask = self.pack.dense_mask()[self.start:self.stop, self.start:self.stop]
@@ -327,6 +348,7 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
     import treepack.megatron as tm
 
     model = build(case, tp, cp)
+    mark_head_split(model)
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))

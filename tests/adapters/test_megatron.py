@@ -25,6 +25,10 @@ CASES = {
     "sliding window": {"window": 5, "config": {"window_size": (4, 0)}},
     "tied embeddings": {"tied": True},
     "a pack with fewer rows than ranks": {"batch": "tiny"},
+    # attention sinks: a logit per head in every softmax denominator (GPT-OSS's)
+    "attention sinks, learnable": {"config": {"softmax_type": "learnable"}},
+    "attention sinks, off-by-one, sliding window": {
+        "window": 5, "config": {"softmax_type": "off-by-one", "window_size": (4, 0)}},
     # a tree over the budget: parts of at most this many rows, each row computed once
     "in parts": {"parts": 6},
     "in parts, sliding window, temperatures": {"parts": 5, "window": 5, "temperatures": True,
@@ -59,6 +63,10 @@ REFUSED = {
                                 "recompute_num_layers": 1}},
         "UnsupportedMegatron: a layer ran its forward without gradients during a training "
         "step in parts"),
+    "in parts, attention sinks": (
+        {"parts": 6, "config": {"softmax_type": "learnable"}},
+        "UnsupportedMegatron: treepack.megatron.backward_in_parts: attention sinks "
+        "(softmax_type='learnable')"),
 }
 
 LAYOUTS = {

@@ -52,13 +52,16 @@ def test_megatron_bench_one_device_verifies_and_steps(tmp_path):
     verify = report["verify"]
     assert {(r["model"], r["dtype"]) for r in verify} == {
         (m, d) for m in ("gqa-rope", "window-64") for d in ("float32", "bfloat16")}
+    assert {r["backend"] for r in verify} == {"segment", "parts"}  # on a CPU
     for row in verify:
         assert row["result"] == "PASS", row
         if row["dtype"] == "float32":
             assert row["logprobs"] < 1e-5 and row["grads"] < 1e-5, row
     for workload, row in report["step"].items():
         assert row["rows"] < row["padding_free_rows"] == row["tokens"], workload
-        losses = [row[k]["loss"] for k in ("tree", "padding_free", "padded")]
+        assert row["budget"] < row["rows"] <= row["split_rows"], workload
+        losses = [row[k]["loss"] for k in ("tree", "padding_free", "padded", "in_parts",
+                                           "split")]
         assert max(losses) - min(losses) < 1e-5, (workload, losses)
 
 
@@ -71,7 +74,7 @@ def test_gpu_script_megatron_part(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu.json").read_text())["results"]["megatron"]
     assert not [r for r in rows if "error" in r], rows
-    assert sum(r.get("result") == "PASS" for r in rows) == 4
+    assert sum(r.get("result") == "PASS" for r in rows) == 8
     assert {r["workload"] for r in rows if r.get("model") == "megatron step"} == {
         "grpo_long", "low_sharing", "agent"}
-    assert "bar: megatron tree equals each sequence alone: PASS (4/4)" in done.stdout
+    assert "bar: megatron tree equals each sequence alone: PASS (8/8)" in done.stdout

@@ -40,8 +40,8 @@ What changes, and what does not:
   forward and backward with that gradient, inside DDP's ``no_sync``) and hands the schedule a
   zero loss over every parameter, so Megatron finalises and reduces the gradients as for any
   step. The loss is scaled as the schedule scales verl's (times the CP size; in the per-token
-  regime not at all). Under pipeline parallelism, activation recomputation or MoE router
-  losses, which parts refuse, the plan splits such a tree, its prefix repeated in each pack
+  regime not at all). Under pipeline parallelism, activation recomputation, attention sinks
+  or MoE router losses, which parts refuse, the plan splits such a tree, its prefix repeated in each pack
   (said once). The choice is all-reduced over every rank. ``treepack/parts`` reports the
   forwards.
 """
@@ -57,7 +57,6 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from treepack.adapters import megatron as tm
-from treepack.adapters.megatron import moe
 from treepack.adapters.megatron import parts as tm_parts
 from treepack.adapters import verl_batches as vb
 from treepack.adapters.verl_trainer import say_once
@@ -207,10 +206,10 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         if config.recompute_granularity is not None:
             return ("activation recomputation (recompute_granularity="
                     f"{config.recompute_granularity!r})")
-        losses = any(moe.has_moe(tm.unwrap(chunk)) for chunk in self.module) \
-            and tm_parts.router_losses(config)
-        if losses:
-            return f"the MoE router's {losses} (a function of every row's routing)"
+        for chunk in self.module:
+            refusal = tm_parts.parts_refusal(tm.unwrap(chunk))
+            if refusal is not None:
+                return refusal
         return None
 
     def _parts_step(self, data, sequences, budget, loss_function, forward_only) -> list:

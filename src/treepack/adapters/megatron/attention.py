@@ -77,6 +77,7 @@ class TreeCoreAttention(MegatronModule):
                                    softmax_scale=softmax_scale, **kwargs)
             except AssertionError as e:  # the local spec under context parallelism
                 self.stock_refusal = str(e)
+        self._own_sinks(config)
 
     @classmethod
     def around(cls, stock: torch.nn.Module, layer_number: int) -> TreeCoreAttention:
@@ -89,7 +90,42 @@ class TreeCoreAttention(MegatronModule):
             scale = scale * max(1, layer_number)  # DotProductAttention stored it divided
         out._configure(stock.config, layer_number, scale, stock.config.attention_dropout)
         out.stock, out.stock_refusal = stock, None
+        out._own_sinks(stock.config)
         return out
+
+    def _own_sinks(self, config) -> None:
+        """Attention sinks (``softmax_type="learnable"``: one logit per head in every softmax
+        denominator, attending to nothing). The offset is this module's parameter, named
+        ``softmax_offset`` as Megatron's and TE's core attention name it (so checkpoints
+        load either way); the stock module beside it reads the same tensor."""
+        self.sink_kind = getattr(config, "softmax_type", "vanilla")
+        if self.sink_kind != "learnable":
+            return
+        stock_offset = getattr(self.stock, "softmax_offset", None)
+        if isinstance(stock_offset, torch.nn.Parameter):
+            del self.stock._parameters["softmax_offset"]
+            offset = stock_offset
+        else:  # no stock module (the local spec under CP): the offset as Megatron makes it
+            from megatron.core import parallel_state
+
+            heads = config.num_attention_heads \
+                // parallel_state.get_tensor_model_parallel_world_size()
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            offset = torch.nn.Parameter(torch.empty(heads, device=device,
+                                                    dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(offset)
+        self.softmax_offset = offset
+        if self.stock is not None:  # read, not registered: one parameter, one name
+            object.__setattr__(self.stock, "softmax_offset", offset)
+
+    def _sinks(self, query: Tensor) -> Tensor | None:
+        """This layer's sink logits per TP-local head, or None without sinks."""
+        if self.sink_kind == "learnable":
+            return self.softmax_offset
+        if self.sink_kind == "off-by-one":  # a sink of logit 0: the "+1" in the denominator
+            return query.new_zeros(query.shape[2])
+        return None
 
     def _configure(self, config, layer_number: int, scale: float | None, dropout: float):
         """The layer's scale, dropout and window, and what it refuses."""
@@ -108,9 +144,10 @@ class TreeCoreAttention(MegatronModule):
                     "tree attention sees ancestors only; use window_size=(left, 0)")
             self.window = None if left is None or left < 0 else left + 1
         self.refusal = None
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            self.refusal = (f"softmax_type={config.softmax_type!r} (attention sinks) is not a "
-                            "tree backend's softmax")
+        if getattr(config, "softmax_type", "vanilla") not in ("vanilla", "off-by-one",
+                                                              "learnable"):
+            self.refusal = (f"softmax_type={config.softmax_type!r} is not a tree backend's "
+                            "softmax (vanilla, off-by-one and learnable sinks are)")
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None, **kwargs):
@@ -130,7 +167,8 @@ class TreeCoreAttention(MegatronModule):
             raise UnsupportedMegatron("an attention bias (ALiBi, relative positions) is not "
                                       "read by the tree backends")
         return tree.attend(self, query, key, value, scale=self.scale, window=self.window,
-                           dropout=self.dropout if self.training else 0.0)
+                           dropout=self.dropout if self.training else 0.0,
+                           sinks=self._sinks(query))
 
 
 def layer_spec(spec):

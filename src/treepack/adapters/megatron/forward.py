@@ -170,9 +170,10 @@ class TreeForward:
         return self.stop - self.start
 
     def attend(self, module, query: Tensor, key: Tensor, value: Tensor, *, scale: float,
-               window: int | None, dropout: float) -> Tensor:
+               window: int | None, dropout: float, sinks: Tensor | None = None) -> Tensor:
         """A layer's tree attention: ``query`` ``[width, 1, h, d]``, ``key`` and ``value``
-        ``[width, 1, g, d]`` (TP-local heads) in, ``[width, 1, h * d]`` out."""
+        ``[width, 1, g, d]`` (TP-local heads) in, ``[width, 1, h * d]`` out; ``sinks``
+        ``[h]``, a sink logit per head (attention sinks), or None."""
         self.calls += 1
         if query.shape[0] != self.width or query.shape[1] != 1:
             raise UnsupportedMegatron(
@@ -181,9 +182,13 @@ class TreeForward:
                 "sequence dimension before attention is not supported")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [1, heads, rows, d]
 
+        mine = sinks
+        if sinks is not None and self.exchange is not None:  # this CP rank's heads
+            mine = sinks.chunk(self.exchange.size)[self.exchange.rank]
+
         def inner(q, k, v):
             return self.attend_rows(module, q, k, v, scale=scale, window=window,
-                                    dropout=dropout)
+                                    dropout=dropout, sinks=mine)
 
         if self.exchange is not None:
             with self._own_stream(dropout):
@@ -197,10 +202,11 @@ class TreeForward:
         return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
 
     def attend_rows(self, module, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-                    window: int | None, dropout: float) -> Tensor:
+                    window: int | None, dropout: float, sinks: Tensor | None = None) -> Tensor:
         """The tree attention over every row of the forward (``[1, heads, rows, d]``, this
-        rank's heads)."""
-        return self.attention(q, k, v, scale=scale, window=window, dropout=dropout)
+        rank's heads, and their ``sinks``)."""
+        return self.attention(q, k, v, scale=scale, window=window, dropout=dropout,
+                              sinks=sinks)
 
     def _own_stream(self, dropout: float):
         """With attention dropout under CP, this rank's heads draw from a stream of their own

@@ -66,8 +66,8 @@ class PartTreeForward(TreeForward):
         super().__init__(parts.pack, "segment", 128, cp, cp_rank, cp_size, multiple, rows=rows)
         self.carried, self.index, self.budget = carried, index, parts.max_rows
 
-    def attend_rows(self, module, q, k, v, *, scale, window, dropout):
-        self.carried.put(self.index, module, k, v)
+    def attend_rows(self, module, q, k, v, *, scale, window, dropout, sinks=None):
+        self.carried.put(self.index, module, k, v)  # sinks: refused before (parts_refusal)
         chains = part_chains(self.pack, self.budget, self.index, window)
         groups = part_groups(self.pack, self.budget, self.index, window,
                              q.shape[1] * q.shape[3])
@@ -217,18 +217,31 @@ def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, e
             raise ValueError(f"recompute={recompute!r}: use 'auto', True or False")
         if train and core.config.recompute_granularity is not None:
             raise _no_reentrant()
-        if train and moe.has_moe(core) and router_losses(core.config):
-            raise UnsupportedMegatron(
-                f"the MoE router's {router_losses(core.config)} is a function of every row's "
-                "routing, which no part holds alone: train trees over the budget without it "
-                "(moe_aux_loss_coeff=0, moe_z_loss_coeff=None), or split them with "
-                "treepack.plan")
+        refusal = parts_refusal(core, train)
+        if refusal is not None:
+            raise UnsupportedMegatron(f"treepack.megatron.{name}: {refusal}")
         parts = _parts_of(sequences, max_tokens, device)
         temps = _check(core, parts.pack, temperature, align)
         fields.update(call=name, pack=pack_identity(parts.pack), max_rows=parts.max_rows,
                       temperature=temps, align=align, entropy=entropy, recompute=recompute,
                       training=core.training)
     return parts, temps
+
+
+def parts_refusal(core, train: bool = True) -> str | None:
+    """What of the model ``core`` parts cannot run (besides pipeline parallelism and
+    activation recomputation), or None."""
+    if getattr(core.config, "softmax_type", "vanilla") != "vanilla":
+        return (f"attention sinks (softmax_type={core.config.softmax_type!r}): the sink key is "
+                "not carried between parts yet; run the tree in one forward (a larger "
+                "max_tokens) or split it with treepack.plan")
+    losses = router_losses(core.config) if train and moe.has_moe(core) else None
+    if losses:
+        return (f"the MoE router's {losses} is a function of every row's routing, which no "
+                "part holds alone: train trees over the budget without it "
+                "(moe_aux_loss_coeff=0, moe_z_loss_coeff=None), or split them with "
+                "treepack.plan")
+    return None
 
 
 def router_losses(config) -> str | None:
