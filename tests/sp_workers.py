@@ -59,7 +59,11 @@ def model_for(case: dict, attn_implementation: str | None = None):
     from treepack import hf, zoo
 
     family = case.get("family", "llama")
-    if family in zoo.VISION_FAMILIES:
+    if family == "gpt_oss":  # attention sinks, windows, MoE (not a zoo family)
+        import tiny_models
+
+        model = tiny_models.gpt_oss(torch.float64)
+    elif family in zoo.VISION_FAMILIES:
         model = zoo.tiny_vision_model(family, seed=1, dtype=torch.float64,
                                       attn_implementation=attn_implementation)
     else:

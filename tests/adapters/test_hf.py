@@ -3,6 +3,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import tiny_models  # noqa: E402
 import treepack  # noqa: E402
 from treepack import TreePack, hf, zoo  # noqa: E402
 from treepack.verification import verification_batch, verify  # noqa: E402
@@ -398,40 +399,17 @@ def test_refuses_recurrent_layers_it_does_not_route():
         hf.prepare(model)
 
 
-def gpt_oss():
-    """A tiny GPT-OSS: attention sinks (s_aux), sliding and full layers alternating, MoE."""
-    config = transformers.GptOssConfig(
-        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    transformers.set_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    assert model.config.layer_types == ["sliding_attention", "full_attention"]
-    with torch.no_grad():  # sinks away from their zero initialisation: each head its own
-        for layer in model.model.layers:
-            layer.self_attn.sinks.copy_(torch.linspace(-2, 2, 4))
-    return model
-
-
 def test_gpt_oss_sinks_windows_and_moe_equal_each_sequence_alone():
     """GPT-OSS's sinks enter every tree softmax (treepack.attention, TreeAttention sinks):
     log-probs and every gradient, the sinks' and the router's included, equal every sequence
     alone, across its 6-token windows (the batch's sequences run to 32 tokens)."""
-    model = gpt_oss()
+    model = tiny_models.gpt_oss()
     report = verify(model, verification_batch(zoo.VOCAB))
     assert report.passed, report
     with hf.prepared(model):  # the sinks learn on a pack (verify compared their gradients)
         out = hf.logprobs(model, TreePack.from_sequences(verification_batch(zoo.VOCAB)))
         out.logprobs.sum().backward()
     assert all(layer.self_attn.sinks.grad.abs().min() > 0 for layer in model.model.layers)
-
-
-def test_attention_sinks_in_parts_are_refused_by_name():
-    from treepack.adapters.hf.parts import logprobs_in_parts
-
-    model = gpt_oss()
-    with hf.prepared(model), pytest.raises(hf.UnsupportedModel, match="sinks.*whole pack only"):
-        logprobs_in_parts(model, verification_batch(zoo.VOCAB), max_tokens=64)
 
 
 def test_pack_on_another_device_is_refused():

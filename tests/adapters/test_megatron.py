@@ -36,6 +36,7 @@ CASES = {
     "in parts, a whole-batch loss (step_in_parts)": {"parts": 6, "step": True},
     "in parts, every part recomputed": {"parts": 4, "recompute": True},
     "in parts, none recomputed": {"parts": 7, "recompute": False},
+    "in parts, attention sinks": {"parts": 6, "config": {"softmax_type": "learnable"}},
 }
 
 # negative controls, each on the layouts it applies to, must be caught (Megatron's own rope
@@ -63,10 +64,6 @@ REFUSED = {
                                 "recompute_num_layers": 1}},
         "UnsupportedMegatron: a layer ran its forward without gradients during a training "
         "step in parts"),
-    "in parts, attention sinks": (
-        {"parts": 6, "config": {"softmax_type": "learnable"}},
-        "UnsupportedMegatron: treepack.megatron.backward_in_parts: attention sinks "
-        "(softmax_type='learnable')"),
 }
 
 LAYOUTS = {

@@ -145,6 +145,20 @@ def test_parts_equal_one_forward_over_the_tree(family, max_tokens):
     assert relative(grads, want_grads) <= (1e-6 if family == "gemma2" else 1e-12)
 
 
+@pytest.mark.parametrize("max_tokens", [40, 7])
+def test_attention_sinks_in_parts_equal_one_forward(max_tokens):
+    """GPT-OSS: its sinks (s_aux) are one more key each part adds to its own attention (the
+    sink is no row: nothing carries it), across its sliding and full layers and its MoE."""
+    import tiny_models
+
+    model = hf.prepare(tiny_models.gpt_oss(torch.float64))
+    got, want_grads = parts_against_one_forward(model, max_tokens)
+    assert got.parts > 2
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    assert relative(grads, want_grads) <= 1e-12
+    assert all(layer.self_attn.sinks.grad.abs().min() > 0 for layer in model.model.layers)
+
+
 def parts_against_one_forward(model, max_tokens):
     """backward_in_parts and logprobs_in_parts on :func:`batches` against one forward over
     the whole tree: log-probs, entropies and loss to rounding, every row once. Returns the

@@ -29,6 +29,9 @@ TWO = {
     "step in parts": dict(call="step", budget=16),
     "log-probs in parts": dict(call="score", budget=16),
     "hybrid in parts": dict(family="qwen3_5", call="backward", budget=8, batch="small"),
+    "attention sinks, windows and moe (gpt-oss)": dict(family="gpt_oss", batch="small"),
+    "attention sinks in parts (gpt-oss)": dict(family="gpt_oss", call="backward", budget=16,
+                                               batch="small"),
     "broken: no gradient back through the return exchange":
         dict(broken="no_return_backward", batch="small"),
     "broken: every rank computes the same rows": dict(broken="same_rows", batch="small"),

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from treepack.attention import sink_channel
 from treepack.attention.chains import Chains, subset_chains
-from treepack.attention.segment import ShapeGroups, chain_groups
+from treepack.attention.segment import ShapeGroups, attend_groups, chain_groups
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 from treepack.lean import predictions as lean
@@ -35,7 +36,7 @@ from treepack.lean.predictions import Predictions
 from treepack.planning.parts import Parts, split
 from treepack.recurrent import ancestor_table, row_levels
 
-__all__ = ["Carried", "Walk", "PartChains", "part_chains", "part_groups", "ConvPaths", "conv_paths",
+__all__ = ["Carried", "Walk", "attend_part", "PartChains", "part_chains", "part_groups", "ConvPaths", "conv_paths",
            "ScanPlan", "scan_plan", "part_predictions"]
 
 
@@ -129,6 +130,28 @@ class Walk:
             enter(i)
             stack.append((i, True))
             stack.extend((c, False) for c in reversed(self.children[i]))
+
+
+def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, value: Tensor, *,
+                scale, softcap, window, dropout, sinks: Tensor | None = None) -> Tensor:
+    """Part ``i``'s attention (``[1, heads, rows, d]``): its own keys and values kept for the
+    parts below (under ``module``), its queries against its context's and its own, by the
+    part's chains; ``sinks`` (a logit per query head) as one more key every query sees, added
+    here: it is no row, so nothing carries it."""
+    carried.put(i, module, key, value)
+    pack, budget = carried.parts.pack, carried.parts.max_rows
+    chains = part_chains(pack, budget, i, window)
+    groups = part_groups(pack, budget, i, window, query.shape[1] * query.shape[3])
+    context = carried.gather(module, chains.context, 2)
+    if context is not None:
+        key, value = torch.cat((context[0], key), 2), torch.cat((context[1], value), 2)
+    if sinks is not None:
+        if softcap is not None:
+            raise ValueError(f"softcap={softcap} with attention sinks: the sink's own score "
+                             "must not be capped")
+        query, key = sink_channel(query, key, sinks, scale)
+    return attend_groups(query, key, value, groups, scale=scale, softcap=softcap,
+                         window=window, dropout=dropout, sink=sinks is not None)
 
 
 # --------------------------------------------------------------------- each part's plans

@@ -40,8 +40,8 @@ What changes, and what does not:
   forward and backward with that gradient, inside DDP's ``no_sync``) and hands the schedule a
   zero loss over every parameter, so Megatron finalises and reduces the gradients as for any
   step. The loss is scaled as the schedule scales verl's (times the CP size; in the per-token
-  regime not at all). Under pipeline parallelism, activation recomputation, attention sinks
-  or MoE router losses, which parts refuse, the plan splits such a tree, its prefix repeated in each pack
+  regime not at all). Under pipeline parallelism, activation recomputation or MoE router
+  losses, which parts refuse, the plan splits such a tree, its prefix repeated in each pack
   (said once). The choice is all-reduced over every rank. ``treepack/parts`` reports the
   forwards.
 """

@@ -188,8 +188,14 @@ class TreeAttention:
         if softcap is not None:
             raise ValueError(f"softcap={softcap} with attention sinks: no model caps its "
                              "scores and has sinks, and the sink's own score must not be capped")
-        sink = (sinks.to(q.dtype) / scale)[None, :, None, None].expand(1, heads, q.shape[2], 1)
-        q = torch.cat((q, sink), -1)
-        k = torch.cat((k, k.new_zeros((*k.shape[:3], 1))), -1)
+        q, k = sink_channel(q, k, sinks, scale)
         return SINK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=None, window=window,
                                       dropout=dropout, sink=True)
+
+
+def sink_channel(q: Tensor, k: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``q`` and ``k`` with the sink channel (:meth:`TreeAttention._with_sinks`): ``sinks[h] /
+    scale`` appended to every query of head ``h``, 0 to every key; a backend run with
+    ``sink=True`` adds the key that is 1 there."""
+    sink = (sinks.to(q.dtype) / scale)[None, :, None, None].expand(1, q.shape[1], q.shape[2], 1)
+    return torch.cat((q, sink), -1), torch.cat((k, k.new_zeros((*k.shape[:3], 1))), -1)

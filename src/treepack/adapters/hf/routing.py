@@ -83,12 +83,6 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         return compat.attention_function(module, original)(module, query, key, value,
                                                            attention_mask, **kwargs)
     sinks = kwargs.get("s_aux")
-    if sinks is not None and not tree.SINKS:
-        raise UnsupportedModel(
-            f"{type(module).__name__} uses attention sinks (s_aux), which treepack runs on a "
-            "whole pack only, not yet in parts or over a sequence-parallel group: run this "
-            "model on packs within one forward's budget, without sequence_parallel"
-        )
     if _carries_values(attention_mask):
         raise UnsupportedModel(
             f"{type(module).__name__} adds values of its own to the attention mask (a learned "
@@ -130,8 +124,6 @@ def _mask(*args, config=None, **kwargs):
 class TreeForward:
     """The per-forward object every token mixer receives: the pack, the attention backend,
     and call counts that prove each layer took the tree path."""
-
-    SINKS = True  # runs attention sinks (s_aux); a part or a rank's slice does not yet
 
     def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
         self.pack = pack

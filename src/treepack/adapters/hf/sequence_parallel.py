@@ -124,8 +124,6 @@ class ShardedForward(TreeForward):
         total: the forward's rows (the pack's, or the part's).
     """
 
-    SINKS = False  # the sinks are not sliced to this rank's heads yet
-
     def __init__(self, inner: TreeForward, sp: SequenceParallel, total: int):
         self.inner, self.sp, self.total, self.pack = inner, sp, total, inner.pack
         self.exchange = exchange.HeadExchange(sp.group, sp.rank, sp.size, total,
@@ -135,6 +133,8 @@ class ShardedForward(TreeForward):
         self.mixer_calls = type(inner.mixer_calls)()
 
     def attend(self, module, query, key, value, **kwargs):
+        if kwargs.get("sinks") is not None:  # this rank's heads' sink logits
+            kwargs["sinks"] = kwargs["sinks"].chunk(self.exchange.size)[self.exchange.rank]
         return self.exchange.attend(
             query, key, value, lambda q, k, v: self.inner.attend(module, q, k, v, **kwargs),
             type(module).__name__)

@@ -27,13 +27,11 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.carried import (Carried, Walk, part_chains, part_groups,
-                                       part_predictions)
+from treepack.adapters.carried import Carried, Walk, attend_part, part_predictions
 from treepack.adapters.megatron import moe
 from treepack.adapters.megatron.attention import UnsupportedMegatron
 from treepack.adapters.megatron.forward import (TreeForward, _agreement_group, _check,
                                                 _groups, _place, run_forward, unwrap)
-from treepack.attention.segment import attend_groups
 from treepack.core.agreement import agreement, pack_identity
 from treepack.core.outputs import TokenLogprobs
 from treepack.core.tree import TreePack
@@ -67,15 +65,8 @@ class PartTreeForward(TreeForward):
         self.carried, self.index, self.budget = carried, index, parts.max_rows
 
     def attend_rows(self, module, q, k, v, *, scale, window, dropout, sinks=None):
-        self.carried.put(self.index, module, k, v)  # sinks: refused before (parts_refusal)
-        chains = part_chains(self.pack, self.budget, self.index, window)
-        groups = part_groups(self.pack, self.budget, self.index, window,
-                             q.shape[1] * q.shape[3])
-        context = self.carried.gather(module, chains.context, 2)
-        if context is not None:
-            k, v = torch.cat((context[0], k), 2), torch.cat((context[1], v), 2)
-        return attend_groups(q, k, v, groups, scale=scale, softcap=None, window=window,
-                             dropout=dropout)
+        return attend_part(self.carried, self.index, module, q, k, v, scale=scale,
+                           softcap=None, window=window, dropout=dropout, sinks=sinks)
 
 
 def _no_reentrant() -> UnsupportedMegatron:
@@ -231,10 +222,6 @@ def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, e
 def parts_refusal(core, train: bool = True) -> str | None:
     """What of the model ``core`` parts cannot run (besides pipeline parallelism and
     activation recomputation), or None."""
-    if getattr(core.config, "softmax_type", "vanilla") != "vanilla":
-        return (f"attention sinks (softmax_type={core.config.softmax_type!r}): the sink key is "
-                "not carried between parts yet; run the tree in one forward (a larger "
-                "max_tokens) or split it with treepack.plan")
     losses = router_losses(core.config) if train and moe.has_moe(core) else None
     if losses:
         return (f"the MoE router's {losses} is a function of every row's routing, which no "

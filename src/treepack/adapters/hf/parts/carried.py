@@ -8,10 +8,8 @@ import collections
 
 import torch
 
-from treepack.adapters.carried import (Carried, conv_paths, part_chains, part_groups,
-                                       scan_plan)
+from treepack.adapters.carried import Carried, attend_part, conv_paths, scan_plan
 from treepack.adapters.hf.routing import TreeForward, UnsupportedModel
-from treepack.attention.segment import attend_groups
 from treepack.recurrent import path_conv1d, scan_levels
 
 __all__ = ["Carried", "PartForward", "reentrant_checkpoint"]
@@ -30,8 +28,6 @@ class PartForward(TreeForward):
     """The per-forward object of one part: every token mixer over the part's context and
     own rows."""
 
-    SINKS = False  # the sink key is not carried between parts yet
-
     def __init__(self, carried: Carried, index: int):
         self.pack = carried.parts.pack
         self.carried, self.index = carried, index
@@ -41,17 +37,10 @@ class PartForward(TreeForward):
         self.mixer_calls: collections.Counter = collections.Counter()
         self.layer = None  # the recurrent layer under way: its convolution's weight
 
-    def attend(self, module, query, key, value, *, scale, softcap, window, dropout):
-        carried = self.carried
-        carried.put(self.index, module, key, value)
-        chains = part_chains(self.pack, self.budget, self.index, window)
-        groups = part_groups(self.pack, self.budget, self.index, window,
-                             query.shape[1] * query.shape[3])
-        context = carried.gather(module, chains.context, 2)
-        if context is not None:
-            key, value = torch.cat((context[0], key), 2), torch.cat((context[1], value), 2)
-        return attend_groups(query, key, value, groups, scale=scale, softcap=softcap,
-                             window=window, dropout=dropout)
+    def attend(self, module, query, key, value, *, scale, softcap, window, dropout,
+               sinks=None):
+        return attend_part(self.carried, self.index, module, query, key, value, scale=scale,
+                           softcap=softcap, window=window, dropout=dropout, sinks=sinks)
 
     def conv(self, x, weight, bias):
         # a layer's convolution weight names it, in every forward and recompute of the step
