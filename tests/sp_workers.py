@@ -59,10 +59,10 @@ def model_for(case: dict, attn_implementation: str | None = None):
     from treepack import hf, zoo
 
     family = case.get("family", "llama")
-    if family == "gpt_oss":  # attention sinks, windows, MoE (not a zoo family)
+    if family in ("gpt_oss", "llama4_text"):  # sinks; chunked attention (not zoo families)
         import tiny_models
 
-        model = tiny_models.gpt_oss(torch.float64)
+        model = getattr(tiny_models, family)(torch.float64)
     elif family in zoo.VISION_FAMILIES:
         model = zoo.tiny_vision_model(family, seed=1, dtype=torch.float64,
                                       attn_implementation=attn_implementation)

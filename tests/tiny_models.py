@@ -26,3 +26,53 @@ def gpt_oss(dtype=torch.float32):
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.linspace(-2, 2, 4))
     return model
+
+
+def llama4_text(dtype=torch.float32):
+    """A tiny Llama 4 text model: chunked attention (chunks of 5 depths) on its rope layer,
+    a no-rope layer with attention temperature tuning (its scale steps every 2 positions),
+    MoE."""
+    import transformers
+
+    from treepack import zoo
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=5,
+        no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
+        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        transformers.set_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 0]
+    return model
+
+
+def llama4_in_float64(monkeypatch) -> None:
+    """Llama 4's float32 internals (complex rotary, RMS and L2 norms, the router's sigmoid)
+    in float64, for exact comparisons of a float64 model: with them, a tree equals every
+    sequence alone to rounding (as tests/reference.exact_kernel does for Gated DeltaNet)."""
+    import transformers.models.llama4.modeling_llama4 as llama4
+
+    def rotary(xq, xk, freqs_cis):
+        f = freqs_cis.to(torch.complex128)[:, :, None, :]
+
+        def turn(x):
+            pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * f).flatten(3).type_as(x)
+
+        return turn(xq), turn(xk)
+
+    def router(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+        top, index = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, index, top)
+        return torch.sigmoid(scores), logits
+
+    monkeypatch.setattr(llama4, "apply_rotary_emb", rotary)
+    monkeypatch.setattr(llama4.Llama4TextRMSNorm, "forward",
+                        lambda self, x: self._norm(x) * self.weight)
+    monkeypatch.setattr(llama4.Llama4TextL2Norm, "forward", lambda self, x: self._norm(x))
+    monkeypatch.setattr(llama4.Llama4Router, "forward", router)

@@ -412,6 +412,29 @@ def test_gpt_oss_sinks_windows_and_moe_equal_each_sequence_alone():
     assert all(layer.self_attn.sinks.grad.abs().min() > 0 for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("broken", [None, "no chunks", "temperature at packed index"])
+def test_llama4_chunked_attention_and_nope_temperature_equal_each_sequence_alone(
+        broken, monkeypatch):
+    """Llama 4 text: its chunked layer attends within chunks of 5 depths (the batch's
+    sequences run to 32 tokens), its no-rope layer tunes the attention temperature at each
+    row's depth, and its MoE routes per row: log-probs and every gradient equal every
+    sequence alone to rounding (its float32 internals in float64 here). Each thing broken
+    alone fails."""
+    from treepack.adapters.hf import routing
+
+    tiny_models.llama4_in_float64(monkeypatch)
+    if broken == "no chunks":
+        monkeypatch.setattr(routing, "_chunk_of", lambda module: None)
+    elif broken == "temperature at packed index":
+        monkeypatch.setattr(routing, "_temperature_at_depths", lambda module, q, tree: q)
+    report = verify(tiny_models.llama4_text(torch.float64), verification_batch(zoo.VOCAB))
+    if broken is None:
+        assert report.passed, report
+        assert report.errors["logprobs"].max_rel < 1e-12, report
+    else:  # and the floor (one padded batch included) does not swallow it
+        assert not report.passed and report.errors["logprobs"].max_rel > 1e-4, report
+
+
 def test_pack_on_another_device_is_refused():
     with pytest.raises(ValueError, match="pack.to"):
         hf.forward(tiny("llama"), TreePack.from_sequences(SEQS, device="meta"))

@@ -159,6 +159,20 @@ def test_attention_sinks_in_parts_equal_one_forward(max_tokens):
     assert all(layer.self_attn.sinks.grad.abs().min() > 0 for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("max_tokens", [40, 7])
+def test_chunked_attention_in_parts_equals_one_forward(max_tokens, monkeypatch):
+    """Llama 4: chunked attention within chunks of 5 depths and the no-rope layer's
+    temperature at each row's depth, in parts (the chains hold whole ancestries)."""
+    import tiny_models
+
+    tiny_models.llama4_in_float64(monkeypatch)
+    model = hf.prepare(tiny_models.llama4_text(torch.float64))
+    got, want_grads = parts_against_one_forward(model, max_tokens)
+    assert got.parts > 2
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    assert relative(grads, want_grads) <= 1e-12
+
+
 def parts_against_one_forward(model, max_tokens):
     """backward_in_parts and logprobs_in_parts on :func:`batches` against one forward over
     the whole tree: log-probs, entropies and loss to rounding, every row once. Returns the

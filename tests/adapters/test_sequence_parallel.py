@@ -32,6 +32,10 @@ TWO = {
     "attention sinks, windows and moe (gpt-oss)": dict(family="gpt_oss", batch="small"),
     "attention sinks in parts (gpt-oss)": dict(family="gpt_oss", call="backward", budget=16,
                                                batch="small"),
+    "chunked attention, no-rope temperature (llama 4)": dict(family="llama4_text",
+                                                             batch="small"),
+    "chunked attention in parts (llama 4)": dict(family="llama4_text", call="backward",
+                                                 budget=16, batch="small"),
     "broken: no gradient back through the return exchange":
         dict(broken="no_return_backward", batch="small"),
     "broken: every rank computes the same rows": dict(broken="same_rows", batch="small"),
@@ -56,7 +60,7 @@ FOUR = {
 
 # float64 throughout; models whose norms compute in float32 (gemma2, qwen3.5) sum their
 # weights' gradients over rows in float32, in another order per rank
-TOLERANCE = {"gemma2": 1e-6, "qwen3_5": 1e-6}
+TOLERANCE = {"gemma2": 1e-6, "qwen3_5": 1e-6, "llama4_text": 1e-6}
 # against every sequence alone: transformers' Gated DeltaNet kernel runs in float32, in chunks
 # that start elsewhere alone than in the tree (test_hybrid.py runs it in float64 instead)
 ALONE = {"qwen3_5": 1e-3}

@@ -12,8 +12,11 @@ from treepack.attention import BACKENDS, TreeAttention, segment
 from strategies import forests
 
 
-def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sinks=None):
-    """Each sequence alone: causal attention over its own path, nothing shared.
+def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sinks=None,
+                        chunk=None):
+    """Each sequence alone: causal attention over its own path, nothing shared; with
+    ``chunk``, positions i and j see each other only within one chunk (``i // chunk == j //
+    chunk``), as Llama 4's chunked attention masks a sequence.
 
     A row shared by several sequences takes its output from the first sequence through it;
     padding rows attend only themselves. ``sinks`` (one logit per query head, GPT-OSS's
@@ -34,6 +37,8 @@ def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sink
         visible = j <= i
         if window is not None:
             visible &= i - j < window
+        if chunk is not None:
+            visible &= i // chunk == j // chunk
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is None:
             probs = scores.softmax(-1)
@@ -140,6 +145,45 @@ def test_attention_sinks_equal_each_sequence_alone(seqs, opt, backend):
     for a, b in zip(torch.autograd.grad((got * weight).sum(), (q, k, v, sinks)),
                     torch.autograd.grad((expect * weight).sum(), (q, k, v, sinks))):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=14), options,
+       st.sampled_from(["segment", "dense", "auto"]), st.sampled_from([1, 2, 3, 5]),
+       st.booleans())
+def test_chunked_attention_equals_each_sequence_alone(seqs, opt, backend, chunk, sinks):
+    """Llama 4's chunked attention: a query sees the keys of its own chunk of depths only,
+    on any forest, with windows, GQA, padded groups and sinks: outputs and the gradients of
+    q, k, v equal each sequence alone."""
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    q, k, v = (x.requires_grad_() for x in qkv(pack, *opt["heads"]))
+    kw = dict(scale=0.3, window=opt["window"], chunk=chunk)
+    if sinks:
+        kw["sinks"] = torch.randn(q.shape[1], dtype=q.dtype,
+                                  generator=torch.Generator().manual_seed(1))
+    with call_cost(opt["call_cost"]):
+        got = TreeAttention(pack, backend)(q, k, v, **kw)
+    expect = reference_attention(q, k, v, pack, **kw)
+    real = pack.num_packed_rows
+    torch.testing.assert_close(got[:, :, :real], expect[:, :, :real], rtol=1e-12, atol=1e-12)
+    weight = torch.randn(got.shape, dtype=q.dtype)
+    weight[:, :, real:] = 0
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q, k, v)),
+                    torch.autograd.grad((expect * weight).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_attention_changes_the_output_and_is_refused_where_not_run():
+    pack = TreePack.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6], [7, 8]])
+    q, k, v = qkv(pack, 4, 2)
+    chunked = TreeAttention(pack, "segment")(q, k, v, chunk=2)
+    assert (chunked - TreeAttention(pack, "segment")(q, k, v)).abs().max() > 1e-3
+    for backend in ("varlen", "flex"):
+        with pytest.raises(RuntimeError, match=f"backend='{backend}' cannot run here: "
+                                               "chunked attention.*backend='segment'"):
+            TreeAttention(pack, backend)(q, k, v, chunk=2)
+    with pytest.raises(ValueError, match="chunk"):
+        TreeAttention(pack, "segment")(q, k, v, chunk=0)
 
 
 def test_attention_sinks_change_the_output_and_are_refused_where_not_run():

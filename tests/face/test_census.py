@@ -23,8 +23,10 @@ from treepack.face import census  # noqa: E402
     ("granite_swa", "exact", "grads"),
     ("mimo_v2_flash", "exact", "grads"),
     ("flint", "exact", "grads"),
+    # chunked attention (chunks of 5 depths here); its float32 internals' rounding within
+    # the floor of one padded batch (tests/adapters/test_hf.py runs them in float64: exact)
+    ("llama4_text", "exact", "grads"),
     # the other families issue 35 names: refused by name
-    ("llama4_text", "refused", "chunked_attention"),
     ("glm_moe_dsa", "refused", "indexed_attention"),
     ("deepseek_v32", "refused", "indexed_attention"),
     ("bailing_hybrid", "refused", "linear_attention"),

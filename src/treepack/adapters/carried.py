@@ -133,15 +133,18 @@ class Walk:
 
 
 def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, value: Tensor, *,
-                scale, softcap, window, dropout, sinks: Tensor | None = None) -> Tensor:
+                scale, softcap, window, dropout, sinks: Tensor | None = None,
+                chunk: int | None = None) -> Tensor:
     """Part ``i``'s attention (``[1, heads, rows, d]``): its own keys and values kept for the
     parts below (under ``module``), its queries against its context's and its own, by the
     part's chains; ``sinks`` (a logit per query head) as one more key every query sees, added
-    here: it is no row, so nothing carries it."""
+    here: it is no row, so nothing carries it; ``chunk``: each query within its chunk of
+    depths (the chains then hold whole ancestries, as the segment backend's do)."""
     carried.put(i, module, key, value)
     pack, budget = carried.parts.pack, carried.parts.max_rows
-    chains = part_chains(pack, budget, i, window)
-    groups = part_groups(pack, budget, i, window, query.shape[1] * query.shape[3])
+    reach = window if chunk is None else None
+    chains = part_chains(pack, budget, i, reach)
+    groups = part_groups(pack, budget, i, reach, query.shape[1] * query.shape[3])
     context = carried.gather(module, chains.context, 2)
     if context is not None:
         key, value = torch.cat((context[0], key), 2), torch.cat((context[1], value), 2)
@@ -151,7 +154,7 @@ def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, va
                              "must not be capped")
         query, key = sink_channel(query, key, sinks, scale)
     return attend_groups(query, key, value, groups, scale=scale, softcap=softcap,
-                         window=window, dropout=dropout, sink=sinks is not None)
+                         window=window, dropout=dropout, sink=sinks is not None, chunk=chunk)
 
 
 # --------------------------------------------------------------------- each part's plans

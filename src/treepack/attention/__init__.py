@@ -67,6 +67,8 @@ BACKENDS: dict[str, Backend] = {
 }
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
 SINK_BACKENDS = {"segment": segment.attention, "dense": dense.attention}  # attention sinks
+CHUNK_BACKENDS = SINK_BACKENDS  # chunked attention (Llama 4): the backends with a mask of
+#                                 their own per query
 
 log = logging.getLogger("treepack")
 _LOGGED: set[tuple[str, str]] = set()
@@ -129,6 +131,7 @@ class TreeAttention:
         window: int | None = None,
         dropout: float = 0.0,
         sinks: Tensor | None = None,
+        chunk: int | None = None,
     ) -> Tensor:
         rows = self.pack.num_rows
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -154,9 +157,21 @@ class TreeAttention:
             scale = q.shape[-1] ** -0.5
         softcap = softcap or None
         backend = self.backend
+        if chunk is not None:
+            chunk = positive_int(chunk, "chunk", hint=" (depths per attention chunk: a query "
+                                 "sees the keys of its own chunk only; None for no chunks)")
         if sinks is not None:
             return self._with_sinks(q, k, v, sinks, scale=scale, softcap=softcap,
-                                    window=window, dropout=dropout)
+                                    window=window, dropout=dropout, chunk=chunk)
+        if chunk is not None:
+            backend = "segment" if backend == "auto" else backend
+            if backend not in CHUNK_BACKENDS:
+                raise RuntimeError(
+                    f"backend={backend!r} cannot run here: chunked attention (a query sees the "
+                    f"keys of its own chunk of depths) runs on {' / '.join(CHUNK_BACKENDS)}; "
+                    "use backend='segment' (or 'auto', which picks it)")
+            return CHUNK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=softcap,
+                                           window=window, dropout=dropout, chunk=chunk)
         if backend == "auto":
             backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
             if (backend, why) not in _LOGGED:
@@ -166,7 +181,8 @@ class TreeAttention:
             q, k, v, self, scale=scale, softcap=softcap, window=window, dropout=dropout
         )
 
-    def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout) -> Tensor:
+    def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout,
+                    chunk=None) -> Tensor:
         """Attention with a learned sink logit per query head (GPT-OSS's ``s_aux``): a term
         ``exp(sinks[h])`` in every softmax denominator, attending to nothing.
 
@@ -190,7 +206,7 @@ class TreeAttention:
                              "scores and has sinks, and the sink's own score must not be capped")
         q, k = sink_channel(q, k, sinks, scale)
         return SINK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=None, window=window,
-                                      dropout=dropout, sink=True)
+                                      dropout=dropout, sink=True, chunk=chunk)
 
 
 def sink_channel(q: Tensor, k: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor]:

@@ -54,15 +54,20 @@ def sdpa(q, k, v, mask, *, scale, softcap, dropout) -> Tensor:
 
 
 @derived_from_pack
-def visible(pack, window: int | None) -> Tensor:
-    """BoolTensor [T', T']: the pack's dense mask, cut to ``window`` (cached per pack)."""
+def visible(pack, window: int | None, chunk: int | None = None) -> Tensor:
+    """BoolTensor [T', T']: the pack's dense mask, cut to ``window`` and to ``chunk``s of
+    depth (a query sees the keys of its own chunk only), cached per pack."""
     mask = pack.dense_mask()
     win = window_mask(pack.position_ids, pack.position_ids, window)
+    if chunk is not None:
+        block = pack.position_ids // chunk
+        mask = mask & (block[:, None] == block[None, :])
     return mask if win is None else mask & win
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False) -> Tensor:
-    mask = visible(attend.pack, window)
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False,
+              chunk=None) -> Tensor:
+    mask = visible(attend.pack, window, chunk)
     if sink:  # one more key, seen by every query (TreeAttention._with_sinks)
         k, v = with_sink_key(k, v, 2)
         mask = torch.cat((mask, mask.new_ones((mask.shape[0], 1))), 1)

@@ -178,16 +178,22 @@ class _SelectSlots(torch.autograd.Function):
         return grad.index_select(1, row_slot), None, None
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False) -> Tensor:
-    plan = shape_groups(attend.pack, window, q.shape[1] * q.shape[3])
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False,
+              chunk=None) -> Tensor:
+    # chunks need each chain's whole ancestry (key slot = depth); the window is masked then
+    plan = shape_groups(attend.pack, window if chunk is None else None,
+                        q.shape[1] * q.shape[3])
     return attend_groups(q, k, v, plan, scale=scale, softcap=softcap, window=window,
-                         dropout=dropout, sink=sink)
+                         dropout=dropout, sink=sink, chunk=chunk)
 
 
 def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout,
-                  sink=False) -> Tensor:
+                  sink=False, chunk=None) -> Tensor:
     """``q`` ``[1, Hq, rows, D]`` against ``k``/``v`` ``[1, Hkv, keys, D]`` by ``plan``;
-    with ``sink``, one more key that every query sees (:meth:`TreeAttention._with_sinks`)."""
+    with ``sink``, one more key that every query sees (:meth:`TreeAttention._with_sinks`);
+    with ``chunk``, a query sees the keys of its own chunk of depth only (Llama 4's chunked
+    attention: a chain's key slot is its depth, so the chunk starts at slot ``depth - depth %
+    chunk``)."""
     q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
     q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
     sizes = [g.size * g.kv for g in plan.groups]
@@ -198,17 +204,18 @@ def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout
         qg = qg.unflatten(1, (g.size, g.q)).transpose(0, 1)  # [G, Hq, q, D]
         kg = kg.unflatten(1, (g.size, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
         vg = vg.unflatten(1, (g.size, g.kv)).transpose(0, 1)
-        if window is None and softcap is None and g.padding is None and not sink:
+        if window is None and softcap is None and g.padding is None and not sink \
+                and chunk is None:
             out = sdpa(qg, kg, vg, causal_lower_right(g.q, g.kv), scale=scale, softcap=None,
                        dropout=dropout)
         else:
             out = _masked_chunks(qg, kg, vg, g, window, scale=scale, softcap=softcap,
-                                 dropout=dropout, sink=sink)
+                                 dropout=dropout, sink=sink, chunk=chunk)
         outs.append(out.transpose(0, 1).flatten(1, 2))  # [Hq, G * q, D]
     return torch.cat(outs, dim=1).index_select(1, plan.row_slot)[None]  # [1, Hq, T', D]
 
 
-def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, **kw) -> Tensor:
+def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, chunk=None, **kw) -> Tensor:
     """Bottom-right causal (and windowed) attention with an explicit mask, in query chunks.
 
     Query t of a chain with ``q`` queries and ``kv`` keys sees key u iff ``u <= off + t``
@@ -221,10 +228,10 @@ def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, **kw) -> Tensor
     K = kg.shape[2]
     pad = group.padding
     off = K - Q if pad is None else pad.offset
-    chunk = max(1, min(Q, CHUNK_ELEMENTS // max(1, G * H * K)))
+    step = max(1, min(Q, CHUNK_ELEMENTS // max(1, G * H * K)))  # queries per call
     outs = []
-    for t0 in range(0, Q, chunk):
-        t1 = min(t0 + chunk, Q)
+    for t0 in range(0, Q, step):
+        t1 = min(t0 + step, Q)
         first = K - Q + t0 if pad is None else int(pad.first_key[t0])
         last = K - Q + t1 - 1 if pad is None else int(pad.last_key[t1 - 1])
         a = 0 if window is None else max(0, first - window + 1)
@@ -238,6 +245,8 @@ def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, **kw) -> Tensor
             mask = mask & (u < pad.keys)
         if window is not None:
             mask = mask & (u > off + t - window)
+        if chunk is not None:  # key slot u is depth u: the query's chunk starts at a multiple
+            mask = mask & (u >= (off + t) // chunk * chunk)
         ks, vs = kg[:, :, a:b], vg[:, :, a:b]
         if sink:  # the sink key after the chain's keys, seen by every query of the chunk
             ks, vs = with_sink_key(ks, vs, 2)

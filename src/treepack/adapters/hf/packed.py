@@ -100,6 +100,7 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
     ids, positions = _input_ids(pack, pad), pack.position_ids
     if rows is not None:
         ids, positions = ids[rows], positions[rows]
+    mixers.depths = positions  # the rows' depths (Llama 4's temperature tuning reads them)
     heads, hook = [], None
     if output == "hidden":
         check_lm_head(core)  # once per model, by a forward of its own

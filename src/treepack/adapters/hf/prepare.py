@@ -243,6 +243,7 @@ def _check_reads_position_ids(model, core) -> None:
     with eval_no_grad(model):
         for positions in ([0, 1], [0, 7]):  # same chain, keys 1 vs 7 positions back
             tree = TreeForward(pack, "dense")
+            tree.depths = torch.tensor(positions, device=device)
             try:
                 with tree_forward():
                     out = model(input_ids=ids, use_cache=False, **{TREE_FORWARD_KWARG: tree},

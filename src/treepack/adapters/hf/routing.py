@@ -31,7 +31,7 @@ TREE_FORWARD_KWARG = "treepack_tree_forward"  # the model keyword that carries a
 _PREFIX = "treepack_"
 ORIGINAL: dict[str, str] = {}  # registered treepack name -> the original implementation
 TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _GDN = {"linear_attention": (False, ("conv", "gated_delta"))}
 _MAMBA2 = {"linear_attention": (False, ("conv", "ssd"))}
 # Hybrid families whose recurrent layers treepack routes (model_type): for each layer type
@@ -83,6 +83,8 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         return compat.attention_function(module, original)(module, query, key, value,
                                                            attention_mask, **kwargs)
     sinks = kwargs.get("s_aux")
+    chunk = _chunk_of(module)
+    query = _temperature_at_depths(module, query, tree)
     if _carries_values(attention_mask):
         raise UnsupportedModel(
             f"{type(module).__name__} adds values of its own to the attention mask (a learned "
@@ -99,8 +101,51 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         window=kwargs.get("sliding_window"),
         dropout=kwargs.get("dropout", 0.0),
         **({} if sinks is None else {"sinks": sinks}),
+        **({} if chunk is None else {"chunk": chunk}),
     )
     return out.transpose(1, 2).contiguous(), None  # [1, T', H, D] as transformers expects
+
+
+def _chunk_of(module) -> int | None:
+    """The chunk of depths a chunked-attention layer (Llama 4's ``chunked_attention``) attends
+    within, or None for any other layer."""
+    config = getattr(module, "config", None)
+    types = compat.layer_types(config) if config is not None else None
+    index = getattr(module, "layer_idx", None)
+    if not types or "chunked_attention" not in types:
+        return None
+    if index is None:
+        raise UnsupportedModel(
+            f"{type(module).__name__} belongs to a model with chunked-attention layers but "
+            "does not say which layer it is (no layer_idx): treepack cannot tell whether to "
+            "chunk its attention")
+    if types[index] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def _temperature_at_depths(module, query, tree):
+    """Llama 4's attention temperature tuning (its no-rope layers scale each query by
+    ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``) at each row's depth: the layer
+    computed it at the row's packed index (``arange`` over the forward's rows), so the query
+    is rescaled by the ratio, each scale computed in float32 as the layer does."""
+    if not getattr(module, "attn_temperature_tuning", False) or \
+            getattr(module, "use_rope", True):
+        return query
+    depths = getattr(tree, "depths", None)
+    if depths is None or depths.shape[0] != query.shape[2]:
+        raise UnsupportedModel(
+            f"{type(module).__name__} tunes its attention temperature by position, and this "
+            "tree forward does not hold its rows' depths: run it through treepack.hf's calls")
+
+    def scales(positions):
+        p = positions.float()
+        return torch.log1p(torch.floor((p + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    index = torch.arange(query.shape[2], device=query.device)
+    ratio = (scales(depths.to(query.device)).to(query.dtype)
+             / scales(index).to(query.dtype))
+    return query * ratio[None, None, :, None]
 
 
 def _carries_values(mask) -> bool:
@@ -124,6 +169,8 @@ def _mask(*args, config=None, **kwargs):
 class TreeForward:
     """The per-forward object every token mixer receives: the pack, the attention backend,
     and call counts that prove each layer took the tree path."""
+
+    depths = None  # [rows] the depths of the forward's rows, in order (packed_forward sets it)
 
     def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
         self.pack = pack

@@ -38,9 +38,10 @@ class PartForward(TreeForward):
         self.layer = None  # the recurrent layer under way: its convolution's weight
 
     def attend(self, module, query, key, value, *, scale, softcap, window, dropout,
-               sinks=None):
+               sinks=None, chunk=None):
         return attend_part(self.carried, self.index, module, query, key, value, scale=scale,
-                           softcap=softcap, window=window, dropout=dropout, sinks=sinks)
+                           softcap=softcap, window=window, dropout=dropout, sinks=sinks,
+                           chunk=chunk)
 
     def conv(self, x, weight, bias):
         # a layer's convolution weight names it, in every forward and recompute of the step
