@@ -214,7 +214,7 @@ def _alone(model, case: dict, seed: int, temps, w, v) -> dict:
         for s, seq in enumerate(batch(case.get("batch", "verification"), seed)):
             t = temps[s] if isinstance(temps, list) else temps
             logits = model(input_ids=seq[None], use_cache=False,
-                           **alone_inputs(case, s)).logits[0]
+                           **alone_inputs(case, s)).logits[0].to(w.dtype)  # Nemotron-H: fp32
             logp = (logits / t).log_softmax(-1)
             ent = -(logp.exp() * logp).sum(-1)
             at = (torch.tensor([s]), torch.arange(1, len(seq)))
@@ -336,9 +336,6 @@ def refusals_worker(rank: int, world: int, port: int, out: str) -> None:
         attempt("not a group", lambda: hf.logprobs(model, pack, sequence_parallel=[0, 1]))
         pair = dist.new_group([0, 1])  # two ranks split the models' heads and channels
         if rank < 2:
-            bamba = zoo.tiny_model("bamba", seed=1, dtype=torch.float64)
-            hf.prepare(bamba)
-            attempt("mamba2", lambda: hf.logprobs(bamba, pack, sequence_parallel=pair))
             moe = zoo.tiny_model("mixtral", seed=1, dtype=torch.float64)
             hf.prepare(moe)
             attempt("router", lambda: hf.logprobs(moe, pack, sequence_parallel=pair,

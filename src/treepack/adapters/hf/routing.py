@@ -187,9 +187,18 @@ class TreeForward:
         """One short causal convolution, ``x`` ``[T', C]`` per row, along each row's path."""
         return tree_conv1d(self.pack, x, weight, bias)
 
-    def scan(self, kernel, inputs: dict[str, Tensor]) -> Tensor:
-        """One recurrent scan (the layer whose convolution ran last) over every path."""
-        return level_scan(self.pack, kernel, inputs)
+    def scan(self, kernel, inputs: dict[str, Tensor], per_head: dict | None = None) -> Tensor:
+        """One recurrent scan (the layer whose convolution ran last) over every path;
+        ``per_head``: the layer's per-head parameters (Mamba2's ``A`` and ``D``), which
+        reach the kernel in its batch (a sequence-parallel rank's heads of them)."""
+        return level_scan(self.pack, with_params(kernel, per_head), inputs)
+
+
+def with_params(kernel, params: dict | None):
+    """``kernel`` whose batch also holds ``params`` (per-head tensors, not per row)."""
+    if not params:
+        return kernel
+    return lambda batch, state: kernel({**batch, **params}, state)
 
 
 # ---------------------------------------------------------------------- hybrid layers
@@ -449,11 +458,6 @@ def _ssd(original):
                 kwargs.get("cu_seqlens") is not None:
             raise UnsupportedModel("a tree forward runs without a cache or sequence boundaries "
                                    "(initial_states / seq_idx / cu_seqlens were given)")
-        if getattr(tree, "sp", None) is not None:
-            raise UnsupportedModel(
-                "a Mamba2 layer (its chunked scan's per-head A and D, and its B and C shared "
-                "by groups of heads) is not split over a sequence-parallel group yet: run "
-                "this model without sequence_parallel (in parts if it outgrows one forward)")
         tree.mixer_calls["ssd"] += 1
         # The step size as the kernel makes it, so that past a segment's end it is exactly 0
         # (no decay, no input: the state carries over unchanged).
@@ -464,14 +468,16 @@ def _ssd(original):
         dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
         everything = (float("-inf"), float("inf"))
 
-        def kernel(batch, state):
-            return original(batch["x"], batch["dt"], A, batch["B"], batch["C"],
-                            level_chunk(chunk_size, batch["x"].shape[1]), D=D,
+        def kernel(batch, state):  # A and D: per head (a sequence-parallel rank's heads)
+            return original(batch["x"], batch["dt"], batch["A"], batch["B"], batch["C"],
+                            level_chunk(chunk_size, batch["x"].shape[1]), D=batch.get("D"),
                             dt_bias=None, initial_states=state, dt_softplus=False,
                             dt_limit=everything, return_final_states=True, **kwargs)
 
-        out = tree.scan(kernel, {"x": hidden_states[0], "dt": dt[0], "B": B[0],
-                                 "C": C[0]})[None]
+        # B and C are shared by groups of heads (head h reads group h // (heads / groups)):
+        # a sequence-parallel rank repeats them up to its heads
+        out = tree.scan(kernel, {"x": hidden_states[0], "dt": dt[0], "B": B[0], "C": C[0]},
+                        per_head={"A": A, **({} if D is None else {"D": D})})[None]
         return (out, None) if return_final_states else out
 
     mamba2_chunk_scan.treepack_original = original

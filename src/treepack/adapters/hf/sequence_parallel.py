@@ -145,7 +145,7 @@ class ShardedForward(TreeForward):
                               None if bias is None else bias[lo:hi])
         return self.exchange.to_rows(out, 0, 1)
 
-    def scan(self, kernel, inputs):
+    def scan(self, kernel, inputs, per_head=None):
         # a Gated DeltaNet scan repeats its query / key heads up to the value heads inside
         # the kernel (transformers 5.11 on): repeated here instead, so that a rank's heads
         # are whole
@@ -154,11 +154,12 @@ class ShardedForward(TreeForward):
         if any(heads % c for c in counts):
             raise UnsupportedModel(f"a recurrent scan whose inputs have {counts} heads: "
                                    "sequence parallelism splits a scan by heads")
-        self.exchange.split(heads, "heads", "a recurrent scan (Gated DeltaNet)")
+        lo, hi = self.exchange.split(heads, "heads", "a recurrent scan")
         inputs = {k: self.exchange.to_heads(t if t.shape[1] == heads else
                                             t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
                   for k, t in inputs.items()}
-        return self.exchange.to_rows(self.inner.scan(kernel, inputs), 0, 1)
+        per_head = {k: t[lo:hi] for k, t in (per_head or {}).items()}  # this rank's heads
+        return self.exchange.to_rows(self.inner.scan(kernel, inputs, per_head), 0, 1)
 
 
 # --------------------------------------------------------------------------- log-probs

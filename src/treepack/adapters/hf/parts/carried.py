@@ -9,7 +9,7 @@ import collections
 import torch
 
 from treepack.adapters.carried import Carried, attend_part, conv_paths, scan_plan
-from treepack.adapters.hf.routing import TreeForward, UnsupportedModel
+from treepack.adapters.hf.routing import TreeForward, UnsupportedModel, with_params
 from treepack.recurrent import path_conv1d, scan_levels
 
 __all__ = ["Carried", "PartForward", "reentrant_checkpoint"]
@@ -53,7 +53,8 @@ class PartForward(TreeForward):
             x = torch.cat((x, *context))
         return path_conv1d(x, paths.index, weight, bias)
 
-    def scan(self, kernel, inputs):
+    def scan(self, kernel, inputs, per_head=None):
+        kernel = with_params(kernel, per_head)
         if self.layer is None:
             raise UnsupportedModel("a recurrent scan ran before its layer's convolution: "
                                    "treepack cannot tell which layer's state to carry")
