@@ -382,8 +382,15 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         if getattr(p, "sequence_parallel", False) and tp > 1:  # as Megatron's
             dist.all_reduce(g, group=tp_group)  # finalize_model_grads does
         grads[k] = full_of(p, g, tp_group, tp)
-    return {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
-            "loss": loss.detach(), "grads": grads}
+    out = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
+           "loss": loss.detach(), "grads": grads}
+    if case.get("config", {}).get("softmax_type") == "learnable":  # its checkpoint shards
+        sharded = model.sharded_state_dict()
+        key = next(k for k in sharded if k.endswith("layers.0.self_attention.core_attention"
+                                                   ".softmax_offset"))
+        out["offset_shard"] = (tuple(sharded[key].global_shape),
+                               tuple(sharded[key].global_offset))
+    return out
 
 
 def canonical_names(model) -> dict:

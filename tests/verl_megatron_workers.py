@@ -234,7 +234,7 @@ def grad_error(got: dict, want: dict) -> float:
 
 def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: str,
                     tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
-                    budget: int | None = None) -> None:
+                    budget: int | None = None, loss_scale: float | None = None) -> None:
     """Stock ``MegatronEngineWithLMHead`` vs ``TreepackMegatronEngine`` at TP x PP x CP (the
     rest data-parallel; ``vpp`` virtual stages per pipeline stage) on the same batches, under
     a token budget per GPU (``budget``: ``max_token_len_per_gpu``; verl's default here 96);
@@ -255,6 +255,12 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: 
             layout.update(max_token_len_per_gpu=budget, infer_max_token_len_per_gpu=budget)
         stock = make_engine(MegatronEngineWithLMHead, model_dir, **layout)
         tree = make_engine(TreepackMegatronEngine, model_dir, **layout)
+        if loss_scale is not None:  # as a float16 optimizer scales the loss (grad_scale_func)
+            from megatron.core.utils import get_model_config
+
+            for engine in (stock, tree):
+                get_model_config(engine.module[0]).grad_scale_func = \
+                    lambda loss: loss * loss_scale
         result_chunks = len(tree.module)
         dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
         last = mpu.is_pipeline_last_stage(ignore_virtual=True)

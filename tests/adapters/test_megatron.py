@@ -136,6 +136,16 @@ def test_ranks_that_disagree_refuse_on_every_rank(layout):
         assert "tensor- and context-parallel group" in got["error"], got["error"]
 
 
+def test_learnable_sinks_checkpoint_split_by_heads_over_tp(layout):
+    """Megatron's distributed checkpoint holds the whole softmax offset (2 layers x 4 heads),
+    each TP rank its own heads' share, as Megatron's core attention saves it."""
+    name, results, _ = layout
+    tp = LAYOUTS[name].get("tp", 1)
+    got = {r["attention sinks, learnable"]["offset_shard"] for r in results}
+    assert {shape for shape, _ in got} == {(2, 4)}, (name, got)
+    assert {offset for _, offset in got} == {(0, 4 // tp * r) for r in range(tp)}, (name, got)
+
+
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_what_parts_cannot_run_is_refused_on_every_rank(layout, case):
     name, results, _ = layout

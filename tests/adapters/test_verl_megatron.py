@@ -43,16 +43,18 @@ def four_layers(tmp_path_factory):
                                        layers=4)
 
 
-@pytest.mark.parametrize("world,tp,cp", [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2)],
-                         ids=["one_rank", "dp2", "tp2_sequence_parallel", "cp2"])
-def test_verl_megatron_engine_runs_trees_over_the_budget_in_parts(world, tp, cp, model_dir,
-                                                                  tmp_path):
+@pytest.mark.parametrize("world,tp,cp,loss_scale", [
+    (1, 1, 1, None), (2, 1, 1, None), (2, 2, 1, None), (2, 1, 2, None), (1, 1, 1, 4.0)],
+    ids=["one_rank", "dp2", "tp2_sequence_parallel", "cp2", "loss_scale"])
+def test_verl_megatron_engine_runs_trees_over_the_budget_in_parts(world, tp, cp, loss_scale,
+                                                                  model_dir, tmp_path):
     """Under a budget smaller than a GRPO group's tree (56 rows for 223), the tree engine
     runs each rank's trees in parts (every row once) and still equals the stock engine: its
-    log-probs, entropies, losses, gradients, grad norm and the step after."""
+    log-probs, entropies, losses, gradients, grad norm and the step after; with a loss scale
+    (a float16 optimizer's grad_scale_func) the parts' gradients carry it as stock's do."""
     out = tmp_path / "result.pt"
     spawn(verl_megatron_workers.compare_engines, world, model_dir, str(out), tp, 1, cp, None,
-          56 // cp)
+          56 // cp, loss_scale)
     r = torch.load(out, weights_only=False)
     assert not any("stock Megatron engine path" in m or "is split" in m
                    for m in r["messages"]), r["messages"]

@@ -140,7 +140,7 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         sequences = vb.host_sequences(data)
         budget = vb.token_budget(data, cp)
         planned = plan(sequences, max_tokens=budget)
-        if self._in_parts(planned):
+        if self._in_parts(planned, forward_only):
             micro = [np.arange(len(sequences))]
             losses = self._parts_step(data, sequences, budget, loss_function, forward_only)
         else:
@@ -192,22 +192,23 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
 
     # ---------------------------------------------------------------- trees in parts
 
-    def _in_parts(self, planned) -> bool:
+    def _in_parts(self, planned, forward_only: bool) -> bool:
         """Whether this step runs in parts: some rank's plan repeats rows (a tree larger
         than the budget) and no rank refuses parts (decided over every rank)."""
-        return vb.in_parts(planned, self._parts_refusal())
+        return vb.in_parts(planned, self._parts_refusal(train=not forward_only))
 
-    def _parts_refusal(self) -> str | None:
-        """Why this engine cannot run trees in parts, or None."""
+    def _parts_refusal(self, train: bool = True) -> str | None:
+        """Why this engine cannot run trees in parts (a training pass if ``train``), or
+        None."""
         config = self.tf_config
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             return ("pipeline parallelism (a part's backward follows its children's, and "
                     "Megatron's schedules run backwards in the order of the forwards)")
-        if config.recompute_granularity is not None:
+        if train and config.recompute_granularity is not None:
             return ("activation recomputation (recompute_granularity="
                     f"{config.recompute_granularity!r})")
         for chunk in self.module:
-            refusal = tm_parts.parts_refusal(tm.unwrap(chunk))
+            refusal = tm_parts.parts_refusal(tm.unwrap(chunk), train)
             if refusal is not None:
                 return refusal
         return None
@@ -237,9 +238,12 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
                 loss_function=loss_function)
             return state["result"]
 
+        scale = getattr(self.tf_config, "grad_scale_func", None)  # the optimizer's loss scale
+
         def loss_fn(out, mask):  # verl's loss, scaled as the schedule would scale it
             *loss, _ = postprocess(out, False)
-            return loss[0] if len(loss) == 2 else loss[0] * cp
+            loss = loss[0] if len(loss) == 2 else loss[0] * cp
+            return loss if scale is None else scale(loss).reshape(())  # verl: shape [1]
 
         def step(batch_iter, model):
             next(batch_iter)

@@ -143,9 +143,9 @@ def _temperature_at_depths(module, query, tree):
         return torch.log1p(torch.floor((p + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
     index = torch.arange(query.shape[2], device=query.device)
-    ratio = (scales(depths.to(query.device)).to(query.dtype)
-             / scales(index).to(query.dtype))
-    return query * ratio[None, None, :, None]
+    wide = torch.promote_types(query.dtype, torch.float32)  # no bias of a bf16 ratio
+    ratio = scales(depths.to(query.device)).to(wide) / scales(index).to(wide)
+    return (query.to(wide) * ratio[None, None, :, None]).to(query.dtype)
 
 
 def _carries_values(mask) -> bool:

@@ -119,6 +119,30 @@ class TreeCoreAttention(MegatronModule):
         if self.stock is not None:  # read, not registered: one parameter, one name
             object.__setattr__(self.stock, "softmax_offset", offset)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's distributed checkpoint of this module: its children's and, for
+        learnable sinks, ``softmax_offset`` split over the TP ranks by heads (axis 0), as
+        Megatron's and TE's core attention save it (the default would save one rank's
+        offsets as every rank's)."""
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.sink_kind == "learnable":
+            import inspect
+
+            from megatron.core import parallel_state
+            from megatron.core.transformer import utils
+
+            make = utils.make_sharded_tensors_for_checkpoint
+            groups = {"tp_group": getattr(self, "tp_group", None)
+                      or parallel_state.get_tensor_model_parallel_group()}
+            if hasattr(utils, "ensure_metadata_has_dp_cp_group"):
+                groups["dp_cp_group"] = utils.ensure_metadata_has_dp_cp_group(
+                    metadata)["dp_cp_group"]
+            accepted = inspect.signature(make).parameters
+            out.update(make({"softmax_offset": self.softmax_offset}, prefix,
+                            {"softmax_offset": 0}, sharded_offsets,
+                            **{k: v for k, v in groups.items() if k in accepted}))
+        return out
+
     def _sinks(self, query: Tensor) -> Tensor | None:
         """This layer's sink logits per TP-local head, or None without sinks."""
         if self.sink_kind == "learnable":

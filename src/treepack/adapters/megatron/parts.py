@@ -320,6 +320,7 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                                  align, entropy, recompute, train=True)
     first = _Run(model, parts, temps, entropy=entropy, align=align, train=False,
                  loss_fn=None, recompute=False, chunk_size=chunk_size)
+    replay = _rng_state()  # the second pass draws the first's dropout masks
     with torch.no_grad():
         first.all()
     logp = first.logprobs.requires_grad_()
@@ -329,6 +330,9 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
     loss = loss_fn(TokenLogprobs(logp, ent, align), mask.view(logp.shape))
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise ValueError("loss_fn's loss does not depend on the log-probs or entropies it was "
+                         "given: compute it from out.logprobs / out.entropy")
     leaves = [t for t in (logp, ent) if t is not None]
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     g_logp, g_ent = grads[0], (grads[1] if ent is not None else None)
@@ -342,7 +346,10 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
 
     second = _Run(model, parts, temps, entropy=entropy, align=align, train=True,
                   loss_fn=surrogate, recompute=recompute, chunk_size=chunk_size)
+    after = _rng_state()
+    _set_rng_state(replay)
     second.all()
+    _set_rng_state(after)
     return PartsResult(loss.detach(), first.logprobs.detach(),
                        None if first.entropy is None else first.entropy.detach(),
                        len(parts.parts), parts.rows_computed)
