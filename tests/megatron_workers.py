@@ -360,6 +360,8 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         else 1.0
     if case.get("mismatch"):  # every rank of the group its own temperature
         temps = 1.0 + 0.25 * dist.get_rank()
+    if case.get("dropout_pair"):  # step_in_parts under dropout against backward_in_parts
+        return dropout_pair(model, pack, w, v, case["parts"], tp_group, tp, cp)
     if case.get("parts"):  # a tree over the budget: every row once, in parts of that many
         def loss_fn(out, mask):
             return (out.logprobs * w).where(mask, 0).sum() + (out.entropy * v).where(mask, 0).sum()
@@ -391,6 +393,36 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         out["offset_shard"] = (tuple(sharded[key].global_shape),
                                tuple(sharded[key].global_offset))
     return out
+
+
+def dropout_pair(model, pack, w, v, budget: int, tp_group, tp: int, cp: int) -> dict:
+    """With dropout on, step_in_parts (two passes) and backward_in_parts (one) from the same
+    random state, on a loss that is a sum over predictions: the same masks must give the
+    same loss and gradients (the second pass replays the first's masks)."""
+    import treepack.megatron as tm
+    from megatron.core import parallel_state as ps
+    from treepack.adapters.megatron.parts import _rng_state, _set_rng_state
+
+    def loss_fn(out, mask):
+        return (out.logprobs * w).where(mask, 0).sum() + (out.entropy * v).where(mask, 0).sum()
+
+    model.train()
+    start, got = _rng_state(), {}
+    for name, run in (("backward", tm.backward_in_parts), ("step", tm.step_in_parts)):
+        _set_rng_state(start)
+        model.zero_grad(set_to_none=True)
+        result = run(model, pack, loss_fn, max_tokens=budget, entropy=True)
+        grads = {}
+        for k, p in model.named_parameters():
+            g = p.grad.clone()
+            if cp > 1:
+                dist.all_reduce(g, group=ps.get_context_parallel_group())
+            grads[k] = full_of(p, g, tp_group, tp)
+        got[name] = {"loss": result.loss, "logprobs": result.logprobs, "grads": grads}
+    model.eval()
+    with torch.no_grad():  # without dropout: the masks did change the log-probs
+        plain = tm.logprobs_in_parts(model, pack, max_tokens=budget).logprobs
+    return {"pair": got, "dropout_effect": float((got["step"]["logprobs"] - plain).abs().max())}
 
 
 def canonical_names(model) -> dict:

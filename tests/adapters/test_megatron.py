@@ -57,6 +57,11 @@ BROKEN = {
 # ranks of the TP x CP group that disagree: every rank must refuse, none may hang
 MISMATCH = {"temperatures that differ between ranks": {"mismatch": True}}
 
+# with dropout on: step_in_parts's two passes draw backward_in_parts's masks
+DROPOUT = {"in parts, dropout: step_in_parts replays its masks": {
+    "parts": 6, "dropout_pair": True, "config": {"attention_dropout": 0.2,
+                                                 "hidden_dropout": 0.2}}}
+
 # what a tree in parts cannot run: refused by name on every rank (case, words)
 REFUSED = {
     "in parts, activation recomputation": (
@@ -82,7 +87,7 @@ TOLERANCE = 1e-10
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron")
     spawn(megatron_workers.reference_worker, str(out),
-          {**CASES, **{n: b for n, (b, _) in BROKEN.items()}, **MISMATCH,
+          {**CASES, **{n: b for n, (b, _) in BROKEN.items()}, **MISMATCH, **DROPOUT,
            **{n: c for n, (c, _) in REFUSED.items()}}, world=1,
           timeout=900)
     return out
@@ -93,7 +98,7 @@ def layout(request, reference):
     spec = {"name": request.param.replace(" ", "_").replace(",", ""), **LAYOUTS[request.param]}
     broken = {n: b for n, (b, applies) in BROKEN.items() if applies(spec)}
     cases = {n: {**c, "sequence_parallel": spec.get("sequence_parallel", False)}
-             for n, c in {**CASES, **broken, **MISMATCH,
+             for n, c in {**CASES, **broken, **MISMATCH, **DROPOUT,
                           **{n: c for n, (c, _) in REFUSED.items()}}.items()}
     spawn(megatron_workers.cases_worker, str(reference), cases, spec, world=spec["world"],
           timeout=900)
@@ -134,6 +139,21 @@ def test_ranks_that_disagree_refuse_on_every_rank(layout):
         assert "error" in got and got["error"].startswith("Disagreement"), (name, rank, got)
         assert "temperature (rank 0: 1.0 for each of" in got["error"], got["error"]
         assert "tensor- and context-parallel group" in got["error"], got["error"]
+
+
+@pytest.mark.parametrize("case", list(DROPOUT))
+def test_step_in_parts_replays_its_dropout_masks(layout, case):
+    name, results, _ = layout
+    for rank, per_case in enumerate(results):
+        got = per_case[case]
+        assert "error" not in got, got.get("trace")
+        assert got["dropout_effect"] > 1e-3, (name, rank, got["dropout_effect"])
+        a, b = got["pair"]["backward"], got["pair"]["step"]
+        assert abs(float(a["loss"] - b["loss"])) <= 1e-10 * abs(float(a["loss"])), name
+        torch.testing.assert_close(b["logprobs"], a["logprobs"], rtol=0, atol=1e-10)
+        for k, g in a["grads"].items():
+            scale = g.abs().max().clamp_min(1e-30)
+            assert float((b["grads"][k] - g).abs().max() / scale) <= 1e-10, (name, rank, k)
 
 
 def test_learnable_sinks_checkpoint_split_by_heads_over_tp(layout):

@@ -172,7 +172,8 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state[2])
+    # a copy: the tracker keeps the dict it is given and writes its forks into it
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state[2]))
 
 
 def _parts_of(sequences, max_tokens, device) -> Parts:
