@@ -35,6 +35,7 @@ from treepack.face import census  # noqa: E402
     ("minimax", "refused", "linear_attention"),
     ("falcon_mamba", "refused", "linear_attention"),
     ("jamba", "refused", "Mamba (v1)"),
+    ("zamba", "refused", "linear_attention"),  # 6 layers: its period and its tied hybrids
     ("no_such_family", "not built", "KeyError"),
 ])
 def test_each_family_gets_its_class_and_reason(family, status, words):

@@ -101,6 +101,9 @@ def _tiny_model(family: str, dtype):
         kinds = list(dict.fromkeys(kinds))  # each kind of layer once, in the model's order
         kinds = kinds * 2 if len(kinds) == 1 else kinds
         kwargs.update(layer_types=kinds, num_hidden_layers=len(kinds))
+    if {"attn_layer_period", "layers_block_type"} <= accepted:  # Zamba: its layer types come
+        kwargs.update(num_hidden_layers=6, attn_layer_period=3,  # from a period; 2 hybrids:
+                      attn_layer_offset=2, num_key_value_heads=4)  # their weights tie
     if "attn_layer_indices" in accepted and getattr(defaults, "attn_layer_indices", 0) is None:
         kwargs["attn_layer_indices"] = [1]  # a hybrid with attention too (Bamba: none)
     if "expand" in accepted and "num_heads" in accepted:  # Mamba2: heads x head_dim fill it
