@@ -395,11 +395,12 @@ def megatron_overrides(tp: int = 1, pp: int = 1, cp: int = 1) -> list[str]:
 
 
 def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_path: str,
-                    out_path: str, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+                    out_path: str, tp: int = 1, pp: int = 1, cp: int = 1,
+                    budget: int | None = None) -> None:
     """Stock verl's Megatron engine and treepack's through verl's ``ActorRolloutRefWorker``
     (``model_engine=megatron`` on the docs' command), on the trainer's v1 batches of each
     data-parallel rank; rank 0 saves every output of both (rows in global batch order, from
-    the last stage) and the update's metrics."""
+    the last stage) and the update's metrics; ``budget``: the worker's token budgets."""
     import verl_trainer_path as path
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
@@ -414,8 +415,10 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
         result = {}
         for label, engine in (("stock", MegatronEngineWithLMHead),
                               ("tree", TreepackMegatronEngine)):
+            extra = megatron_overrides(tp, pp, cp) + (
+                path.budget_overrides(budget) if budget is not None else [])
             config = path.compose_config(model_dir, treepack=label == "tree", world=world,
-                                         extra=megatron_overrides(tp, pp, cp), drop=FSDP_ONLY)
+                                         extra=extra, drop=FSDP_ONLY)
             actor, ref = path._workers(config, engine, ("megatron",))
             result[f"engines_{label}"] = (type(actor.actor.engine).__name__,
                                           type(ref.ref.engine).__name__)

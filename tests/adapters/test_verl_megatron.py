@@ -113,12 +113,14 @@ def trainer_batches(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     code = ("import verl_workers, verl_trainer_path as t\n"
             "for dp in (1, 2):\n"
-            f"    t.trainer_batches({model_dir!r}, dp, f'{root}/batches{{dp}}.pt')\n")
+            f"    t.trainer_batches({model_dir!r}, dp, f'{root}/batches{{dp}}.pt')\n"
+            f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-5000:]
-    return {dp: str(root / f"batches{dp}.pt") for dp in (1, 2)}
+    return {**{dp: str(root / f"batches{dp}.pt") for dp in (1, 2)},
+            "long": str(root / "long2.pt")}
 
 
 @pytest.mark.parametrize("tp,pp,cp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)],
@@ -154,6 +156,30 @@ def test_verl_megatron_worker_on_the_trainers_batches_equals_stock(tp, pp, cp, m
     assert set(m["treepack/session_forks/sessions"]) == {0.0}, m
     assert all(0 < x < 1 for x in m["treepack/log_prob_token_ratio"]), m
     assert "treepack/token_ratio" not in s
+
+
+def test_verl_megatron_worker_runs_trees_over_its_budget_in_parts(model_dir, trainer_batches,
+                                                                  tmp_path):
+    """The same worker on the trainer's batches with GRPO prompts and responses 4x as long,
+    at a 128-token budget (the longest row; stock verl refuses a row longer than its budget):
+    the GRPO groups' trees exceed it, so the Megatron engine's log-prob and update calls run
+    each rank's trees in parts; equal to stock verl's Megatron engine (2 data-parallel
+    ranks)."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_workers, 2, model_dir, trainer_batches["long"],
+          str(out), 1, 1, 1, 128)
+    r = torch.load(out, weights_only=False)
+    assert not any("stock Megatron engine path" in m or "is split" in m
+                   for m in r["messages"]), r["messages"]
+    tree, stock = r["tree"], r["stock"]
+    for key in ("log_probs", "entropy", "ref_log_probs"):
+        assert verl_workers.relative_error(tree[key], stock[key]) < TOLERANCE, key
+    assert verl_workers.relative_error(tree["log_probs_after"], stock["log_probs_after"]) < 1e-4
+    m, s = tree["update_metrics"], stock["update_metrics"]
+    for key in ("grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss"):
+        assert np.allclose(m[key], s[key], rtol=TOLERANCE, atol=1e-7), (key, m[key], s[key])
+    parts = m["treepack/parts"]
+    assert parts and max(parts) > 1, parts  # the update ran in parts
 
 
 def test_verl_megatron_ranks_fall_back_together(model_dir, tmp_path):
