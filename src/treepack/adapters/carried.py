@@ -131,6 +131,44 @@ class Walk:
             stack.append((i, True))
             stack.extend((c, False) for c in reversed(self.children[i]))
 
+    def run_parts(self, carried: Carried, forward, outputs, rng, *, train: bool,
+                  seed: float = 1.0) -> None:
+        """Every part in this order: ``outputs(i, *forward(i))`` gives its loss (None for
+        none); in training its backward runs after its children's, with the gradients they
+        added to what it carries (``seed`` times its loss's). A recomputed part runs
+        ``forward`` once without gradients before its children, keeping only what it hands
+        them, and again before its backward, with the random state of the first (``rng``: a
+        ``(get, set)`` pair of the generators dropout draws from), so its masks repeat."""
+        get_rng, set_rng = rng
+        losses: dict = {}
+        saved: dict = {}
+
+        def enter(i: int) -> None:
+            if i in self.recomputed:  # a first forward for the parts below only: no graph
+                saved[i] = get_rng()
+                with torch.no_grad(), carried.recomputed(i, "first"):
+                    forward(i)
+            else:
+                losses[i] = outputs(i, *forward(i))
+
+        def leave(i: int) -> None:
+            if i in self.recomputed:  # again, with the same dropout masks, for the backward
+                after = get_rng()
+                set_rng(saved.pop(i))
+                with carried.recomputed(i, "second"):
+                    losses[i] = outputs(i, *forward(i))
+                set_rng(after)
+            loss = losses.pop(i, None)
+            if train:
+                tensors, grads = carried.backward_inputs(i)
+                if loss is not None and loss.requires_grad:
+                    tensors, grads = [loss, *tensors], [torch.ones_like(loss) * seed, *grads]
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+            carried.release(i)
+
+        self.run(enter, leave)
+
 
 def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, value: Tensor, *,
                 scale, softcap, window, dropout, sinks: Tensor | None = None,

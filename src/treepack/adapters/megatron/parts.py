@@ -97,35 +97,10 @@ class _Run:
         self.logprobs = torch.zeros(tuple(pack.rows.shape), dtype=dtype, device=pack.device)
         self.entropy = torch.zeros_like(self.logprobs) if entropy else None
         self.loss = torch.zeros((), dtype=dtype, device=pack.device)
-        self._losses: dict = {}
-        self._rng: dict = {}
 
     def all(self) -> None:
-        self.walk.run(self._enter, self._leave)
-
-    def _enter(self, i: int) -> None:
-        if i in self.walk.recomputed:  # a first forward for the parts below only: no graph kept
-            self._rng[i] = _rng_state()
-            with torch.no_grad(), self.carried.recomputed(i, "first"):
-                self._forward(i)
-        else:
-            self._losses[i] = self._outputs(i, *self._forward(i))
-
-    def _leave(self, i: int) -> None:
-        if i in self.walk.recomputed:  # again, with the same dropout masks, for the backward
-            after = _rng_state()
-            _set_rng_state(self._rng.pop(i))
-            with self.carried.recomputed(i, "second"):
-                self._losses[i] = self._outputs(i, *self._forward(i))
-            _set_rng_state(after)
-        loss = self._losses.pop(i, None)
-        if self.train:
-            tensors, grads = self.carried.backward_inputs(i)
-            if loss is not None and loss.requires_grad:
-                tensors, grads = [loss, *tensors], [torch.ones_like(loss), *grads]
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-        self.carried.release(i)
+        self.walk.run_parts(self.carried, self._forward, self._outputs,
+                            (_rng_state, _set_rng_state), train=self.train)
 
     def _forward(self, i: int):
         cp = self.cp

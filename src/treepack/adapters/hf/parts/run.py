@@ -49,7 +49,6 @@ class Run:
         self.device = pack.device
         self.temperature = per_sequence_temperature(temperature, pack.num_sequences)
         self.walk = Walk(parts, train, recompute)
-        self.children, self.recomputed = self.walk.children, self.walk.recomputed
         self.carried = Carried(parts, train, reentrant_checkpoint)
         self.head = head_after(model) if parts.parts else "hidden"
         self.predictions = part_predictions(pack, parts.max_rows, align)
@@ -58,41 +57,18 @@ class Run:
         self.entropy = torch.zeros_like(self.logprobs) if entropy else None
         self.loss = torch.zeros((), dtype=dtype, device=self.device)
         self.router: dict[int, tuple] = {}  # part -> per layer [n, experts], no graph
-        self._losses: dict[int, Tensor | None] = {}
-        self._rng: dict[int, tuple] = {}
 
     def all(self) -> None:
         """Every part: its forward, its children's (depth-first, in order), its backward."""
-        self.walk.run(self._enter, self._leave)
+        # a part's loss is P times a rank's share under sequence parallelism, as sum_over's
+        # backward
+        self.walk.run_parts(self.carried, self.forward, self.outputs,
+                            (lambda: rng_state(self.device), set_rng_state), train=self.train,
+                            seed=1 if self.sp is None else self.sp.size)
         if self.sp is not None:  # every rank's predictions, everywhere
             for t in (self.logprobs, self.entropy, self.loss):
                 if t is not None:
                     dist.all_reduce(t, group=self.sp.group)
-
-    def _enter(self, i: int) -> None:
-        if i in self.recomputed:  # a first forward for the parts below only: no graph kept
-            self._rng[i] = rng_state(self.device)
-            with torch.no_grad(), self.carried.recomputed(i, "first"):
-                self.forward(i)
-        else:
-            self._losses[i] = self.outputs(i, *self.forward(i))
-
-    def _leave(self, i: int) -> None:
-        if i in self.recomputed:  # again, with the same dropout masks, for the backward
-            after = rng_state(self.device)
-            set_rng_state(self._rng.pop(i))
-            with self.carried.recomputed(i, "second"):
-                self._losses[i] = self.outputs(i, *self.forward(i))
-            set_rng_state(after)
-        loss = self._losses.pop(i, None)
-        if self.train:
-            tensors, grads = self.carried.backward_inputs(i)
-            if loss is not None and loss.requires_grad:  # P times a rank's share, as
-                seed = torch.ones_like(loss) * (1 if self.sp is None else self.sp.size)
-                tensors, grads = [loss, *tensors], [seed, *grads]  # sum_over's backward
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-        self.carried.release(i)
 
     def forward(self, i: int):
         """Part ``i``'s forward: the packed forward's output and the part's router logits."""
