@@ -18,7 +18,7 @@ def tiny(*args, **kwargs):
 # float64 model, so that reference is only float32-accurate.
 EAGER_REFERENCE = {"gemma2"}
 # Nemotron-H returns float32 logits (``.float()``) from a float64 model.
-FLOAT32_LOGITS = {"nemotron_h"}
+FLOAT32_LOGITS = {"nemotron_h", "falcon_mamba"}  # heads that cast logits to float32
 
 
 def alone_logprobs(model, seqs):

@@ -33,9 +33,13 @@ from treepack.face import census  # noqa: E402
     ("deepseek_v4", "refused", "compressed_attention"),
     ("kimi_linear", "refused", "Kimi Delta Attention"),
     ("minimax", "refused", "linear_attention"),
-    ("falcon_mamba", "refused", "linear_attention"),
-    ("jamba", "refused", "Mamba (v1)"),
-    ("zamba", "refused", "linear_attention"),  # 6 layers: its period and its tied hybrids
+    # Mamba (v1)'s selective scan, level by level: alone, with norms, beside attention and
+    # MoE, and two scans a layer beside a shared attention block (6 layers: its period)
+    ("mamba", "exact", "grads"),
+    ("falcon_mamba", "exact", "grads"),
+    ("jamba", "exact", "grads"),
+    ("zamba", "exact", "grads"),
+    ("mamba2", "exact", "grads"),
     ("no_such_family", "not built", "KeyError"),
 ])
 def test_each_family_gets_its_class_and_reason(family, status, words):

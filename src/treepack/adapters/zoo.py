@@ -26,6 +26,10 @@ lfm3       hybrid: short convolutions, sliding-window and full attention
 bamba      hybrid: Mamba2 layers (short conv + SSD scan) and attention
 nemotron_h hybrid: Mamba2, attention without positions, and MLP-only layers
 falcon_h1  hybrid: attention and Mamba2 side by side in every layer, muP multipliers
+jamba      hybrid: Mamba (v1) layers (short conv + selective scan), attention without
+           positions, mixture of experts
+falcon_mamba  Mamba (v1) layers only, norms on the scan's B, C and step
+zamba      hybrid: Mamba (v1) layers of 2 heads, one attention block shared by its layers
 ========== ===================================================================
 """
 
@@ -82,14 +86,23 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "falcon_h1": ("FalconH1Config", dict(_COMMON, mamba_n_heads=4, mamba_d_head=32,
                                          mamba_d_ssm=128, mamba_d_state=16, mamba_n_groups=1,
                                          mamba_chunk_size=64, lm_head_multiplier=0.5)),
+    "jamba": ("JambaConfig", dict(_COMMON, attn_layer_period=2, attn_layer_offset=1,
+                                  expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                                  num_experts_per_tok=2, mamba_d_state=16, mamba_dt_rank=8)),
+    "falcon_mamba": ("FalconMambaConfig", dict(_IDS, hidden_size=64, state_size=16, expand=2,
+                                               conv_kernel=4, time_step_rank=8)),
+    "zamba": ("ZambaConfig", dict(_COMMON, num_key_value_heads=4, n_mamba_heads=2,
+                                  mamba_d_state=16, mamba_dt_rank=8)),
 }
 HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
            "qwen3_next": _HYBRID_LAYERS, "olmo_hybrid": _HYBRID_LAYERS,
            "lfm2": ["conv", "full_attention"],
            "lfm3": ["conv", "sliding_attention", "conv", "full_attention"],
            "nemotron_h": ["linear_attention", "full_attention", "mlp"],
-           "bamba": None, "falcon_h1": None}  # each family's layer types, in turn (None: its
-#                                            config sets them)
+           "bamba": None, "falcon_h1": None, "jamba": None, "falcon_mamba": None,
+           # Zamba ties its hybrid layers' shared block, so it needs two at least
+           "zamba": ["hybrid", "hybrid", "linear_attention"]}
+# each family's layer types, in turn (None: its config sets them)
 
 
 def tiny_config(family: str, *, layers: int = 2, **overrides):

@@ -11,10 +11,12 @@ GPU image). When transformers moves one of these, this file is the one to change
 - ``<model module>.eager_attention_forward``: "eager" is each model's own function.
 - ``<model module>.load_balancing_loss_func``: an MoE model's router loss.
 - ``<model module>.causal_conv1d_fn`` / ``torch_chunk_gated_delta_rule`` /
-  ``mamba2_chunk_scan`` / ``mamba2_split_conv1d_scan_combined``: the short convolution, the
-  gated-delta-rule scan, Mamba2's SSD scan and its fused training kernel, which a hybrid
-  model's recurrent layers call by their module-level names (Qwen3.5, Qwen3-Next,
-  OLMo-hybrid, LFM2, Bamba, Nemotron-H, Falcon-H1 in 5.24; :data:`MIXERS`); a prepared
+  ``mamba2_chunk_scan`` / ``mamba2_split_conv1d_scan_combined`` / ``mamba_selective_scan`` /
+  ``mamba_inner_fn``: the short convolution, the gated-delta-rule scan, Mamba2's SSD scan,
+  Mamba (v1)'s selective scan and the fused training kernels of both, which a hybrid model's
+  recurrent layers call by their module-level names (Qwen3.5, Qwen3-Next, OLMo-hybrid, LFM2,
+  Bamba, Nemotron-H, Falcon-H1, Mamba, Mamba2, Falcon-Mamba, Jamba, Zamba in 5.24;
+  :data:`MIXERS`); a prepared
   model's module has them wrapped (:func:`module_functions`, :func:`replace`).
 - ``<Gated DeltaNet layer>.causal_conv1d_fn`` / ``.chunk_gated_delta_rule``: the same two,
   held per layer in transformers 5.10 (:data:`LAYER_MIXERS`, :func:`layer_functions`).
@@ -91,7 +93,8 @@ def model_function(obj, name: str) -> Callable | None:
 # The module-level functions of a modeling module that a hybrid layer's token mixer calls,
 # by the role treepack gives them.
 MIXERS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta",
-          "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "fused"}
+          "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "fused",
+          "mamba_selective_scan": "selective", "mamba_inner_fn": "fused"}
 
 
 def module_functions(model) -> list[tuple[object, str]]:

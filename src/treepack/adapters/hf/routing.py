@@ -34,6 +34,7 @@ TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _GDN = {"linear_attention": (False, ("conv", "gated_delta"))}
 _MAMBA2 = {"linear_attention": (False, ("conv", "ssd"))}
+_MAMBA = {"linear_attention": (False, ("conv", "selective"))}  # Mamba (v1)
 # Hybrid families whose recurrent layers treepack routes (model_type): for each layer type
 # beside attention, whether it attends too and the routed calls it makes per forward.
 HYBRIDS = {
@@ -41,16 +42,17 @@ HYBRIDS = {
     "qwen3_next": _GDN, "olmo_hybrid": _GDN,
     "lfm2": {"conv": (False, ("conv",))}, "lfm2_moe": {"conv": (False, ("conv",))},
     "lfm3": {"conv": (False, ("conv",))},
-    "bamba": _MAMBA2,
+    "bamba": _MAMBA2, "mamba2": _MAMBA2,
+    "mamba": _MAMBA, "falcon_mamba": _MAMBA, "jamba": _MAMBA,
+    "zamba": _MAMBA | {"hybrid": (True, _MAMBA["linear_attention"][1])},
     "nemotron_h": {**_MAMBA2, "mlp": (False, ()), "moe": (False, ())},
     "falcon_h1": {"hybrid": (True, ("conv", "ssd"))},  # attention and Mamba2 side by side
 }
 MIXER_LAYER_TYPES = sorted({t for kinds in HYBRIDS.values() for t in kinds})
 # Families whose attention layers take no positions at all (order comes from their recurrent
 # layers): nothing to read from position_ids, so prepare's position check does not apply.
-NO_POSITIONS = {"nemotron_h"}
+NO_POSITIONS = {"nemotron_h", "mamba", "mamba2", "falcon_mamba", "jamba", "zamba"}
 REFUSED_HYBRIDS = {
-    "jamba": "its Mamba (v1) layers' selective scan is not routed yet",
     "kimi_linear": "its Kimi Delta Attention scan (chunk_kda) is not routed yet",
 }
 
@@ -187,10 +189,13 @@ class TreeForward:
         """One short causal convolution, ``x`` ``[T', C]`` per row, along each row's path."""
         return tree_conv1d(self.pack, x, weight, bias)
 
-    def scan(self, kernel, inputs: dict[str, Tensor], per_head: dict | None = None) -> Tensor:
+    def scan(self, kernel, inputs: dict[str, Tensor], per_head: dict | None = None,
+             shared: tuple[str, ...] = ()) -> Tensor:
         """One recurrent scan (the layer whose convolution ran last) over every path;
         ``per_head``: the layer's per-head parameters (Mamba2's ``A`` and ``D``), which
-        reach the kernel in its batch (a sequence-parallel rank's heads of them)."""
+        reach the kernel in its batch (a sequence-parallel rank's heads of them);
+        ``shared``: the inputs of one head that every head reads whole (Mamba's ``B`` and
+        ``C``, ``[T', 1, N]``), which a sequence-parallel rank gathers rather than splits."""
         return level_scan(self.pack, with_params(kernel, per_head), inputs)
 
 
@@ -206,8 +211,13 @@ def with_params(kernel, params: dict | None):
 
 def layer_kinds(model) -> dict[str, tuple[bool, tuple[str, ...]]]:
     """For each layer type ``model`` may have: whether it attends, and its routed calls."""
+    config = text_config(model)
     kinds = {t: (True, ()) for t in ATTENTION_LAYER_TYPES}
-    return kinds | HYBRIDS.get(getattr(text_config(model), "model_type", None), {})
+    hybrid = HYBRIDS.get(getattr(config, "model_type", None), {})
+    heads = getattr(config, "n_mamba_heads", 1)  # Zamba: one selective scan per Mamba head
+    return kinds | {t: (attends, tuple(r for role in roles
+                                        for r in [role] * (heads if role == "selective" else 1)))
+                    for t, (attends, roles) in hybrid.items()}
 
 
 def check_layer_types(model) -> None:
@@ -269,6 +279,7 @@ def route_mixers(model) -> list:
         held.append(key)
     if held:
         held += [_hook_layer(layer) for layer in compat.decoder_layers(model)]
+        held.append(_hook_layer(model, _model_enter, _model_leave))
     for layer, names in compat.layer_functions(model):
         held.append(_route_layer(layer, names))
     return held
@@ -301,12 +312,15 @@ class _RoutedLayer:
         self.layer, self.originals = layer, originals
 
     def release(self) -> None:
-        for hooks, hook in ((self.layer._forward_pre_hooks, _enter),
-                            (self.layer._forward_hooks, _leave)):
-            for key in [k for k, h in hooks.items() if h is hook]:
+        for hooks, mine in ((self.layer._forward_pre_hooks, (_enter, _model_enter)),
+                            (self.layer._forward_hooks, (_leave, _model_leave))):
+            for key in [k for k, h in hooks.items() if h in mine]:
                 del hooks[key]
         for name, original in self.originals.items():
             setattr(self.layer, name, original)
+        replay = getattr(self.layer, "_gradient_checkpointing_func", None)
+        if hasattr(replay, "treepack_original"):
+            self.layer._gradient_checkpointing_func = replay.treepack_original
 
 
 # The pack of the layer forward under way, for mixers held per layer. Set from the layer's
@@ -314,22 +328,58 @@ class _RoutedLayer:
 # a prepared model (a reference model) routes as the model does.
 _LAYER_TREE: contextvars.ContextVar = contextvars.ContextVar("treepack_layer_tree",
                                                              default=None)
+# The pack of the model forward under way, for layers the model calls without its keywords
+# (Mamba's and Falcon-Mamba's blocks take only the hidden states, cache and mask).
+_MODEL_TREE: contextvars.ContextVar = contextvars.ContextVar("treepack_model_tree",
+                                                             default=None)
 
 
 def _enter(layer, args, kwargs):
-    _LAYER_TREE.set(kwargs.get(TREE_FORWARD_KWARG))
+    tree = kwargs.get(TREE_FORWARD_KWARG)
+    _LAYER_TREE.set(tree if tree is not None else _MODEL_TREE.get())
+    replay = getattr(layer, "_gradient_checkpointing_func", None)
+    if replay is not None and not hasattr(replay, "treepack_original"):
+        layer._gradient_checkpointing_func = _replaying_the_pack(replay)
+
+
+def _replaying_the_pack(checkpoint):
+    """A layer's activation-checkpointing function whose recompute sees the pack its first
+    forward saw: transformers (5.25) checkpoints a layer's ``forward``, not its call, so the
+    pre-hook that took the pack does not run again when the backward recomputes it."""
+    def checkpoint_with_pack(function, *args, **kwargs):
+        tree = _LAYER_TREE.get()
+
+        def run(*a, **k):
+            token = _LAYER_TREE.set(tree)
+            try:
+                return function(*a, **k)
+            finally:
+                _LAYER_TREE.reset(token)
+
+        return checkpoint(run, *args, **kwargs)
+
+    checkpoint_with_pack.treepack_original = checkpoint
+    return checkpoint_with_pack
 
 
 def _leave(layer, args, kwargs, output):
     _LAYER_TREE.set(None)
 
 
-def _hook_layer(layer) -> _RoutedLayer:
+def _model_enter(model, args, kwargs):
+    _MODEL_TREE.set(kwargs.get(TREE_FORWARD_KWARG))
+
+
+def _model_leave(model, args, kwargs, output):
+    _MODEL_TREE.set(None)
+
+
+def _hook_layer(layer, enter=_enter, leave=_leave) -> _RoutedLayer:
     """``layer``'s forward keywords' pack made the routed mixers' inside it (once: a deep copy
     of a hooked layer has the hooks already)."""
-    if _enter not in layer._forward_pre_hooks.values():
-        layer.register_forward_pre_hook(_enter, with_kwargs=True)
-        layer.register_forward_hook(_leave, with_kwargs=True, always_call=True)
+    if enter not in layer._forward_pre_hooks.values():
+        layer.register_forward_pre_hook(enter, with_kwargs=True)
+        layer.register_forward_hook(leave, with_kwargs=True, always_call=True)
     return _RoutedLayer(layer, {})
 
 
@@ -484,17 +534,68 @@ def _ssd(original):
     return mamba2_chunk_scan
 
 
+def _selective(original):
+    def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
+                             delta_softplus=False, return_last_state=False, **kwargs):
+        tree = _tree(kwargs)
+        if tree is None:
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                            delta_softplus=delta_softplus, return_last_state=return_last_state,
+                            **kwargs)
+        tree.mixer_calls["selective"] += 1
+        # The step size as the kernel makes it, so that past a segment's end it is exactly 0
+        # (decay exp(0 * A) = 1, no input: the state carries over unchanged).
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = torch.nn.functional.softplus(dt)
+
+        def kernel(batch, state):  # [b, L, channels]; B and C [b, L, 1, N], one for all
+            u, step = batch["u"].transpose(1, 2), batch["dt"].transpose(1, 2)
+            b, c = (batch[k][:, :, 0].transpose(1, 2) for k in "BC")
+            out, last = original(u, step, batch["A"], b, c, return_last_state=True, **kwargs)
+            if state is not None:
+                out, last = _from_state(out, last, state, batch["A"], step, c)
+            return out.transpose(1, 2), last
+
+        # the family's kernel starts from zeros; D and the gate act per row, after the scan
+        out = tree.scan(kernel, {"u": hidden_states[0].T, "dt": dt[0].T, "B": B[0].T[:, None],
+                                 "C": C[0].T[:, None]}, per_head={"A": A}, shared=("B", "C"))
+        out = out.T[None].to(hidden_states.dtype)
+        if D is not None:
+            out = out + hidden_states * D[None, :, None]
+        if z is not None:
+            out = out * torch.nn.functional.silu(z)
+        return (out, None) if return_last_state else out
+
+    mamba_selective_scan.treepack_original = original
+    return mamba_selective_scan
+
+
+def _from_state(out: Tensor, last: Tensor, state: Tensor, A: Tensor, dt: Tensor, C: Tensor):
+    """A selective scan's output and final state from ``state`` [b, D, N] instead of zeros,
+    given them from zeros (the scan is linear in its state: h_t = exp(A * sum_{s<=t} dt_s) *
+    state + the zero-start h_t), with ``dt`` [b, D, L] and ``C`` [b, N, L]."""
+    decay = torch.exp(A[None, :, None, :] * dt.cumsum(-1)[..., None])  # [b, D, L, N]
+    carried = decay * state[:, :, None, :].to(decay.dtype)
+    out = out + torch.einsum("bdln,bnl->bdl", carried, C.to(carried.dtype)).to(out.dtype)
+    return out, last + carried[:, :, -1].to(last.dtype)
+
+
 def _fused(original):
-    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
-        if kwargs.get(TREE_FORWARD_KWARG) is not None:
+    def fused_kernel(*args, **kwargs):
+        if kwargs.get(TREE_FORWARD_KWARG) is not None or _LAYER_TREE.get() is not None or \
+                _MODEL_TREE.get() is not None:
             return None  # the layer's unfused path, whose convolution and scan are routed
         return original(*args, **kwargs)
 
-    mamba2_split_conv1d_scan_combined.treepack_original = original
-    return mamba2_split_conv1d_scan_combined
+    fused_kernel.__name__ = getattr(original, "__name__", "fused_kernel")
+    fused_kernel.treepack_original = original
+    return fused_kernel
 
 
-_WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta, "ssd": _ssd, "fused": _fused}
+_WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta, "ssd": _ssd, "selective": _selective,
+             "fused": _fused}
 
 
 @contextlib.contextmanager

@@ -145,7 +145,13 @@ class ShardedForward(TreeForward):
                               None if bias is None else bias[lo:hi])
         return self.exchange.to_rows(out, 0, 1)
 
-    def scan(self, kernel, inputs, per_head=None):
+    def scan(self, kernel, inputs, per_head=None, shared=()):
+        # every head reads a shared input whole (Mamba's B and C): each rank gathers all
+        # rows of it, one copy per rank through the same exchange
+        whole = {k: self.exchange.to_heads(inputs[k].expand(-1, self.exchange.size,
+                                                            *inputs[k].shape[2:]), 1, 0)
+                 for k in shared}
+        inputs = {k: t for k, t in inputs.items() if k not in whole}
         # a Gated DeltaNet scan repeats its query / key heads up to the value heads inside
         # the kernel (transformers 5.11 on): repeated here instead, so that a rank's heads
         # are whole
@@ -159,7 +165,7 @@ class ShardedForward(TreeForward):
                                             t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
                   for k, t in inputs.items()}
         per_head = {k: t[lo:hi] for k, t in (per_head or {}).items()}  # this rank's heads
-        return self.exchange.to_rows(self.inner.scan(kernel, inputs, per_head), 0, 1)
+        return self.exchange.to_rows(self.inner.scan(kernel, inputs | whole, per_head), 0, 1)
 
 
 # --------------------------------------------------------------------------- log-probs

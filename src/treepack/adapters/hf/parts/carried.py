@@ -46,6 +46,7 @@ class PartForward(TreeForward):
     def conv(self, x, weight, bias):
         # a layer's convolution weight names it, in every forward and recompute of the step
         self.layer = ("conv", weight.data_ptr())
+        self.scans = 0  # the layer's scans so far (Zamba scans once per Mamba head)
         self.carried.put(self.index, self.layer, x)
         paths = conv_paths(self.pack, self.budget, self.index, weight.shape[1])
         context = self.carried.gather(self.layer, paths.context, 0)
@@ -53,12 +54,13 @@ class PartForward(TreeForward):
             x = torch.cat((x, *context))
         return path_conv1d(x, paths.index, weight, bias)
 
-    def scan(self, kernel, inputs, per_head=None):
+    def scan(self, kernel, inputs, per_head=None, shared=()):
         kernel = with_params(kernel, per_head)
         if self.layer is None:
             raise UnsupportedModel("a recurrent scan ran before its layer's convolution: "
                                    "treepack cannot tell which layer's state to carry")
-        key = ("scan", self.layer[1])
+        key = ("scan", self.layer[1], self.scans)
+        self.scans += 1
         plan = scan_plan(self.pack, self.budget, self.index)
         initial = None
         if plan.carried:  # root chains continuing another part's state; the others from zeros
