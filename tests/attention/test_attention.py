@@ -13,7 +13,7 @@ from strategies import forests
 
 
 def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sinks=None,
-                        chunk=None):
+                        chunk=None, blocks=None):
     """Each sequence alone: causal attention over its own path, nothing shared; with
     ``chunk``, positions i and j see each other only within one chunk (``i // chunk == j //
     chunk``), as Llama 4's chunked attention masks a sequence.
@@ -21,7 +21,9 @@ def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sink
     A row shared by several sequences takes its output from the first sequence through it;
     padding rows attend only themselves. ``sinks`` (one logit per query head, GPT-OSS's
     ``s_aux``) join every softmax as a column that attends to nothing, as transformers'
-    eager GPT-OSS attention does.
+    eager GPT-OSS attention does. ``blocks`` (a block id per row, -1 outside): positions of
+    one block also see each other both ways, within the window's lower bound, as
+    transformers composes Gemma 3's image blocks (``AND(window, OR(causal, block))``).
     """
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -35,6 +37,9 @@ def reference_attention(q, k, v, pack, *, scale, softcap=None, window=None, sink
             scores = torch.tanh(scores / softcap) * softcap
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
         visible = j <= i
+        if blocks is not None:
+            b = blocks[path]
+            visible = visible | ((b[:, None] == b[None, :]) & (b[:, None] >= 0))
         if window is not None:
             visible &= i - j < window
         if chunk is not None:
@@ -147,6 +152,20 @@ def test_attention_sinks_equal_each_sequence_alone(seqs, opt, backend):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def assert_equal_to_each_alone(got, q, k, v, pack, **kw):
+    """``got`` and the gradients of ``q``, ``k``, ``v`` through it equal each sequence alone
+    (:func:`reference_attention` with ``kw``), its padding rows, which nothing reads, left
+    out."""
+    expect = reference_attention(q, k, v, pack, **kw)
+    real = pack.num_packed_rows
+    torch.testing.assert_close(got[:, :, :real], expect[:, :, :real], rtol=1e-12, atol=1e-12)
+    weight = torch.randn(got.shape, dtype=q.dtype)
+    weight[:, :, real:] = 0
+    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q, k, v)),
+                    torch.autograd.grad((expect * weight).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @settings(max_examples=60, deadline=None)
 @given(forests(vocab=3, max_sequences=6, max_len=14), options,
        st.sampled_from(["segment", "dense", "auto"]), st.sampled_from([1, 2, 3, 5]),
@@ -163,14 +182,64 @@ def test_chunked_attention_equals_each_sequence_alone(seqs, opt, backend, chunk,
                                   generator=torch.Generator().manual_seed(1))
     with call_cost(opt["call_cost"]):
         got = TreeAttention(pack, backend)(q, k, v, **kw)
-    expect = reference_attention(q, k, v, pack, **kw)
-    real = pack.num_packed_rows
-    torch.testing.assert_close(got[:, :, :real], expect[:, :, :real], rtol=1e-12, atol=1e-12)
-    weight = torch.randn(got.shape, dtype=q.dtype)
-    weight[:, :, real:] = 0
-    for a, b in zip(torch.autograd.grad((got * weight).sum(), (q, k, v)),
-                    torch.autograd.grad((expect * weight).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert_equal_to_each_alone(got, q, k, v, pack, **kw)
+
+
+def random_blocks(pack, seed: int) -> torch.Tensor:
+    """Runs of rows within one segment (no fork and no sequence end inside, as an image's
+    rows are), each a block; -1 elsewhere."""
+    rng = np.random.default_rng(seed)
+    h = pack.host
+    rows = pack.num_packed_rows
+    follows = np.zeros(pack.num_rows, dtype=bool)  # row r + 1 may join row r's block
+    for a, b in zip(h.segment_start, h.segment_end):
+        follows[a:b - 1] = True
+    blocks = np.full(pack.num_rows, -1, dtype=np.int64)
+    r = 0
+    while r < rows:
+        if rng.random() < 0.35:
+            end = r
+            while end + 1 < rows and follows[end] and end - r < rng.integers(1, 6):
+                end += 1
+            blocks[r:end + 1] = r
+            r = end + 1
+        r += 1
+    return torch.from_numpy(blocks)
+
+
+@settings(max_examples=80, deadline=None)
+@given(forests(vocab=3, max_sequences=6, max_len=14), options,
+       st.sampled_from(["segment", "dense", "auto"]), st.integers(0, 1000), st.booleans())
+def test_blocks_equal_each_sequence_alone(seqs, opt, backend, seed, small_chunks):
+    """Rows of one block (Gemma 3's image tokens) see each other both ways, on any forest,
+    with windows, soft-capping, GQA, padded groups and masked groups run a few queries at a
+    time (a chunk's keys reach past its last query, to the block's end): outputs and the
+    gradients of q, k, v equal each sequence alone with the same blocks."""
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    q, k, v = (x.requires_grad_() for x in qkv(pack, *opt["heads"]))
+    blocks = random_blocks(pack, seed)
+    kw = dict(scale=0.3, window=opt["window"], softcap=opt["softcap"], blocks=blocks)
+    original = segment.CHUNK_ELEMENTS
+    segment.CHUNK_ELEMENTS = 16 if small_chunks else original
+    try:
+        with call_cost(opt["call_cost"]):
+            got = TreeAttention(pack, backend)(q, k, v, **kw)
+    finally:
+        segment.CHUNK_ELEMENTS = original
+    assert_equal_to_each_alone(got, q, k, v, pack, **kw)
+
+
+def test_blocks_change_the_output_and_are_refused_where_not_run():
+    pack = TreePack.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6]])
+    q, k, v = qkv(pack)
+    blocks = torch.tensor([-1, 0, 0, 0, -1, -1, -1])[:pack.num_rows]
+    both_ways = TreeAttention(pack, "segment")(q, k, v, blocks=blocks)
+    assert (both_ways - TreeAttention(pack, "segment")(q, k, v)).abs()[:, :, 1:3].min() > 1e-6
+    for backend in ("varlen", "flex"):
+        with pytest.raises(RuntimeError, match=f"backend='{backend}'.*both ways.*segment"):
+            TreeAttention(pack, backend)(q, k, v, blocks=blocks)
+    with pytest.raises(ValueError, match="int64 \\[T'=6\\]"):
+        TreeAttention(pack, "segment")(q, k, v, blocks=blocks[:3])
 
 
 def test_chunked_attention_changes_the_output_and_is_refused_where_not_run():

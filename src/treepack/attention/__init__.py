@@ -9,7 +9,10 @@ One signature for every backend::
 ``Hkv`` (grouped-query attention); the output is ``[1, Hq, T', D]``. Query row i sees key row
 j iff ``j <= i < subtree_end[j]`` and, with a sliding ``window``, ``pos[i] - pos[j] < window``
 (depths on the original sequence, never packed distance). ``softcap`` applies
-``softcap * tanh(score / softcap)`` to the scaled scores (Gemma 2).
+``softcap * tanh(score / softcap)`` to the scaled scores (Gemma 2). ``blocks`` (``[T']``, -1
+outside any block) makes rows of one block see each other both ways (Gemma 3's image tokens):
+query i also sees key j iff ``blocks[i] == blocks[j] >= 0``, still within the window's lower
+bound (``pos[i] - pos[j] < window``), as transformers composes them.
 
 Backends:
 
@@ -69,6 +72,7 @@ CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
 SINK_BACKENDS = {"segment": segment.attention, "dense": dense.attention}  # attention sinks
 CHUNK_BACKENDS = SINK_BACKENDS  # chunked attention (Llama 4): the backends with a mask of
 #                                 their own per query
+BLOCK_BACKENDS = SINK_BACKENDS  # blocks of rows that see each other both ways (Gemma 3 images)
 
 log = logging.getLogger("treepack")
 _LOGGED: set[tuple[str, str]] = set()
@@ -132,6 +136,7 @@ class TreeAttention:
         dropout: float = 0.0,
         sinks: Tensor | None = None,
         chunk: int | None = None,
+        blocks: Tensor | None = None,
     ) -> Tensor:
         rows = self.pack.num_rows
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -160,6 +165,9 @@ class TreeAttention:
         if chunk is not None:
             chunk = positive_int(chunk, "chunk", hint=" (depths per attention chunk: a query "
                                  "sees the keys of its own chunk only; None for no chunks)")
+        if blocks is not None:
+            return self._with_blocks(q, k, v, blocks, scale=scale, softcap=softcap,
+                                     window=window, dropout=dropout, sinks=sinks, chunk=chunk)
         if sinks is not None:
             return self._with_sinks(q, k, v, sinks, scale=scale, softcap=softcap,
                                     window=window, dropout=dropout, chunk=chunk)
@@ -180,6 +188,26 @@ class TreeAttention:
         return BACKENDS[backend](
             q, k, v, self, scale=scale, softcap=softcap, window=window, dropout=dropout
         )
+
+    def _with_blocks(self, q, k, v, blocks, *, scale, softcap, window, dropout, sinks,
+                     chunk) -> Tensor:
+        """Attention where the rows of each block also see each other both ways."""
+        rows = self.pack.num_rows
+        if blocks.shape != (rows,) or blocks.dtype != torch.long:
+            raise ValueError(f"blocks must be an int64 [T'={rows}] tensor of block ids (-1 "
+                             f"outside any block), got {blocks.dtype} {tuple(blocks.shape)}")
+        if sinks is not None or chunk is not None:
+            raise ValueError("blocks with attention sinks or chunked attention: no model has "
+                             "both, and treepack composes neither with them")
+        backend = "segment" if self.backend == "auto" else self.backend
+        if backend not in BLOCK_BACKENDS:
+            raise RuntimeError(
+                f"backend={backend!r} cannot run here: blocks of rows that see each other both "
+                f"ways (Gemma 3's image tokens) run on {' / '.join(BLOCK_BACKENDS)}; use "
+                "backend='segment' (or 'auto', which picks it)")
+        self.pack.check_device(blocks, "blocks")
+        return BLOCK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=softcap,
+                                       window=window, dropout=dropout, blocks=blocks)
 
     def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout,
                     chunk=None) -> Tensor:

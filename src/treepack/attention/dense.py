@@ -66,8 +66,13 @@ def visible(pack, window: int | None, chunk: int | None = None) -> Tensor:
 
 
 def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False,
-              chunk=None) -> Tensor:
+              chunk=None, blocks=None) -> Tensor:
     mask = visible(attend.pack, window, chunk)
+    if blocks is not None:  # a block's rows see each other, within the window's lower bound
+        same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+        pos = attend.pack.position_ids
+        win = window_mask(pos, pos, window)
+        mask = mask | (same if win is None else same & win)
     if sink:  # one more key, seen by every query (TreeAttention._with_sinks)
         k, v = with_sink_key(k, v, 2)
         mask = torch.cat((mask, mask.new_ones((mask.shape[0], 1))), 1)

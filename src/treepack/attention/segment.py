@@ -179,50 +179,62 @@ class _SelectSlots(torch.autograd.Function):
 
 
 def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False,
-              chunk=None) -> Tensor:
+              chunk=None, blocks=None) -> Tensor:
     # chunks need each chain's whole ancestry (key slot = depth); the window is masked then
     plan = shape_groups(attend.pack, window if chunk is None else None,
                         q.shape[1] * q.shape[3])
     return attend_groups(q, k, v, plan, scale=scale, softcap=softcap, window=window,
-                         dropout=dropout, sink=sink, chunk=chunk)
+                         dropout=dropout, sink=sink, chunk=chunk, blocks=blocks)
 
 
 def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout,
-                  sink=False, chunk=None) -> Tensor:
+                  sink=False, chunk=None, blocks=None) -> Tensor:
     """``q`` ``[1, Hq, rows, D]`` against ``k``/``v`` ``[1, Hkv, keys, D]`` by ``plan``;
     with ``sink``, one more key that every query sees (:meth:`TreeAttention._with_sinks`);
     with ``chunk``, a query sees the keys of its own chunk of depth only (Llama 4's chunked
     attention: a chain's key slot is its depth, so the chunk starts at slot ``depth - depth %
-    chunk``)."""
+    chunk``); with ``blocks`` (``[keys]`` block ids, -1 outside), a query also sees the later
+    keys of its own block (a block lies within one chain, whose own rows are its last key
+    slots)."""
     q_all = _SelectSlots.apply(q[0], plan.q_rows, plan.row_slot)  # [Hq, S, D]
     q_all = q_all.split([g.size * g.q for g in plan.groups], dim=1)
     sizes = [g.size * g.kv for g in plan.groups]
     k_all = gather_rows(k[0], plan.kv_rows, 1).split(sizes, dim=1)  # repeated rows summed once
     v_all = gather_rows(v[0], plan.kv_rows, 1).split(sizes, dim=1)
+    if blocks is None:
+        qb_all = kb_all = [None] * len(plan.groups)
+    else:
+        qb_all = blocks.index_select(0, plan.q_rows).split([g.size * g.q for g in plan.groups])
+        kb_all = blocks.index_select(0, plan.kv_rows).split(sizes)
     outs = []
-    for g, qg, kg, vg in zip(plan.groups, q_all, k_all, v_all):
+    for g, qg, kg, vg, qb, kb in zip(plan.groups, q_all, k_all, v_all, qb_all, kb_all):
         qg = qg.unflatten(1, (g.size, g.q)).transpose(0, 1)  # [G, Hq, q, D]
         kg = kg.unflatten(1, (g.size, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
         vg = vg.unflatten(1, (g.size, g.kv)).transpose(0, 1)
+        if qb is not None and not bool((qb >= 0).any()):
+            qb = kb = None  # no block in this group's queries
         if window is None and softcap is None and g.padding is None and not sink \
-                and chunk is None:
+                and chunk is None and qb is None:
             out = sdpa(qg, kg, vg, causal_lower_right(g.q, g.kv), scale=scale, softcap=None,
                        dropout=dropout)
         else:
+            blocks_g = None if qb is None else (qb.view(g.size, g.q), kb.view(g.size, g.kv))
             out = _masked_chunks(qg, kg, vg, g, window, scale=scale, softcap=softcap,
-                                 dropout=dropout, sink=sink, chunk=chunk)
+                                 dropout=dropout, sink=sink, chunk=chunk, blocks=blocks_g)
         outs.append(out.transpose(0, 1).flatten(1, 2))  # [Hq, G * q, D]
     return torch.cat(outs, dim=1).index_select(1, plan.row_slot)[None]  # [1, Hq, T', D]
 
 
-def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, chunk=None, **kw) -> Tensor:
+def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, chunk=None, blocks=None,
+                   **kw) -> Tensor:
     """Bottom-right causal (and windowed) attention with an explicit mask, in query chunks.
 
     Query t of a chain with ``q`` queries and ``kv`` keys sees key u iff ``u <= off + t``
     and, with a window, ``u > off + t - window`` (``off = kv - q``). In a padded group each
     chain has its own ``off`` and ``kv``, and a padding query slot ``t >= q`` takes the mask of
     query ``q - 1``. A chunk ``[t0, t1)`` needs keys ``[max(0, off_min + t0 - window + 1),
-    off_max + t1)`` only.
+    off_max + t1)`` only; with ``blocks`` (each query and key slot's block id, ``[G, q]`` and
+    ``[G, kv]``) it also sees the keys of its own block, to the last key slot.
     """
     G, H, Q, _ = qg.shape
     K = kg.shape[2]
@@ -235,12 +247,15 @@ def _masked_chunks(qg, kg, vg, group: Group, window, sink=False, chunk=None, **k
         first = K - Q + t0 if pad is None else int(pad.first_key[t0])
         last = K - Q + t1 - 1 if pad is None else int(pad.last_key[t1 - 1])
         a = 0 if window is None else max(0, first - window + 1)
-        b = last + 1
+        b = last + 1 if blocks is None else K
         t = torch.arange(t0, t1, device=qg.device)[:, None]
         u = torch.arange(a, b, device=qg.device)[None, :]
         if pad is not None:
             t = torch.minimum(t, pad.queries - 1)  # [G, 1, chunk, 1]
         mask = u <= off + t  # [chunk, b - a], or [G, 1, chunk, b - a] when padded
+        if blocks is not None:  # [G, 1, chunk, b - a]: the query's own block, both ways
+            qb, kb = blocks[0][:, None, t0:t1, None], blocks[1][:, None, None, a:b]
+            mask = mask | ((qb == kb) & (qb >= 0))
         if pad is not None:
             mask = mask & (u < pad.keys)
         if window is not None:
