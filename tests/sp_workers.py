@@ -24,14 +24,15 @@ IMAGE_LAYOUT = [  # 43 rows: a rank boundary inside A at 2 ranks, inside all thr
 ]
 
 
-def image_batch():
-    """The images case's sequences and images, as a processor lays them out (float64)."""
+def image_batch(family: str = "qwen2_vl"):
+    """The images case's sequences and images, as a processor lays them out for ``family``
+    (float64)."""
     from treepack import zoo
 
-    return zoo.image_batch(IMAGE_LAYOUT, dtype=torch.float64)
+    return zoo.image_batch(IMAGE_LAYOUT, dtype=torch.float64, family=family)
 
 
-def batch(kind: str, seed: int = 0):
+def batch(kind: str, seed: int = 0, family: str = "qwen2_vl"):
     """The sequences of a case: the verification batch (GRPO forests, agent trajectories,
     duplicates, a prefix of another, a one-token sequence), or smaller ones."""
     from treepack import zoo
@@ -41,8 +42,8 @@ def batch(kind: str, seed: int = 0):
         return verification_batch(zoo.VOCAB, seed=seed)
     if kind == "tiny":  # fewer rows than ranks
         return [torch.tensor([5, 6, 7])]
-    if kind == "images":
-        return [torch.tensor(seq) for seq in image_batch().sequences]
+    if kind == "images":  # as many placeholders an image as the family's images take
+        return [torch.tensor(seq) for seq in image_batch(family).sequences]
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, zoo.VOCAB, (13,), generator=g)
     return [torch.cat([prompt, torch.randint(3, zoo.VOCAB, (n,), generator=g)])
@@ -83,7 +84,7 @@ def inputs(model, case: dict, seed: int):
     kind = case.get("batch", "verification")
     if kind != "images":
         return TreePack.from_sequences(batch(kind, seed)), {}
-    b = image_batch()
+    b = image_batch(case.get("family", "qwen2_vl"))
     images = hf.Images(model, b.sequences, pixel_values=b.pixel_values,
                        image_grid_thw=b.image_grid_thw)
     return images.pack(), {"images": images}
@@ -120,13 +121,16 @@ def alone_inputs(case: dict, s: int) -> dict:
     """The model's own keyword arguments for sequence ``s`` run alone: its images."""
     from treepack import zoo
 
-    b = image_batch() if case.get("batch") == "images" else None
+    b = image_batch(case.get("family", "qwen2_vl")) if case.get("batch") == "images" else None
     if b is None or not b.images[s]:
         return {}
     first = sum(map(len, b.images[:s]))
+    ids = torch.tensor(b.sequences[s])[None]
+    if b.image_grid_thw is None:  # whole images; Gemma 3's tokens of one see each other
+        return dict(pixel_values=b.pixel_values[first:first + len(b.images[s])],
+                    token_type_ids=(ids == zoo.VISION_IDS["image_token_id"]).long())
     grid = b.image_grid_thw[first:first + len(b.images[s])]
     start = int(b.image_grid_thw[:first].prod(-1).sum())
-    ids = torch.tensor(b.sequences[s])[None]
     return dict(pixel_values=b.pixel_values[start:start + int(grid.prod(-1).sum())],
                 image_grid_thw=grid,
                 mm_token_type_ids=(ids == zoo.VISION_IDS["image_token_id"]).long())
@@ -211,7 +215,8 @@ def _alone(model, case: dict, seed: int, temps, w, v) -> dict:
     """Every sequence run alone, with its images, through the model's own forward."""
     logps, ents = torch.zeros_like(w), torch.zeros_like(w)
     with exact_vision_rotary(model):
-        for s, seq in enumerate(batch(case.get("batch", "verification"), seed)):
+        for s, seq in enumerate(batch(case.get("batch", "verification"), seed,
+                                      case.get("family", "qwen2_vl"))):
             t = temps[s] if isinstance(temps, list) else temps
             logits = model(input_ids=seq[None], use_cache=False,
                            **alone_inputs(case, s)).logits[0].to(w.dtype)  # Nemotron-H: fp32

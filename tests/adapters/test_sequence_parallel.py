@@ -52,6 +52,8 @@ TWO = {
     "images, deepstack (qwen3-vl)": dict(family="qwen3_vl", batch="images"),
     "images in parts (qwen3-vl)": dict(family="qwen3_vl", batch="images", call="backward",
                                        budget=16),
+    "images whose tokens see each other both ways (gemma 3)": dict(family="gemma3",
+                                                                   batch="images"),
     "broken: image features and positions of rank 0's rows":
         dict(family="qwen2_vl", batch="images", broken="image_rows_from_zero"),
     "broken: image rows at depth positions":
@@ -69,7 +71,7 @@ FOUR = {
 # float64 throughout; models whose norms compute in float32 (gemma2, qwen3.5) sum their
 # weights' gradients over rows in float32, in another order per rank
 TOLERANCE = {"gemma2": 1e-6, "qwen3_5": 1e-6, "llama4_text": 1e-6, "bamba": 1e-6,
-             "nemotron_h": 1e-6, "jamba": 1e-6, "zamba": 1e-6}
+             "nemotron_h": 1e-6, "jamba": 1e-6, "zamba": 1e-6, "gemma3": 1e-6}
 # against every sequence alone: transformers' Gated DeltaNet kernel runs in float32, in chunks
 # that start elsewhere alone than in the tree (test_hybrid.py runs it in float64 instead)
 ALONE = {"qwen3_5": 1e-3}

@@ -191,7 +191,13 @@ def tiny_llava(tokenizer):
 def test_a_llava_grpo_step_equals_the_stock_trainer(tmp_path):
     """LLaVA (one [C, H, W] tensor an image, 1-D positions) through trainer.train() under
     accumulation, whole groups keyed by prompt and image: equal to stock TRL."""
-    proc = llava_processor()
+    runs = accumulated_runs(tmp_path, llava_processor(), tiny_llava)
+    assert_same_training(runs, zero_by_algebra=("self_attn.k_proj.bias",))
+
+
+def accumulated_runs(tmp_path, proc, build):
+    """One GRPO step of stock TRL and of treepack's trainer, each on ``build(tokenizer)``,
+    under gradient accumulation; each run's trainer and gradients at the step."""
     runs = {}
     for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
         probe = GradientsAtStep()
@@ -201,7 +207,7 @@ def test_a_llava_grpo_step_equals_the_stock_trainer(tmp_path):
                           save_strategy="no", beta=0.0, learning_rate=1e-2, optim="sgd",
                           temperature=1.0, seed=0, steps_per_generation=2,
                           gradient_accumulation_steps=2)
-        trainer = cls(model=tiny_llava(proc.tokenizer), reward_funcs=lambda completions, **kw:
+        trainer = cls(model=build(proc.tokenizer), reward_funcs=lambda completions, **kw:
                       [float(len(str(c))) + 0.1 * i for i, c in enumerate(completions)],
                       args=args, train_dataset=dataset(), processing_class=proc,
                       callbacks=[probe])
@@ -209,4 +215,66 @@ def test_a_llava_grpo_step_equals_the_stock_trainer(tmp_path):
         trainer.train()
         runs[name] = (trainer, probe.grads)
     assert any(k.startswith("model.vision_tower") for k in runs["stock"][1])
-    assert_same_training(runs, zero_by_algebra=("self_attn.k_proj.bias",))
+    return runs
+
+
+GEMMA3_SPECIAL = ["<pad>", "<bos>", "<eos>", "<start_of_image>", "<end_of_image>",
+                  "<image_soft_token>"]
+GEMMA3_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image> "
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    " <eos> {% endfor %}{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def gemma3_processor():
+    """Gemma 3's processor offline: a word-level tokenizer with its image tokens, and its PIL
+    image processor on 8x8 images (4 image tokens each, pooled from 2x2 patches)."""
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    vocab = {t: i for i, t in enumerate(GEMMA3_SPECIAL + ["[UNK]"] + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(GEMMA3_SPECIAL)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>", pad_token="<pad>",
+        bos_token="<bos>", padding_side="left",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"})
+    images = Gemma3ImageProcessorPil(size={"height": 8, "width": 8})
+    return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4,
+                           chat_template=GEMMA3_TEMPLATE)
+
+
+def tiny_gemma3(tokenizer):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=256, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"],
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=16,
+                           intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=2),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def test_a_gemma3_grpo_step_equals_the_stock_trainer(tmp_path):
+    """Gemma 3 (an image's tokens see each other both ways; TRL passes token_type_ids that
+    mark them) through trainer.train() under accumulation: equal to stock TRL."""
+    assert_same_training(accumulated_runs(tmp_path, gemma3_processor(), tiny_gemma3))

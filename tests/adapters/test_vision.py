@@ -4,6 +4,7 @@ every gradient, the vision tower's included; content keys (same text with differ
 never merged, one image in two places encoded once); images in the middle of an agent history;
 parts cutting through an image's rows; per-sequence temperatures; bad input refused by name."""
 
+import inspect
 import sys
 
 import numpy as np
@@ -54,6 +55,8 @@ def alone(model, batch, s, temperature=1.0):
     kwargs = {}
     if mine and batch.image_grid_thw is None:  # one tensor per image
         kwargs = dict(pixel_values=batch.pixel_values[start:start + mine])
+        if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3: its
+            kwargs["token_type_ids"] = (ids == IMAGE).long()  # image tokens, both ways
     elif mine:
         grid = batch.image_grid_thw[start:start + mine]
         rows = batch.image_grid_thw[:start].prod(-1).sum()
@@ -132,7 +135,9 @@ def test_images_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
     assert images.num_images == 3 and sum(map(len, images.images_of)) == 10
     encoded = []
     tower = vision._visual(hf.unwrap(model))
-    handle = tower.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
+    handle = tower.register_forward_hook(  # Gemma 3's tower takes pixel_values= by keyword
+        lambda m, args, kwargs, out: encoded.append(
+            (args[0] if args else kwargs["pixel_values"]).shape[0]), with_kwargs=True)
     got_lp, got = packed(model, batch, weights, temperatures, images)
     handle.remove()
     # one call: each distinct image's patches (or each distinct image) once
@@ -309,18 +314,22 @@ def test_images_for_a_text_model_are_refused():
                   image_grid_thw=torch.zeros(0, 3))
 
 
-def test_gemma3_images_are_refused_by_name():
-    config = transformers.Gemma3Config(
-        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=48,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16),
-        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=8, patch_size=4),
-        mm_tokens_per_image=4, image_token_index=260)
-    model = transformers.Gemma3ForConditionalGeneration(config)
-    with pytest.raises(hf.UnsupportedModel, match="bidirectionally"):
-        hf.Images(model, [[1, 2]], pixel_values=torch.zeros(0, 12),
-                  image_grid_thw=torch.zeros(0, 3))
+def test_gemma3_image_blocks_that_a_tree_cannot_keep_are_refused_by_name():
+    """Gemma 3's image tokens see each other both ways: in parts a part's rows would need rows
+    a later part computes, and two images with no text between them make one block that a
+    fork after the first would split. Both are refused, naming why."""
+    model = hf.prepare(tiny("gemma3"))
+    batch = zoo.image_batch(LAYOUT, dtype=torch.float64, family="gemma3")
+    images = images_of(model, batch)
+    with pytest.raises(hf.UnsupportedModel, match="both ways.*in parts"):
+        hf.logprobs_in_parts(model, batch.sequences, max_tokens=6, images=images)
+    start, end = zoo.VISION_IDS["vision_start_token_id"], zoo.VISION_IDS["vision_end_token_id"]
+    adjacent = zoo.image_batch([[1, A, B, 7], [1, A, 8]], dtype=torch.float64, family="gemma3")
+    joined = [[t for i, t in enumerate(seq) if not (t == end and seq[i + 1] == start) and
+               not (t == start and seq[i - 1] == end)] for seq in adjacent.sequences]
+    images = hf.Images(model, joined, pixel_values=adjacent.pixel_values)
+    with pytest.raises(hf.UnsupportedModel, match="crosses a fork.*Separate the images"):
+        hf.logprobs(model, images.pack(), images=images)
 
 
 def test_collated_batches_with_images_equal_each_sequence_alone():

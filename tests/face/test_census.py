@@ -48,11 +48,30 @@ def test_each_family_gets_its_class_and_reason(family, status, words):
     assert words in out.reason, out
 
 
+@pytest.mark.parametrize("family,status,words", [
+    # images through treepack.hf.Images, each distinct image encoded once, against every
+    # sequence alone with its own images
+    ("qwen2_vl", "exact", "grads"),
+    ("qwen3_vl_moe", "exact", "grads"),  # deepstack features, MoE decoder
+    ("qwen3_5_moe", "exact", "grads"),  # Gated DeltaNet hybrid with MoE
+    ("llava", "exact", "grads"),  # whole images, 1-D positions
+    ("gemma3", "exact", "grads"),  # an image's tokens see the whole image: blocks
+    ("paligemma", "refused", "not causal"),  # its prefix attends both ways
+    ("idefics3", "refused", "treepack runs the images of"),
+])
+def test_each_image_family_gets_its_class_and_reason(family, status, words):
+    out = census.run_one(family, "image-text-to-text")
+    assert (out.status, out.family) == (status, family), out
+    assert words in out.reason, out
+
+
 def test_a_family_runs_in_its_own_process_and_a_timeout_is_reported():
     """The child's answer crosses the process boundary; one that takes too long is stopped
     and reported (a hang once built, not built before), and the others still get theirs."""
     done = census.census(["llama", "doge"], timeout=300)
     assert [(o.family, o.status) for o in done] == [("llama", "exact"), ("doge", "refused")]
+    done = census.census(["llava"], timeout=300, mapping="image-text-to-text")
+    assert [(o.family, o.status) for o in done] == [("llava", "exact")]
     slow = census._child("llama", timeout=0.01)  # not even built in time
     assert slow.status == "not built" and "building the model took" in slow.reason, slow
 
@@ -61,15 +80,21 @@ def test_the_table_counts_every_class():
     rows = [census.Outcome("a", "exact", "logprobs 1e-16"), census.Outcome("b", "refused", "x|y"),
             census.Outcome("c", "wrong", "grads 1e-2")]
     text = census.table(rows)
-    assert "3 families: 1 exact, 1 refused, 0 not built, 1 wrong, 0 crash, 0 hang" in text
+    assert "causal-lm: 3 families: 1 exact, 1 refused, 0 not built, 1 wrong, 0 crash, 0 hang" \
+        in text
     assert "| b | refused | x/y |" in text  # a pipe in a reason does not break the table
 
 
 @pytest.mark.slow
 def test_the_census_finds_nothing_wrong_crashed_or_hung():
-    """Every family of the installed transformers' causal-LM mapping is exact, refused with
-    its reason, or not built with why: none silently wrong, none crashed, none hung."""
+    """Every family of the installed transformers' causal-LM and image-text-to-text mappings
+    is exact, refused with its reason, or not built with why: none silently wrong, none
+    crashed, none hung."""
     outcomes = census.census(timeout=240)
     bad = [o for o in outcomes if o.status in ("wrong", "crash", "hang")]
     assert not bad, census.table(bad)
-    assert sum(o.status == "exact" for o in outcomes) >= 90, census.table(outcomes)
+    assert sum(o.status == "exact" for o in outcomes) >= 110, census.table(outcomes)
+    images = census.census(timeout=240, mapping="image-text-to-text")
+    bad = [o for o in images if o.status in ("wrong", "crash", "hang")]
+    assert not bad, census.table(bad, "image-text-to-text")
+    assert sum(o.status == "exact" for o in images) >= 7, census.table(images)

@@ -164,17 +164,23 @@ def test_verify_all_runs_the_census_writes_its_table_and_fails_on_a_wrong_family
 
     seen = {}
 
-    def fake(names=None, *, timeout, workers=2):
-        seen["timeout"] = timeout
-        return outcomes
+    def fake(names=None, *, timeout, workers=2, mapping="causal-lm"):
+        seen[mapping] = timeout
+        return outcomes if mapping == "causal-lm" else images
 
     monkeypatch.setattr(census, "census", fake)
     outcomes = [census.Outcome("llama", "exact", "logprobs 1e-16"),
                 census.Outcome("doge", "refused", "a bias")]
+    images = [census.Outcome("llava", "exact", "logprobs 1e-16")]
     table = tmp_path / "census.md"
     code, out, _ = run(capsys, "verify", "--all", "--timeout", "7", "--markdown", str(table))
-    assert code == 0 and seen["timeout"] == 7
-    assert "2 families: 1 exact, 1 refused" in out and table.read_text() in out + "\n"
+    assert code == 0 and seen == {"causal-lm": 7, "image-text-to-text": 7}
+    assert "causal-lm: 2 families: 1 exact, 1 refused" in out
+    assert "image-text-to-text: 1 families: 1 exact" in out
+    assert table.read_text().strip() in out
+    images.append(census.Outcome("y", "crash", "IndexError"))  # either mapping fails it
+    assert run(capsys, "verify", "--all")[0] == 1
+    images.pop()
     outcomes.append(census.Outcome("x", "wrong", "grads 1e-2"))
     assert run(capsys, "verify", "--all")[0] == 1
     with pytest.raises(SystemExit):  # one family or all of them

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from treepack.adapters import hf
+from treepack.adapters.hf.vision import BIDIRECTIONAL_FAMILIES
 from treepack.adapters.hf.vision import content_key as image_content_key
 from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
@@ -118,6 +119,24 @@ def per_token_logps_and_entropies(
                             cast_lm_head_to_fp32=cast_lm_head_to_fp32,
                             images=_images(model, input_ids, attention_mask, pixel_values,
                                            image_grid_thw, num_images))[:3]
+
+
+def _image_types(model, input_ids, attention_mask, token_type_ids) -> None:
+    """Gemma 3's ``token_type_ids`` (1 on image tokens; the model makes each run of them a
+    block that sees itself both ways) carry nothing the pack does not: its image rows are
+    its blocks. Any other use of them is refused, naming the model."""
+    if token_type_ids is None:
+        return
+    core = hf.unwrap(model)
+    placeholder = getattr(core.config, "image_token_id", None)
+    mask = attention_mask.bool()
+    if placeholder is None or core.config.model_type not in BIDIRECTIONAL_FAMILIES or \
+            not torch.equal(token_type_ids.bool() & mask, (input_ids == placeholder) & mask):
+        raise NotImplementedError(
+            f"{type(core).__name__} was given token_type_ids that are not its image tokens' "
+            f"marks (1 exactly on image_token_id, {placeholder}): treepack's GRPO seam packs "
+            f"those for {list(BIDIRECTIONAL_FAMILIES)} only. Use the stock GRPOTrainer for "
+            "this model's inputs")
 
 
 def _images(model, input_ids, attention_mask, pixel_values, image_grid_thw, num_images):
@@ -225,6 +244,7 @@ def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, l
     of rows for the no-grad passes) bounds each pack to the tokens of one of TRL's chunks."""
     images = {k: extra.pop(k, None) for k in _IMAGE_KEYS}
     extra.pop("mm_token_type_ids", None)  # the model's own rope index is computed from the ids
+    _image_types(model, input_ids, attention_mask, extra.pop("token_type_ids", None))
     unsupported = sorted(k for k, v in extra.items() if v is not None)
     if unsupported:
         raise NotImplementedError(

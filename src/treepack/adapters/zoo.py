@@ -269,15 +269,43 @@ VISION_FAMILIES = {  # family: (config class, text config, vision config, layer 
                                          rope_parameters=dict(_INTERLEAVED,
                                                               partial_rotary_factor=0.5)),
                    dict(_TOWER, num_position_embeddings=16), _HYBRID_LAYERS),
+    # the same with mixture-of-experts decoders
+    "qwen3_vl_moe": ("Qwen3VLMoeConfig", dict(_VL_TEXT, head_dim=16, rope_scaling=_INTERLEAVED,
+                                              num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32),
+                     dict(_TOWER, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                     None),
+    "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", dict(_VL_TEXT, head_dim=16, linear_num_key_heads=2,
+                                                linear_num_value_heads=4, linear_key_head_dim=8,
+                                                linear_value_head_dim=8,
+                                                linear_conv_kernel_dim=4, num_experts=4,
+                                                num_experts_per_tok=2, moe_intermediate_size=32,
+                                                shared_expert_intermediate_size=32,
+                                                rope_parameters=dict(_INTERLEAVED,
+                                                                     partial_rotary_factor=0.5)),
+                       dict(_TOWER, num_position_embeddings=16), _HYBRID_LAYERS),
     # 1-D positions: a CLIP tower, its last layer's patch features, a projector
     "llava": ("LlavaConfig", dict(_VL_TEXT, model_type="llama"),
               dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
                    num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4,
                    projection_dim=32), None),
+    # an image's tokens see each other both ways; a SigLIP tower pooled to 4 tokens an
+    # image; sliding and full layers
+    "gemma3": ("Gemma3Config", dict(_VL_TEXT, head_dim=16, sliding_window=WINDOW,
+                                    query_pre_attn_scalar=16),
+               dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2),
+               ["sliding_attention", "full_attention"]),
 }
 # Families whose pixel_values hold one [3, 8, 8] image each (4 placeholder tokens an image)
-# rather than one row per patch with a grid.
-WHOLE_IMAGES = ("llava",)
+# rather than one row per patch with a grid, and their token ids.
+WHOLE_IMAGES = {
+    "llava": dict(image_token_index=VISION_IDS["image_token_id"], image_seq_length=4,
+                  vision_feature_layer=-1, vision_feature_select_strategy="default"),
+    "gemma3": dict(image_token_index=VISION_IDS["image_token_id"], mm_tokens_per_image=4,
+                   boi_token_index=VISION_IDS["vision_start_token_id"],
+                   eoi_token_index=VISION_IDS["vision_end_token_id"]),
+}
 
 
 def tiny_vision_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
@@ -311,16 +339,15 @@ def tiny_vision_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None
     text = dict(text, num_hidden_layers=layers)
     if cycle:
         text["layer_types"] = [cycle[i % len(cycle)] for i in range(layers)]
-    if family in WHOLE_IMAGES:
-        ids = dict(image_token_index=VISION_IDS["image_token_id"], image_seq_length=4,
-                   vision_feature_layer=-1, vision_feature_select_strategy="default")
-    else:
-        ids = VISION_IDS
+    ids = WHOLE_IMAGES.get(family, VISION_IDS)
     config = getattr(transformers, name)(text_config=text, vision_config=vision, **ids)
+    extra = {"experts_implementation": "eager"} if "num_experts" in text and \
+        dtype == torch.float64 else {}  # the grouped-mm kernel has no float64
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForImageTextToText.from_config(
-            config, attn_implementation=attn_implementation, dtype=dtype or torch.float32)
+            config, attn_implementation=attn_implementation, dtype=dtype or torch.float32,
+            **extra)
     return model.eval()
 
 

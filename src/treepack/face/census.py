@@ -1,6 +1,8 @@
 """A census of every family a user may bring: each model type of the installed transformers'
 causal-LM mapping, built tiny and random, run in float64 on a tree pack and compared with every
-sequence alone (:func:`treepack.verify`: log-probs and every gradient), and put in one class:
+sequence alone (:func:`treepack.verify`: log-probs and every gradient), and put in one class
+(the image-text-to-text mapping likewise, each model with the images of
+:func:`treepack.face.verification.verification_image_batch`):
 
 - ``exact``: it verifies;
 - ``refused``: treepack refuses it, and says why (:class:`treepack.hf.UnsupportedModel`);
@@ -23,9 +25,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Outcome", "families", "run_one", "census", "table", "CLASSES", "MAX_PARAMETERS"]
+__all__ = ["Outcome", "families", "image_families", "run_one", "census", "table", "CLASSES",
+           "MAX_PARAMETERS", "MAPPINGS"]
 
 CLASSES = ("exact", "refused", "not built", "wrong", "crash", "hang")
+MAPPINGS = ("causal-lm", "image-text-to-text")
 
 # Every size field a transformers config may have, made tiny; windows and chunks short enough
 # that the verification batch's sequences (up to 32 tokens) cross them.
@@ -75,22 +79,24 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _tiny_model(family: str, dtype):
-    """``family``'s causal LM, tiny, random, in ``dtype``, dropout off."""
+def image_families() -> list[str]:
+    """The model types of the installed transformers' image-text-to-text mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _tiny_kwargs(config_class, defaults, *, composite_part: bool = False) -> dict:
+    """The keyword arguments that make ``config_class`` (``defaults``: its default instance)
+    tiny; a composite model's part keeps its token ids and vocabulary (its image tokens are
+    ids of that vocabulary)."""
     import inspect
 
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    config_class = CONFIG_MAPPING[family]
-    defaults = config_class()
-    if getattr(defaults, "sub_configs", None) and "text_config" in defaults.sub_configs:
-        raise ValueError("a composite config (text_config): built through its text model's "
-                         "own type")
     accepted = set(inspect.signature(config_class.__init__).parameters) | set(vars(defaults))
     kwargs = {k: v for k, v in _TINY.items() if k in accepted}
+    if composite_part:
+        for key in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id"):
+            kwargs.pop(key, None)
     if "kv_lora_rank" in accepted:  # multi-latent attention: as many key heads as queries,
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # its own head sizes
         kwargs.pop("head_dim", None)
@@ -111,12 +117,40 @@ def _tiny_model(family: str, dtype):
                                // _TINY["head_dim"])
     if "is_decoder" in accepted:
         kwargs["is_decoder"] = True  # encoders run as causal LMs only as decoders
+    return kwargs
+
+
+def _tiny_model(family: str, dtype, *, images: bool = False):
+    """``family``'s causal LM (``images``: its image-text-to-text model, each part of its
+    composite config tiny), random, in ``dtype``, dropout off."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[family]
+    defaults = config_class()
+    parts = getattr(defaults, "sub_configs", None) or {}
+    if images:
+        kwargs = {}
+        for name in parts:
+            part = getattr(defaults, name, None)
+            if part is not None and hasattr(part, "to_dict"):
+                kwargs[name] = dict(_tiny_kwargs(type(part), part, composite_part=True),
+                                    model_type=part.model_type)
+    elif "text_config" in parts:
+        raise ValueError("a composite config (text_config): built through its text model's "
+                         "own type")
+    else:
+        kwargs = _tiny_kwargs(config_class, defaults)
     config = config_class(**kwargs)
-    for key in _DROPOUTS:
-        if isinstance(getattr(config, key, None), float):
-            setattr(config, key, 0.0)
+    for c in [config] + [getattr(config, n, None) for n in parts]:
+        for key in _DROPOUTS:
+            if isinstance(getattr(c, key, None), float):
+                setattr(c, key, 0.0)
     transformers.set_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    auto = AutoModelForImageTextToText if images else AutoModelForCausalLM
+    model = auto.from_config(config).to(dtype).eval()
     size = sum(p.numel() for p in model.parameters())
     if size > MAX_PARAMETERS:  # towers (audio, vision) whose sizes the census does not shrink
         raise ValueError(f"{size / 1e6:.0f}M parameters after the tiny sizes: parts the "
@@ -126,8 +160,10 @@ def _tiny_model(family: str, dtype):
     return model
 
 
-def run_one(family: str) -> Outcome:
-    """``family``'s outcome, in this process."""
+def run_one(family: str, mapping: str = "causal-lm") -> Outcome:
+    """``family``'s outcome, in this process (``mapping``: one of :data:`MAPPINGS`)."""
+    if mapping == "image-text-to-text":
+        return _run_images(family)
     from treepack.adapters import hf
     from treepack.adapters.zoo import VOCAB
     from treepack.face.verification import verification_batch, verify
@@ -151,6 +187,62 @@ def run_one(family: str) -> Outcome:
         return Outcome(family, "refused", str(e))
     except Exception as e:  # noqa: BLE001 - reported as a crash, never swallowed silently
         return Outcome(family, "crash", f"{type(e).__name__}: {e}")
+    return _verified(family, report, dtype)
+
+
+def _zoo_vision(family: str) -> str | None:
+    """The key of ``treepack.zoo.VISION_FAMILIES`` whose model is of type ``family``."""
+    import transformers
+
+    from treepack.adapters import zoo
+
+    return next((key for key, (name, *_) in zoo.VISION_FAMILIES.items()
+                 if getattr(transformers, name).model_type == family), None)
+
+
+def _run_images(family: str) -> Outcome:
+    """``family``'s image-text-to-text outcome: the families whose images treepack runs are
+    built as ``treepack.zoo`` builds them (their towers tiny, the batch's pixels laid out for
+    them) and verified with images; any other is built tiny from its defaults and meets what a
+    user's would: ``hf.prepare``, then the images' check (:class:`treepack.hf.Images`)."""
+    import torch
+
+    from treepack.adapters import hf, zoo
+    from treepack.adapters.hf.vision import check_family
+    from treepack.face.verification import verification_image_batch, verify
+
+    key = _zoo_vision(family)
+    model, why = None, []
+    for dtype in (torch.float64, torch.float32):  # float32 where a kernel refuses float64
+        try:
+            model = (zoo.tiny_vision_model(key, dtype=dtype) if key else
+                     _tiny_model(family, dtype, images=True))
+            break
+        except Exception as e:  # noqa: BLE001 - any failure to build is "not built", with why
+            why.append(f"{str(dtype)[6:]}: {type(e).__name__}: {e}")
+    if model is None:
+        return Outcome(family, "not built", "; ".join(why))
+    print("CENSUS-BUILT", flush=True)
+    try:
+        if key is None:
+            hf.prepare(model)  # the language model's checks, then the images'
+            check_family(model)
+            return Outcome(family, "not built", "treepack runs its images, but the census lays "
+                                                "out images for treepack.zoo's families only")
+        batch = verification_image_batch(key, dtype=dtype)
+        images = hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
+                           image_grid_thw=batch.image_grid_thw)
+        report = verify(model, batch.sequences, images=images)
+    except hf.UnsupportedModel as e:
+        return Outcome(family, "refused", str(e))
+    except Exception as e:  # noqa: BLE001 - reported as a crash, never swallowed silently
+        return Outcome(family, "crash", f"{type(e).__name__}: {e}")
+    return _verified(family, report, dtype)
+
+
+def _verified(family: str, report, dtype) -> Outcome:
+    import torch
+
     measured = ", ".join(f"{q} {report.errors[q].max_rel:.1e}" for q in ("logprobs", "grads"))
     measured += "" if dtype == torch.float64 else " (float32: a kernel refuses float64)"
     if report.passed:
@@ -158,11 +250,11 @@ def run_one(family: str) -> Outcome:
     return Outcome(family, "wrong", measured + " (over the allowance)")
 
 
-def _child(family: str, timeout: float) -> Outcome:
+def _child(family: str, timeout: float, mapping: str = "causal-lm") -> Outcome:
     """``family`` in a process of its own, within ``timeout`` seconds."""
     code = ("import json, warnings; warnings.filterwarnings('ignore')\n"
             "from treepack.face.census import run_one\n"
-            f"o = run_one({family!r})\n"
+            f"o = run_one({family!r}, {mapping!r})\n"
             "print('CENSUS-ANSWER' + json.dumps([o.family, o.status, o.reason]))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     try:
@@ -184,19 +276,23 @@ def _child(family: str, timeout: float) -> Outcome:
 
 
 def census(names: list[str] | None = None, *, timeout: float = 120.0,
-           workers: int = 2) -> list[Outcome]:
-    """Every family's :class:`Outcome` (``names``: these, else :func:`families`)."""
-    names = families() if names is None else names
+           workers: int = 2, mapping: str = "causal-lm") -> list[Outcome]:
+    """Every family's :class:`Outcome` (``names``: these, else every family of ``mapping``:
+    :func:`families` or :func:`image_families`)."""
+    if mapping not in MAPPINGS:
+        raise ValueError(f"mapping {mapping!r} is not one of {MAPPINGS}")
+    if names is None:
+        names = families() if mapping == "causal-lm" else image_families()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda f: _child(f, timeout), names))
+        return list(pool.map(lambda f: _child(f, timeout, mapping), names))
 
 
-def table(outcomes: list[Outcome]) -> str:
+def table(outcomes: list[Outcome], mapping: str = "causal-lm") -> str:
     """The census as a markdown table, with the count of each class first."""
     import transformers
 
     counts = {c: sum(o.status == c for o in outcomes) for c in CLASSES}
-    head = (f"transformers {transformers.__version__}: {len(outcomes)} families: "
+    head = (f"transformers {transformers.__version__}, {mapping}: {len(outcomes)} families: "
             + ", ".join(f"{n} {c}" for c, n in counts.items()))
     rows = "\n".join(o.row() for o in outcomes)
     return f"{head}\n\n| family | status | reason |\n|---|---|---|\n{rows}\n"

@@ -460,12 +460,15 @@ def _fraction(text: str) -> float:
 def _census(args) -> int:
     from treepack.face import census
 
-    outcomes = census.census(timeout=args.timeout)
-    text = census.table(outcomes)
-    print(text)
+    outcomes, texts = [], []
+    for mapping in census.MAPPINGS:
+        found = census.census(timeout=args.timeout, mapping=mapping)
+        texts.append(census.table(found, mapping))
+        print(texts[-1], flush=True)
+        outcomes += found
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(text)
+            f.write("\n".join(texts))
     return int(any(o.status in ("wrong", "crash", "hang") for o in outcomes))
 
 
@@ -583,12 +586,14 @@ def build_parser() -> argparse.ArgumentParser:
         "compared too). Exit status 1 when above tolerance. --all runs the census: every "
         "family of the installed transformers' causal-LM mapping, tiny and random, in float64, "
         "each in a process of its own, classed exact / refused / not built / wrong / crash / "
-        "hang; exit status 1 if any is wrong, crashed or hung.",
+        "hang, then every family of its image-text-to-text mapping with images; exit status "
+        "1 if any is wrong, crashed or hung.",
     )
     which = verify.add_mutually_exclusive_group(required=True)
     which.add_argument("--family", choices=sorted(FAMILIES) + sorted(VISION_FAMILIES))
     which.add_argument("--all", action="store_true",
-                       help="the census of every causal-LM family of the installed transformers")
+                       help="the census of every causal-LM and image-text-to-text family of "
+                            "the installed transformers")
     verify.add_argument("--timeout", type=_positive_int, default=120,
                         help="--all: seconds per family before it counts as a hang")
     verify.add_argument("--markdown", default=None, metavar="FILE",

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from treepack.adapters import hf
 from treepack.adapters.hf import compat
+from treepack.adapters.hf.vision import BIDIRECTIONAL_FAMILIES
 from treepack.core.tree import TreePack, validate_sequences
 
 __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR", "FLOOR_FACTOR",
@@ -296,8 +297,11 @@ def _own_images(model, images, s: int, ids: Tensor) -> dict:
     out = {"pixel_values": pixels.to(ids.device)}
     if images.grid is not None:
         out["image_grid_thw"] = images.grid[torch.as_tensor(distinct)].to(ids.device)
-    if "mm_token_type_ids" in inspect.signature(hf.unwrap(model).forward).parameters:
+    takes = inspect.signature(hf.unwrap(model).forward).parameters
+    if "mm_token_type_ids" in takes:
         out["mm_token_type_ids"] = (ids == images.image_token_id).long()[None]
+    if images.family in BIDIRECTIONAL_FAMILIES and "token_type_ids" in takes:
+        out["token_type_ids"] = (ids == images.image_token_id).long()[None]  # its blocks
     return out
 
 

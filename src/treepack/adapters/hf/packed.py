@@ -18,7 +18,7 @@ from torch import Tensor
 
 from treepack.adapters.hf.head import check_lm_head, lm_head
 from treepack.adapters.hf.prepare import compute_device, hold_routing, is_prepared, unwrap
-from treepack.adapters.hf.vision import image_token_ids, vision_forward
+from treepack.adapters.hf.vision import image_blocks, image_token_ids, vision_forward
 from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, UnsupportedModel,
                                           check_calls, text_config, tree_forward)
 from treepack.core.derived import derived_from_pack
@@ -101,6 +101,9 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
     if rows is not None:
         ids, positions = ids[rows], positions[rows]
     mixers.depths = positions  # the rows' depths (Llama 4's temperature tuning reads them)
+    blocks = image_blocks(core, pack, images)
+    if blocks is not None and bool((blocks >= 0).any()):
+        mixers.set_blocks(blocks)
     heads, hook = [], None
     if output == "hidden":
         check_lm_head(core)  # once per model, by a forward of its own

@@ -173,6 +173,7 @@ class TreeForward:
     and call counts that prove each layer took the tree path."""
 
     depths = None  # [rows] the depths of the forward's rows, in order (packed_forward sets it)
+    blocks = None  # [T'] rows that see each other both ways (Gemma 3's images), -1 elsewhere
 
     def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
         self.pack = pack
@@ -183,7 +184,14 @@ class TreeForward:
 
     def attend(self, module, query, key, value, **kwargs):
         """One attention layer (``module``) of the forward, on the tree backend."""
+        if self.blocks is not None:
+            kwargs["blocks"] = self.blocks
         return self.attention(query, key, value, **kwargs)
+
+    def set_blocks(self, blocks: Tensor) -> None:
+        """Blocks of rows whose attention sees each other both ways (image tokens of a model
+        that attends to them so), ``[T']`` block ids, -1 elsewhere."""
+        self.blocks = blocks
 
     def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """One short causal convolution, ``x`` ``[T', C]`` per row, along each row's path."""

@@ -139,6 +139,9 @@ class ShardedForward(TreeForward):
             query, key, value, lambda q, k, v: self.inner.attend(module, q, k, v, **kwargs),
             type(module).__name__)
 
+    def set_blocks(self, blocks):
+        self.inner.set_blocks(blocks)  # the inner forward attends over every row
+
     def conv(self, x, weight, bias):
         lo, hi = self.exchange.split(x.shape[1], "channels", "a short convolution")
         out = self.inner.conv(self.exchange.to_heads(x, 1, 0), weight[lo:hi],

@@ -20,6 +20,11 @@ per placeholder. Three things make that exact on a pack:
   and width) gets, for each row, the positions the model itself gives that token in its own
   sequence (``get_rope_index``, per sequence, mapped to rows; equal for a shared row, whose
   context is the same). The attention's structure and sliding windows still count depth.
+- **Image blocks.** Where an image's tokens see each other both ways (Gemma 3), each run of
+  an image's placeholder rows is a block of the tree's attention (:class:`TreeAttention`'s
+  ``blocks``): a run lies within one segment of the tree (its content key forbids a fork
+  inside it), so its rows are contiguous and one path's, and every sequence through it sees
+  the same block.
 
 :class:`Images` holds a batch's images and the per-token tables; :func:`treepack.hf.logprobs`
 and every other packed call take it as ``images=``.
@@ -42,7 +47,8 @@ from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack, validate_sequences
 
 __all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "check_family",
-           "vision_forward", "image_token_ids", "content_key", "placeholder_keys"]
+           "vision_forward", "image_token_ids", "content_key", "placeholder_keys",
+           "BIDIRECTIONAL_FAMILIES", "image_blocks"]
 
 # Families whose processor gives one pixel row per patch and an image_grid_thw per image, whose
 # vision tower is ``model.visual`` and whose rotary positions are 3-D (mrope).
@@ -50,11 +56,11 @@ MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5
                   "qwen3_5_moe")
 # Families whose processor gives one [C, H, W] tensor per image, each image a fixed number of
 # placeholder tokens, encoded by a vision tower and a projector; positions 1-D (depth).
-IMAGE_FAMILIES = ("llava",)
+IMAGE_FAMILIES = ("llava", "gemma3")
+# Families whose image tokens see each other both ways (every token of an image sees the whole
+# image, later tokens included): each image's rows are a block of the tree's attention.
+BIDIRECTIONAL_FAMILIES = ("gemma3",)
 REFUSED_FAMILIES = {
-    "gemma3": "Gemma 3's image tokens attend to each other bidirectionally (every token of an "
-              "image sees the whole image, later tokens included), which the tree's "
-              "ancestor-only attention does not express",
     "gemma3n": "Gemma 3n's image tokens attend to each other bidirectionally, which the "
                "tree's ancestor-only attention does not express",
     "paligemma": "PaliGemma's prefix (image and prompt) attends bidirectionally, which the "
@@ -87,12 +93,13 @@ class Images:
 
     Args:
         model: the vision-language model (prepared or not, or a wrapper of one): Qwen2-VL,
-            Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``...ForConditionalGeneration``), or LLaVA.
+            Qwen2.5-VL, Qwen3-VL, Qwen3.5 (``...ForConditionalGeneration``), LLaVA, or
+            Gemma 3 (whose image tokens see each other both ways).
         sequences: N token-id sequences holding the image placeholders (the processor's
             ``input_ids`` without their padding).
         pixel_values: every image of the batch, in order (the processor's
-            ``pixel_values``): Qwen-VL ``[patches, D]``, one row per patch; LLaVA
-            ``[images, C, H, W]``.
+            ``pixel_values``): Qwen-VL ``[patches, D]``, one row per patch; LLaVA and
+            Gemma 3 ``[images, C, H, W]``.
         image_grid_thw: Qwen-VL ``[images, 3]``, each image's (temporal, height, width) patch
             grid; none for LLaVA (each image is the config's fixed number of tokens).
         num_images: optional, images per sequence (TRL's ``num_images``), checked against the
@@ -234,6 +241,45 @@ def _row_tables(pack: TreePack, images: Images) -> _RowTables:
             positions[:, every] = wanted
             _check_rows_agree(positions[:, every], wanted)
     return _RowTables(feature, positions)
+
+
+def _placeholder_runs(h, feature: np.ndarray) -> np.ndarray:
+    """Each image placeholder row's run: the first row of the run of consecutive placeholder
+    rows on its path that it belongs to (-1 for a text row). A run is what transformers makes
+    one block of (Gemma 3's ``token_type_ids`` runs); it must lie within one segment of the
+    tree, or the sequences through it would see different blocks."""
+    n = len(feature)
+    row = np.arange(n)
+    image = feature >= 0
+    parent = h.parent_row[:n]
+    starts = image & ((parent < 0) | ~image[np.maximum(parent, 0)])
+    if (image & ~starts & (parent != row - 1)).any():  # a run's rows follow one another
+        raise ValueError("a run of image placeholder rows is not contiguous in the pack: build "
+                         "it with images.pack()")
+    runs = np.where(image, np.maximum.accumulate(np.where(starts, row, -1)), -1)
+    segment_end = np.zeros(n, dtype=np.int64)  # segments partition the rows in order
+    segment_end[h.segment_start] = h.segment_end
+    segment_end = np.maximum.accumulate(segment_end)
+    first = np.flatnonzero(starts)
+    last = first + np.bincount(runs[image], minlength=n)[first] - 1
+    crossing = np.flatnonzero(last >= segment_end[first])
+    if len(crossing):
+        a, b = int(first[crossing[0]]), int(last[crossing[0]])
+        raise UnsupportedModel(
+            f"a run of image placeholder rows (rows {a} .. {b}) crosses a fork or a sequence's "
+            "end in the tree: the sequences through it would see their images' tokens in "
+            "different blocks (two images with no text between them, or a sequence cut inside "
+            "an image). Separate the images with text tokens, as the model's processor does")
+    return runs
+
+
+def image_blocks(model, pack: TreePack, images: Images | None) -> Tensor | None:
+    """The pack's rows' image blocks (``[T']``, -1 for a text row) where the model's image
+    tokens see each other both ways (:data:`BIDIRECTIONAL_FAMILIES`), else None."""
+    if images is None or images.family not in BIDIRECTIONAL_FAMILIES:
+        return None
+    runs = _placeholder_runs(pack.host, _row_tables(pack, images).feature)
+    return torch.as_tensor(runs, device=pack.device)
 
 
 def _check_rows_agree(placed: np.ndarray, wanted: np.ndarray) -> None:
@@ -400,9 +446,11 @@ def _tower(core, pixels: Tensor, grid: Tensor | None,
     try:
         if grid is None:  # LLaVA-style: the tower, a layer's features, the projector
             config = core.config
-            out = getattr(core, "model", core).get_image_features(
-                pixel_values=pixels, vision_feature_layer=config.vision_feature_layer,
-                vision_feature_select_strategy=config.vision_feature_select_strategy)
+            chosen = {k: getattr(config, k) for k in ("vision_feature_layer",
+                                                      "vision_feature_select_strategy")
+                      if hasattr(config, k)}  # LLaVA's; Gemma 3 pools the last layer
+            out = getattr(core, "model", core).get_image_features(pixel_values=pixels,
+                                                                  **chosen)
         else:
             out = visual(pixels, grid_thw=grid.to(device))
     finally:
@@ -416,6 +464,7 @@ def _tower(core, pixels: Tensor, grid: Tensor | None,
     features = out.pooler_output
     if isinstance(features, (list, tuple)):
         features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    features = features.reshape(-1, features.shape[-1])  # Gemma 3: [images, tokens, H]
     return features, list(getattr(out, "deepstack_features", None) or [])
 
 
@@ -509,8 +558,9 @@ def _per_image(config, pixel_values, image_grid_thw):
         raise ValueError(f"pixel_values has images of shape {tuple(pixel_values.shape[1:])}, "
                          f"but {config.model_type}'s vision tower takes {want} (channels, "
                          "height, width): use this model's own processor")
-    tokens = (vision.image_size // vision.patch_size) ** 2 + (
-        config.vision_feature_select_strategy == "full")
+    tokens = getattr(config, "mm_tokens_per_image", None) or (  # Gemma 3: pooled to a count
+        (vision.image_size // vision.patch_size) ** 2
+        + (config.vision_feature_select_strategy == "full"))
     n = pixel_values.shape[0]
     return None, pixel_values.detach(), np.full(n, tokens, dtype=np.int64), np.arange(n + 1)
 

@@ -43,6 +43,12 @@ class PartForward(TreeForward):
                            softcap=softcap, window=window, dropout=dropout, sinks=sinks,
                            chunk=chunk)
 
+    def set_blocks(self, blocks):
+        raise UnsupportedModel(
+            "image tokens that see each other both ways (Gemma 3) in parts: a part's rows "
+            "cannot see rows a later part computes. Raise max_tokens so the tree runs in one "
+            "forward, or run these sequences unpacked")
+
     def conv(self, x, weight, bias):
         # a layer's convolution weight names it, in every forward and recompute of the step
         self.layer = ("conv", weight.data_ptr())
