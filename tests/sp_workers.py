@@ -158,8 +158,8 @@ def _run_case(model, case: dict, group, seed: int) -> dict:
                   sequence_parallel=group, **extra)
     if call == "logprobs":
         out = hf.logprobs(model, pack, head=case.get("head", "auto"),
-                          backend=case.get("backend", "auto"), **common)
-        loss = (out.logprobs * w).sum() + (out.entropy * v).sum()
+                          backend=case.get("backend", "auto"), **common, **router(case))
+        loss = (out.logprobs * w).sum() + (out.entropy * v).sum() + aux_term(out, case)
         loss.backward()
         logprobs, entropy = out.logprobs.detach(), out.entropy.detach()
     elif call == "backward":
@@ -184,6 +184,16 @@ def _run_case(model, case: dict, group, seed: int) -> dict:
                       if p.grad is not None}}
 
 
+def router(case: dict) -> dict:
+    """The keywords that make an MoE case return its router logits (and its loss)."""
+    return {"output_router_logits": True} if case.get("router") else {}
+
+
+def aux_term(out, case: dict):
+    """The router loss's share of a case's loss (0 without it)."""
+    return 0.5 * out.aux_loss if case.get("router") else 0
+
+
 def reference(case: dict, seed: int = 0) -> dict:
     """The same loss in one process: the whole pack in one forward (``"pack"``), and every
     sequence run alone (``"alone"``, label-aligned cases); with images, the largest gradient
@@ -199,9 +209,10 @@ def reference(case: dict, seed: int = 0) -> dict:
     with exact_vision_rotary(model):
         out = hf.logprobs(model, pack, entropy=True, temperature=temps,
                           align=case.get("align", "label"), head="logits", backend="segment",
-                          **extra)
-        results["pack"] = _result(model, out.logprobs, out.entropy, w, v)
-    if case.get("align", "label") == "label":
+                          **extra, **router(case))
+        results["pack"] = _result(model, out.logprobs, out.entropy, w, v, aux_term(out, case))
+    # with a router loss: test_hybrid / test_hf check the pack's against the padded batch's
+    if case.get("align", "label") == "label" and not case.get("router"):
         results["alone"] = _alone(model_for(case), case, seed, temps, w, v)
     if extra and "alone" in results:
         eager = _alone(model_for(case, "eager"), case, seed, temps, w, v)["grads"]
@@ -228,8 +239,8 @@ def _alone(model, case: dict, seed: int, temps, w, v) -> dict:
         return _result(model, logps, ents, w, v)
 
 
-def _result(model, logprobs, entropy, w, v) -> dict:
-    loss = (logprobs * w).sum() + (entropy * v).sum()
+def _result(model, logprobs, entropy, w, v, extra=0) -> dict:
+    loss = (logprobs * w).sum() + (entropy * v).sum() + extra
     loss.backward()
     return {"loss": loss.detach(), "logprobs": logprobs.detach(), "entropy": entropy.detach(),
             "grads": {k: p.grad.clone() for k, p in model.named_parameters()
@@ -343,8 +354,9 @@ def refusals_worker(rank: int, world: int, port: int, out: str) -> None:
         if rank < 2:
             moe = zoo.tiny_model("mixtral", seed=1, dtype=torch.float64)
             hf.prepare(moe)
-            attempt("router", lambda: hf.logprobs(moe, pack, sequence_parallel=pair,
-                                                  output_router_logits=True))
+            attempt("router", lambda: hf.logprobs_in_parts(moe, pack, max_tokens=8,
+                                                           sequence_parallel=pair,
+                                                           output_router_logits=True))
         torch.save(errors, f"{out}/rank{rank}.pt")
     finally:
         dist_workers.shutdown()

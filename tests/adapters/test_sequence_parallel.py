@@ -42,6 +42,8 @@ TWO = {
                                                                           batch="small"),
     "mamba in parts, two scans a layer (zamba)": dict(family="zamba", call="backward",
                                                       budget=8, batch="small"),
+    "moe router loss, routing summed over the group (mixtral)": dict(family="mixtral",
+                                                                     router=True),
     "chunked attention in parts (llama 4)": dict(family="llama4_text", call="backward",
                                                  budget=16, batch="small"),
     "broken: no gradient back through the return exchange":

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from treepack.adapters.hf.head import check_head, head_after, head_refusal
+from treepack.adapters.hf.moe import weighted_router_aux_loss
 from treepack.adapters.hf.packed import check_inputs, check_pack, packed_forward
 from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
@@ -36,6 +37,7 @@ from treepack.adapters.hf.routing import TreeForward, UnsupportedModel
 from treepack.attention import exchange
 from treepack.core.agreement import (Label, PackIdentity, agreement, pack_identity,
                                      parameters_fingerprint)
+from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
 
@@ -175,9 +177,10 @@ class ShardedForward(TreeForward):
 
 
 ROUTER_UNDER_SP = (
-    "the model returns router logits (output_router_logits, in its config or given), and the "
-    "load-balancing loss is a function of every row's routing, which no rank of a "
-    "sequence-parallel group holds alone: pass output_router_logits=False")
+    "the model returns router logits (output_router_logits, in its config or given), and in "
+    "parts under sequence parallelism the load-balancing loss, a function of every row's "
+    "routing, is held by no part of any rank: run the tree in one forward (hf.logprobs with "
+    "sequence_parallel= returns it as aux_loss) or pass output_router_logits=False")
 
 
 def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy: bool,
@@ -204,8 +207,7 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
     mixers = ShardedForward(TreeForward(pack, backend, block_size), sp, pack.num_rows)
     with sp.own_random_stream(model, pack.device):
         out = packed_forward(model, pack, kwargs, rows=rows, mixers=mixers, output=output)
-    if getattr(out.output, "router_logits", None) is not None:
-        raise UnsupportedModel(ROUTER_UNDER_SP)
+    aux, router = _router_loss(model, pack, sp, out.output, start, stop)
     if head_dtype is not None:
         out = out._replace(hidden=out.hidden.to(head_dtype), head={
             k: v.to(head_dtype) if isinstance(v, Tensor) else v for k, v in out.head.items()})
@@ -221,7 +223,26 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
         ent = logp if entropy else None
     logp = sum_over(logp.to(dtype), sp).view(shape)
     ent = None if ent is None else sum_over(ent.to(dtype), sp).view(shape)
-    return TokenLogprobs(logp, ent, align)
+    return TokenLogprobs(logp, ent, align, aux_loss=aux, router_logits=router)
+
+
+def _router_loss(model, pack: TreePack, sp: SequenceParallel, output, start: int, stop: int):
+    """An MoE model's load-balancing loss of the pack's original tokens and its router
+    logits of every row, or ``(None, None)``. The loss is a function of every row's routing,
+    so each rank's rows' logits (``start .. stop - 1``; the slice's padding copies dropped)
+    are summed over the group into the whole pack's, on every rank, whose gradient comes
+    back to each rank's own rows as the log-probs' does (:func:`sum_over`)."""
+    router = getattr(output, "router_logits", None)
+    if router is None:
+        return None, None
+    whole = []
+    for layer in router:
+        layer = layer.reshape(-1, layer.shape[-1])[:stop - start]
+        at = torch.arange(start, stop, device=layer.device)
+        rows = layer.new_zeros((pack.num_rows, layer.shape[-1])).index_copy(0, at, layer)
+        whole.append(sum_over(rows, sp))
+    whole = tuple(whole)
+    return weighted_router_aux_loss(model, whole, row_multiplicity(pack)), whole
 
 
 def head_dtype_refusal(model, head_dtype) -> str:
