@@ -404,3 +404,97 @@ def test_placeholder_keys_without_the_model_are_the_images_keys(family):
     with pytest.raises(ValueError, match="sequence 1 has .* for 1 images"):
         placeholder_keys(batch.sequences, images.image_token_id, [each[0:2], each[2:3], []])
 
+
+
+V, W = ("video", 0), ("video", 1)  # 2 frames of 4x4 patches (8 tokens), 3 of 4x2 (6)
+VIDEO_LAYOUT = [
+    [1, 5, V, 7, 20],              # a GRPO group on video V ...
+    [1, 5, V, 7, 21, 22],
+    [1, 5, W, 7, 20],              # ... the same text on video W: never merged with V's
+    [1, A, 6, V, 8, 30],           # an image, then V after another context: encoded once
+    [1, 4, 9, W, 3, 31, 32],       # an agent history with a clip mid-way ...
+    [1, 4, 9, W, 3, 33],
+    [1, 5, 9, 9, 2],               # text only
+]
+
+
+def alone_with_videos(model, batch, s):
+    """Sequence ``s``'s log-probs, alone with its own images and videos, taken from the batch
+    as the processor laid them out (not from hf.Images' tables)."""
+    ids = torch.tensor([batch.sequences[s]])
+    kwargs, kinds = {}, (ids == IMAGE).long()
+    for name, grids, pixels, mine, first in (
+            ("image", batch.image_grid_thw, batch.pixel_values, batch.images,
+             lambda i: sum(map(len, batch.images[:i]))),
+            ("video", batch.video_grid_thw, batch.pixel_values_videos, batch.videos,
+             lambda i: sum(map(len, batch.videos[:i])))):
+        if not mine[s]:
+            continue
+        start = first(s)
+        grid = grids[start:start + len(mine[s])]
+        rows = int(grids[:start].prod(-1).sum())
+        rows = pixels[rows:rows + int(grid.prod(-1).sum())]
+        if name == "image":
+            kwargs.update(pixel_values=rows, image_grid_thw=grid)
+        else:
+            kwargs.update(pixel_values_videos=rows, video_grid_thw=grid,
+                          second_per_grid_ts=batch.second_per_grid_ts[start:start + len(mine[s])])
+            kinds = kinds + 2 * (ids == zoo.VISION_IDS["video_token_id"]).long()
+    if "second_per_grid_ts" in kwargs and "second_per_grid_ts" not in inspect.signature(
+            model.forward).parameters:
+        kwargs.pop("second_per_grid_ts")
+    logits = model(input_ids=ids, use_cache=False, mm_token_type_ids=kinds,
+                   **kwargs).logits[0].double()
+    return logits[:-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_videos_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
+    """Videos (Qwen2.5-VL's temporal mrope from its seconds per temporal patch; Qwen3-VL's
+    frames as runs with timestamps between) beside images: each distinct video encoded once,
+    log-probs and every gradient equal each sequence alone with its own videos."""
+    batch = zoo.image_batch(VIDEO_LAYOUT, dtype=torch.float64, family=family)
+    model = tiny(family)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(len(s) - 1, generator=g, dtype=torch.float64) for s in batch.sequences]
+    want_lp = [alone_with_videos(model, batch, s) for s in range(len(batch.sequences))]
+    sum((lp * w).sum() for lp, w in zip(want_lp, weights)).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    hf.prepare(model)
+    images = hf.Images(model, batch.sequences, pixel_values=batch.pixel_values,
+                       image_grid_thw=batch.image_grid_thw,
+                       pixel_values_videos=batch.pixel_values_videos,
+                       video_grid_thw=batch.video_grid_thw,
+                       second_per_grid_ts=batch.second_per_grid_ts)
+    assert images.num_images == 3  # A, V and W, however often each appears
+    encoded = []
+    handle = vision._visual(hf.unwrap(model)).register_forward_hook(
+        lambda m, args, out: encoded.append(args[0].shape[0]))
+    pack = images.pack()
+    out = hf.logprobs(model, pack, images=images).logprobs
+    handle.remove()
+    assert encoded == [16 + 2 * 16 + 3 * 8]  # each distinct image's and video's patches once
+    got = [out[s, 1:len(seq)] for s, seq in enumerate(batch.sequences)]
+    for s, (a, b) in enumerate(zip(got, want_lp)):
+        assert float((a.detach() - b.detach()).abs().max()) <= 1e-9, s
+    sum((lp * w).sum() for lp, w in zip(got, weights)).backward()
+    for name, w in want.items():  # norms and the tower's rotary compute in float32
+        assert rel(model.get_parameter(name).grad, w) <= 1e-6, name
+
+
+def test_videos_refused_where_they_cannot_run():
+    batch = zoo.image_batch([[1, V, 3]], dtype=torch.float64, family="qwen2_5_vl")
+    model = hf.prepare(tiny("llava"))
+    with pytest.raises(hf.UnsupportedModel, match="runs videos of"):
+        hf.Images(model, [[1, 2]], pixel_values=torch.zeros(0, 3, 8, 8),
+                  pixel_values_videos=batch.pixel_values_videos,
+                  video_grid_thw=batch.video_grid_thw)
+    qwen = tiny("qwen2_5_vl")
+    with pytest.raises(ValueError, match="second_per_grid_ts has 2 values for 1 videos"):
+        hf.Images(qwen, batch.sequences, pixel_values_videos=batch.pixel_values_videos,
+                  video_grid_thw=batch.video_grid_thw, second_per_grid_ts=[1.0, 2.0])
+    with pytest.raises(ValueError, match="video placeholder tokens.*beyond the 1 videos"):
+        hf.Images(qwen, [batch.sequences[0] + batch.sequences[0][1:-1]],
+                  pixel_values_videos=batch.pixel_values_videos,
+                  video_grid_thw=batch.video_grid_thw)

@@ -358,20 +358,30 @@ class ImageBatch(NamedTuple):
     pixel_values: object  # [patches, PATCH_DIM], every image of every sequence, in order
     image_grid_thw: object  # [images, 3] (None for WHOLE_IMAGES families)
     images: list  # per sequence, the indices of its images in the distinct-image list
+    pixel_values_videos: object = None  # [patches, PATCH_DIM], every video, in order
+    video_grid_thw: object = None  # [videos, 3]
+    second_per_grid_ts: object = None  # [videos] seconds per temporal patch
+    videos: list | None = None  # per sequence, the indices of its videos
+
+
+VIDEO_SECONDS = (0.5, 2.0)  # each distinct video's seconds per temporal patch
 
 
 def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=None,
-                family: str = "qwen2_vl"):
-    """Sequences with images for the tiny vision-language models.
+                family: str = "qwen2_vl", video_sizes=((2, 4, 4), (3, 4, 2))):
+    """Sequences with images (and videos) for the tiny vision-language models.
 
     Args:
         layout: per sequence, a list of items: an ``int`` is a text token, ``("image", k)``
-            distinct image ``k`` (``vision_start``, its placeholders, ``vision_end``).
+            distinct image ``k`` (``vision_start``, its placeholders, ``vision_end``),
+            ``("video", k)`` distinct video ``k`` (Qwen-VL families): one such run, or for
+            Qwen3-VL one a frame, each after a timestamp token (as its processor writes it).
         sizes: each distinct image's (height, width) in patches (Qwen-VL families).
         seed: the pixels' random seed.
         dtype: the pixels' dtype (default float32).
         family: the model family the pixels are laid out for (:data:`WHOLE_IMAGES`: one
             ``[3, 8, 8]`` image each, 4 tokens, no grid).
+        video_sizes: each distinct video's (frames, height, width) in patches.
 
     Returns:
         An :class:`ImageBatch`; an image used twice is given twice (as processors do).
@@ -384,14 +394,30 @@ def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=
         sizes = [(4, 4)] * len(sizes)  # 4 tokens each: the tiny tower's 2x2 patches
     pixels = [torch.randn(*((3, 8, 8) if whole else (h * w, PATCH_DIM)), generator=g,
                           dtype=dtype or torch.float32) for h, w in sizes]
+    frames = [torch.randn(t * h * w, PATCH_DIM, generator=g, dtype=dtype or torch.float32)
+              for t, h, w in video_sizes]
     sequences, rows, grids, images = [], [], [], []
+    video_rows, video_grids, seconds, videos = [], [], [], []
     for items in layout:
-        seq, mine = [], []
+        seq, mine, theirs = [], [], []
         for item in items:
             if isinstance(item, int):
                 seq.append(item)
                 continue
             k = item[1]
+            if item[0] == "video":
+                t, h, w = video_sizes[k]
+                run = ([VISION_IDS["vision_start_token_id"]] + [VISION_IDS["video_token_id"]]
+                       * (h * w // 4) + [VISION_IDS["vision_end_token_id"]])
+                if family.startswith("qwen3"):  # a timestamp, then the frame's run
+                    seq += [tok for _ in range(t) for tok in [9] + run]
+                else:
+                    seq += run[:1] + run[1:-1] * t + run[-1:]
+                video_rows.append(frames[k])
+                video_grids.append([t, h, w])
+                seconds.append(VIDEO_SECONDS[k % len(VIDEO_SECONDS)])
+                theirs.append(k)
+                continue
             h, w = sizes[k]
             seq += ([VISION_IDS["vision_start_token_id"]] + [VISION_IDS["image_token_id"]]
                     * (h * w // 4) + [VISION_IDS["vision_end_token_id"]])
@@ -400,9 +426,15 @@ def image_batch(layout, *, sizes=((4, 4), (4, 6), (6, 4)), seed: int = 0, dtype=
             mine.append(k)
         sequences.append(seq)
         images.append(mine)
+        videos.append(theirs)
     if whole:
         pixel_values = torch.stack(rows) if rows else torch.zeros(0, 3, 8, 8)
         return ImageBatch(sequences, pixel_values, None, images)
     pixel_values = torch.cat(rows) if rows else torch.zeros(0, PATCH_DIM)
-    return ImageBatch(sequences, pixel_values, torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
-                      images)
+    batch = ImageBatch(sequences, pixel_values,
+                       torch.tensor(grids, dtype=torch.long).reshape(-1, 3), images)
+    if not video_rows:
+        return batch
+    return batch._replace(pixel_values_videos=torch.cat(video_rows),
+                          video_grid_thw=torch.tensor(video_grids, dtype=torch.long),
+                          second_per_grid_ts=torch.tensor(seconds), videos=videos)

@@ -289,17 +289,33 @@ def _adamw_step(params: list[Tensor], lr: float) -> None:
 def _own_images(model, images, s: int, ids: Tensor) -> dict:
     """Sequence ``s``'s own images as the model's forward takes them, alone: its pixels in
     placeholder order, with their grids and image-token types where the model takes them."""
-    if images is None or not len(images.images_of[s]):
+    videos = getattr(images, "videos_of", None)
+    if images is None or not (len(images.images_of[s]) or (videos and len(videos[s]))):
         return {}
-    distinct = images.occurrence[images.images_of[s]]
-    pixels = torch.cat([images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
-                        for u in distinct])
-    out = {"pixel_values": pixels.to(ids.device)}
-    if images.grid is not None:
-        out["image_grid_thw"] = images.grid[torch.as_tensor(distinct)].to(ids.device)
+
+    def rows_of(items):
+        distinct = images.occurrence[items]
+        pixels = torch.cat([images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
+                            for u in distinct])
+        grid = None if images.grid is None else images.grid[torch.as_tensor(distinct)]
+        return pixels.to(ids.device), grid
+
+    out = {}
+    if len(images.images_of[s]):
+        out["pixel_values"], grid = rows_of(images.images_of[s])
+        if grid is not None:
+            out["image_grid_thw"] = grid.to(ids.device)
+    kinds = (ids == images.image_token_id).long()[None]
+    if videos and len(videos[s]):
+        out["pixel_values_videos"], grid = rows_of(videos[s])
+        out["video_grid_thw"] = grid.to(ids.device)
+        if images.second_per_grid_ts is not None:
+            out["second_per_grid_ts"] = images.second_per_grid_ts[
+                torch.as_tensor(videos[s]) - images.image_count].to(ids.device)
+        kinds = kinds + 2 * (ids == images.video_token_id).long()[None]
     takes = inspect.signature(hf.unwrap(model).forward).parameters
     if "mm_token_type_ids" in takes:
-        out["mm_token_type_ids"] = (ids == images.image_token_id).long()[None]
+        out["mm_token_type_ids"] = kinds
     if images.family in BIDIRECTIONAL_FAMILIES and "token_type_ids" in takes:
         out["token_type_ids"] = (ids == images.image_token_id).long()[None]  # its blocks
     return out

@@ -104,6 +104,12 @@ class Images:
             grid; none for LLaVA (each image is the config's fixed number of tokens).
         num_images: optional, images per sequence (TRL's ``num_images``), checked against the
             placeholders.
+        pixel_values_videos, video_grid_thw, second_per_grid_ts: the batch's videos, in order
+            (Qwen-VL families; the processor's fields): ``[patches, D]`` and ``[videos, 3]`` as
+            for images, and Qwen2.5-VL's seconds per temporal patch (its temporal mrope).
+            Each distinct video is encoded once, by the vision tower that encodes the images;
+            its placeholders (``video_token_id``) are one run (Qwen2-VL, Qwen2.5-VL) or one
+            run a temporal patch, with the processor's timestamps between (Qwen3-VL).
 
     Raises:
         UnsupportedModel: a model that encodes no images, or a family treepack does not run
@@ -113,22 +119,44 @@ class Images:
             left over.
     """
 
-    def __init__(self, model, sequences, *, pixel_values: Tensor,
-                 image_grid_thw: Tensor | None = None, num_images: Sequence[int] | None = None):
+    def __init__(self, model, sequences, *, pixel_values: Tensor | None = None,
+                 image_grid_thw: Tensor | None = None, num_images: Sequence[int] | None = None,
+                 pixel_values_videos: Tensor | None = None,
+                 video_grid_thw: Tensor | None = None,
+                 second_per_grid_ts: Sequence[float] | Tensor | None = None):
         core = unwrap(model)
         self.family = check_family(core)
         config = core.config
         self.image_token_id = int(config.image_token_id)
         self.model_key = _model_key(core)
         ids = validate_sequences(sequences)
+        videos = _videos(core, self.family, pixel_values_videos, video_grid_thw,
+                         second_per_grid_ts)
+        if pixel_values is None:  # videos only: no image rows
+            pixel_values = torch.zeros(0, *videos[1].shape[1:]) if videos else None
+            image_grid_thw = torch.zeros(0, 3, dtype=torch.long) if videos else None
+            if pixel_values is None:
+                raise ValueError("hf.Images needs pixel_values (images) or "
+                                 "pixel_values_videos (videos)")
         if self.family in MROPE_FAMILIES:
             grid, pixel_values, tokens, starts = _patches(config, pixel_values, image_grid_thw)
         else:
             grid, pixel_values, tokens, starts = _per_image(config, pixel_values, image_grid_thw)
-        # one content key per image: its pixels (and its grid), hashed from one host copy
+        image_count = len(tokens)
+        runs = np.ones(image_count, dtype=np.int64)  # placeholder runs of each item
+        self.video_token_id = self.second_per_grid_ts = None
+        if videos:  # the items after the images: their grids, rows, tokens and runs
+            v_grid, v_pixels, v_tokens, v_starts, v_runs, self.video_token_id, seconds = videos
+            grid = np.concatenate((grid, v_grid))
+            starts = np.concatenate((starts, starts[-1] + v_starts[1:]))
+            pixel_values = torch.cat((pixel_values, v_pixels.to(pixel_values.dtype)))
+            tokens, runs = np.concatenate((tokens, v_tokens)), np.concatenate((runs, v_runs))
+            self.second_per_grid_ts = seconds
+        # one content key per image or video: its pixels and grid (and kind), from one host copy
         host = pixel_values.detach().cpu()
         keys = np.array([content_key(host[starts[i]:starts[i + 1]],
-                                     np.zeros(0, np.int64) if grid is None else grid[i])
+                                     np.zeros(0, np.int64) if grid is None else grid[i],
+                                     video=i >= image_count)
                          for i in range(len(tokens))], dtype=np.int64)
         self.unique_key, first, occurrence = np.unique(keys, return_index=True,
                                                        return_inverse=True)
@@ -141,10 +169,24 @@ class Images:
         self.pixel_values = (torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in first])
                              if len(first) else pixel_values[:0])
         self.keys, self.features, self.images_of = _assign(
-            ids, self.image_token_id, tokens, keys, self.occurrence, self.feature_start,
-            num_images, separated=self.family in MROPE_FAMILIES)
+            ids, self.image_token_id, tokens[:image_count], keys[:image_count],
+            self.occurrence[:image_count], self.feature_start, num_images,
+            separated=self.family in MROPE_FAMILIES)
+        self.videos_of = [[] for _ in ids]
+        self.grids_in_order = grid  # every image's, then every video's (rope positions)
+        self.image_count = image_count
+        if videos:
+            v_keys, v_features, videos_of = _assign(
+                ids, self.video_token_id, tokens[image_count:], keys[image_count:],
+                self.occurrence[image_count:], self.feature_start, None, separated=True,
+                runs=runs[image_count:], what="video")
+            self.keys = [a + b for a, b in zip(self.keys, v_keys)]  # disjoint placeholders
+            self.features = [np.maximum(a, b) for a, b in zip(self.features, v_features)]
+            self.videos_of = [[image_count + v for v in mine] for mine in videos_of]
         self.sequences = ids
-        self.positions = (_rope_positions(core, ids, grid, self.image_token_id)
+        self.positions = (_rope_positions(core, ids, grid[:image_count], self.image_token_id,
+                                          self.video_token_id, grid[image_count:],
+                                          self.second_per_grid_ts)
                           if self.family in MROPE_FAMILIES else None)
 
     # ------------------------------------------------------------------ batches
@@ -187,7 +229,7 @@ class Images:
         if bad:
             raise ValueError(f"select({bad[:4]}...): these images hold sequences 0 .. "
                              f"{self.num_sequences - 1}")
-        for name in ("sequences", "keys", "features", "images_of", "positions"):
+        for name in ("sequences", "keys", "features", "images_of", "videos_of", "positions"):
             value = getattr(self, name)
             if value is not None:
                 setattr(out, name, [value[i] for i in index])
@@ -632,20 +674,24 @@ def placeholder_keys(sequences, image_token_id: int, images) -> list[np.ndarray]
     return out
 
 
-def content_key(pixels: Tensor, grid: np.ndarray) -> int:
-    """A 62-bit non-zero key of an image's pixels and grid (equal images, equal keys)."""
-    digest = hashlib.blake2b(grid.tobytes(), digest_size=8)
+def content_key(pixels: Tensor, grid: np.ndarray, video: bool = False) -> int:
+    """A 62-bit non-zero key of an image's (or a video's) pixels and grid (equal images, equal
+    keys; a video never keys as an image)."""
+    digest = hashlib.blake2b(grid.tobytes(), digest_size=8, person=b"video" if video else b"")
     digest.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return (int.from_bytes(digest.digest(), "little") & _KEY_MASK) % _KEY_MASK + 1
 
 
 def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.ndarray,
             occurrence: np.ndarray, feature_start: np.ndarray, num_images,
-            separated: bool = False):
+            separated: bool = False, runs: np.ndarray | None = None, what: str = "image"):
     """Each sequence's images in order, their placeholder runs checked: per-token content
     keys, per-token feature indices (-1 for text), the distinct image of each of its images.
     ``separated``: each image's run is a whole run of placeholders (Qwen-VL's processors
-    put vision_start / vision_end around each, and its rope index reads runs)."""
+    put vision_start / vision_end around each, and its rope index reads runs). ``runs``: how
+    many equal runs each item's placeholders come in (Qwen3-VL's videos: one a temporal
+    patch, timestamps between), 1 by default."""
+    runs = np.ones(len(tokens), dtype=np.int64) if runs is None else runs
     if num_images is not None:
         num_images = [int(n) for n in num_images]
         if len(num_images) != len(ids) or sum(num_images) != len(tokens):
@@ -660,28 +706,33 @@ def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.n
         mine, used = [], 0
         while used < len(at):
             if nxt >= len(tokens):
-                raise ValueError(f"sequence {s} has {len(at) - used} image placeholder tokens "
-                                 f"(id {image_id}) beyond the {len(tokens)} images given: every "
-                                 "placeholder needs its image's pixel_values and grid")
-            n = int(tokens[nxt])
-            run = at[used:used + n]
-            if len(run) < n or run[-1] - run[0] != n - 1:
-                raise ValueError(
-                    f"sequence {s}: image {nxt} of the batch needs {n} consecutive "
-                    f"placeholders (its grid's tokens) at its turn, but the sequence has "
-                    f"{len(run)} there, from position {int(run[0])}: the sequence's "
-                    "placeholders and the images' grids disagree")
-            if separated and ((run[0] > 0 and seq[run[0] - 1] == image_id) or (
-                    run[-1] + 1 < len(seq) and seq[run[-1] + 1] == image_id)):
-                raise ValueError(
-                    f"sequence {s}: image {nxt} of the batch ({n} tokens) is not a whole run "
-                    f"of placeholders at position {int(run[0])}: each image needs its own run "
-                    "(vision_start, its placeholders, vision_end), as the processor writes it")
-            key[run] = keys[nxt]
+                raise ValueError(f"sequence {s} has {len(at) - used} {what} placeholder tokens "
+                                 f"(id {image_id}) beyond the {len(tokens)} {what}s given: "
+                                 f"every placeholder needs its {what}'s pixels and grid")
+            n, pieces = int(tokens[nxt]), int(runs[nxt])
+            each = n // pieces
             u = occurrence[nxt]
-            feature[run] = np.arange(feature_start[u], feature_start[u + 1])
+            for piece in range(pieces):
+                run = at[used:used + each]
+                if len(run) < each or run[-1] - run[0] != each - 1:
+                    raise ValueError(
+                        f"sequence {s}: {what} {nxt} of the batch needs {each} consecutive "
+                        f"placeholders (its grid's tokens{' a run' if pieces > 1 else ''}) at "
+                        f"its turn, but the sequence has {len(run)} there, from position "
+                        f"{int(run[0])}: the sequence's placeholders and the {what}s' grids "
+                        "disagree")
+                if separated and ((run[0] > 0 and seq[run[0] - 1] == image_id) or (
+                        run[-1] + 1 < len(seq) and seq[run[-1] + 1] == image_id)):
+                    raise ValueError(
+                        f"sequence {s}: {what} {nxt} of the batch ({each} tokens) is not a "
+                        f"whole run of placeholders at position {int(run[0])}: each {what} "
+                        "needs its own run (vision_start, its placeholders, vision_end), as "
+                        "the processor writes it")
+                key[run] = keys[nxt]
+                first = feature_start[u] + piece * each
+                feature[run] = np.arange(first, first + each)
+                used += each
             mine.append(nxt)
-            used += n
             nxt += 1
         if num_images is not None and len(mine) != num_images[s]:
             raise ValueError(f"sequence {s}: num_images says {num_images[s]} images but its "
@@ -690,16 +741,47 @@ def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.n
         out_features.append(feature)
         images_of.append(mine)
     if nxt != len(tokens):
-        raise ValueError(f"{len(tokens) - nxt} of the {len(tokens)} images given have no "
-                         "placeholders in the sequences: pass the images of these sequences "
+        raise ValueError(f"{len(tokens) - nxt} of the {len(tokens)} {what}s given have no "
+                         f"placeholders in the sequences: pass the {what}s of these sequences "
                          "only, in order")
     return out_keys, out_features, images_of
 
 
-def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray,
-                    image_id: int) -> list[np.ndarray]:
+def _videos(core, family: str, pixel_values_videos, video_grid_thw, second_per_grid_ts):
+    """A batch's videos as items after its images: ``(grids, pixel rows, tokens, row starts,
+    placeholder runs, video_token_id, seconds per grid)``, or None without videos."""
+    if pixel_values_videos is None and video_grid_thw is None:
+        if second_per_grid_ts is not None:
+            raise ValueError("second_per_grid_ts without videos: pass pixel_values_videos "
+                             "and video_grid_thw too")
+        return None
+    config = core.config
+    video_id = getattr(config, "video_token_id", None)
+    if family not in MROPE_FAMILIES or video_id is None:
+        raise UnsupportedModel(f"{type(core).__name__} ({family}): treepack runs videos of "
+                               f"{list(MROPE_FAMILIES)} on a pack; run this model's video "
+                               "prompts unpacked")
+    if pixel_values_videos is None or video_grid_thw is None:
+        raise ValueError("videos need both pixel_values_videos and video_grid_thw (the "
+                         "processor's fields)")
+    grid, pixels, tokens, starts = _patches(config, pixel_values_videos, video_grid_thw)
+    # Qwen3-VL's processor writes a video a temporal patch at a time, timestamps between
+    runs = grid[:, 0] if family.startswith("qwen3") else np.ones(len(grid), dtype=np.int64)
+    seconds = None
+    if second_per_grid_ts is not None:
+        seconds = torch.as_tensor(second_per_grid_ts, dtype=torch.float64).reshape(-1)
+        if seconds.shape[0] != len(grid):
+            raise ValueError(f"second_per_grid_ts has {seconds.shape[0]} values for "
+                             f"{len(grid)} videos: one a video, as the processor gives")
+    return grid, pixels, tokens, starts, runs, int(video_id), seconds
+
+
+def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray, image_id: int,
+                    video_id: int | None = None, video_grid: np.ndarray | None = None,
+                    seconds: Tensor | None = None) -> list[np.ndarray]:
     """Each sequence's ``[3, L]`` multimodal rotary positions, as the model computes them
-    (its ``get_rope_index``), one padded batch."""
+    (its ``get_rope_index``, with the videos' grids and seconds per temporal patch), one
+    padded batch."""
     if not ids:
         return []
     inner = getattr(core, "model", core)
@@ -710,8 +792,17 @@ def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray,
         input_ids[s, :len(seq)] = torch.as_tensor(seq)
         mask[s, :len(seq)] = 1
     kwargs = dict(image_grid_thw=torch.as_tensor(grid), attention_mask=mask)
-    if "mm_token_type_ids" in inspect.signature(inner.get_rope_index).parameters:
-        # images only: a video id without its video is a text token (as the model runs it)
-        kwargs["mm_token_type_ids"] = (input_ids == image_id).long()
+    takes = inspect.signature(inner.get_rope_index).parameters
+    videos = video_id is not None
+    if videos:
+        kwargs["video_grid_thw"] = torch.as_tensor(video_grid)
+        if seconds is not None and "second_per_grid_ts" in takes:
+            kwargs["second_per_grid_ts"] = seconds
+    if "mm_token_type_ids" in takes:
+        # a video id without videos given is a text token (as the model runs it)
+        kinds = (input_ids == image_id).long()
+        if videos:
+            kinds = kinds + 2 * (input_ids == video_id).long()
+        kwargs["mm_token_type_ids"] = kinds
     positions = inner.get_rope_index(input_ids, **kwargs)[0]  # [3, N, L]
     return [positions[:, s, :len(seq)].numpy().astype(np.int64) for s, seq in enumerate(ids)]
