@@ -80,7 +80,8 @@ def naive_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
     """The gated delta rule one token at a time, in the inputs' dtype (float64 stays float64):
     S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; out = S^T q / sqrt(Dk). Shapes as
-    transformers' kernels: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]."""
+    transformers' kernels: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]; or g
+    [B, T, Hv, Dk], a gate per key channel (Kimi Delta Attention)."""
     import torch
 
     repeat = value.shape[2] // key.shape[2]
@@ -94,7 +95,8 @@ def naive_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
              if initial_state is None else initial_state)
     out = []
     for t in range(T):
-        state = state * g[:, t].exp()[..., None, None]
+        decay = g[:, t].exp()
+        state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         memory = (state * k[:, t, ..., None]).sum(-2)  # [B, H, Dv]
         delta = (value[:, t] - memory) * beta[:, t, ..., None]
         state = state + k[:, t, ..., None] * delta[..., None, :]
@@ -124,5 +126,6 @@ def exact_kernel(monkeypatch, model):
     """The model's gated-delta-rule kernel in its own dtype (transformers' casts to float32),
     so float64 runs compare exactly."""
     module = sys.modules[type(model).__module__]
-    if hasattr(module, "torch_chunk_gated_delta_rule"):
-        monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", naive_gated_delta_rule)
+    for name in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, naive_gated_delta_rule)

@@ -31,7 +31,6 @@ from treepack.face import census  # noqa: E402
     ("deepseek_v32", "refused", "indexed_attention"),
     ("bailing_hybrid", "refused", "linear_attention"),
     ("deepseek_v4", "refused", "compressed_attention"),
-    ("kimi_linear", "refused", "Kimi Delta Attention"),
     ("minimax", "refused", "linear_attention"),
     # Mamba (v1)'s selective scan, level by level: alone, with norms, beside attention and
     # MoE, and two scans a layer beside a shared attention block (6 layers: its period)
@@ -40,6 +39,7 @@ from treepack.face import census  # noqa: E402
     ("jamba", "exact", "grads"),
     ("zamba", "exact", "grads"),
     ("mamba2", "exact", "grads"),
+    ("kimi_linear", "exact", "grads"),  # Kimi Delta Attention: a gate per key channel
     ("no_such_family", "not built", "KeyError"),
 ])
 def test_each_family_gets_its_class_and_reason(family, status, words):

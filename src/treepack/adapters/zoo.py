@@ -30,6 +30,8 @@ jamba      hybrid: Mamba (v1) layers (short conv + selective scan), attention wi
            positions, mixture of experts
 falcon_mamba  Mamba (v1) layers only, norms on the scan's B, C and step
 zamba      hybrid: Mamba (v1) layers of 2 heads, one attention block shared by its layers
+kimi_linear  hybrid: Kimi Delta Attention (the gated delta rule, a gate per key channel),
+           multi-latent attention without positions, mixture of experts
 ========== ===================================================================
 """
 
@@ -93,6 +95,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                                conv_kernel=4, time_step_rank=8)),
     "zamba": ("ZambaConfig", dict(_COMMON, num_key_value_heads=4, n_mamba_heads=2,
                                   mamba_d_state=16, mamba_dt_rank=8)),
+    "kimi_linear": ("KimiLinearConfig", dict(_COMMON, num_key_value_heads=4, head_dim=16,
+                                             kv_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16,
+                                             linear_head_dim=16, linear_num_heads=4,
+                                             linear_conv_kernel_dim=4, num_experts=4,
+                                             num_experts_per_token=2, moe_intermediate_size=32,
+                                             num_shared_experts=1)),
 }
 HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
            "qwen3_next": _HYBRID_LAYERS, "olmo_hybrid": _HYBRID_LAYERS,
@@ -101,7 +110,8 @@ HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
            "nemotron_h": ["linear_attention", "full_attention", "mlp"],
            "bamba": None, "falcon_h1": None, "jamba": None, "falcon_mamba": None,
            # Zamba ties its hybrid layers' shared block, so it needs two at least
-           "zamba": ["hybrid", "hybrid", "linear_attention"]}
+           "zamba": ["hybrid", "hybrid", "linear_attention"],
+           "kimi_linear": _HYBRID_LAYERS}
 # each family's layer types, in turn (None: its config sets them)
 
 

@@ -94,7 +94,10 @@ def model_function(obj, name: str) -> Callable | None:
 # by the role treepack gives them.
 MIXERS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_delta",
           "mamba2_chunk_scan": "ssd", "mamba2_split_conv1d_scan_combined": "fused",
-          "mamba_selective_scan": "selective", "mamba_inner_fn": "fused"}
+          "mamba_selective_scan": "selective", "mamba_inner_fn": "fused",
+          # Kimi Delta Attention: the gated delta rule with a gate per key channel, under the
+          # same signature (a zero gate and beta keep its state too)
+          "chunk_kimi_delta_attention": "gated_delta"}
 
 
 def module_functions(model) -> list[tuple[object, str]]:

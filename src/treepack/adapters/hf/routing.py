@@ -39,7 +39,7 @@ _MAMBA = {"linear_attention": (False, ("conv", "selective"))}  # Mamba (v1)
 # beside attention, whether it attends too and the routed calls it makes per forward.
 HYBRIDS = {
     "qwen3_5": _GDN, "qwen3_5_text": _GDN, "qwen3_5_moe": _GDN, "qwen3_5_moe_text": _GDN,
-    "qwen3_next": _GDN, "olmo_hybrid": _GDN,
+    "qwen3_next": _GDN, "olmo_hybrid": _GDN, "kimi_linear": _GDN,
     "lfm2": {"conv": (False, ("conv",))}, "lfm2_moe": {"conv": (False, ("conv",))},
     "lfm3": {"conv": (False, ("conv",))},
     "bamba": _MAMBA2, "mamba2": _MAMBA2,
@@ -51,10 +51,9 @@ HYBRIDS = {
 MIXER_LAYER_TYPES = sorted({t for kinds in HYBRIDS.values() for t in kinds})
 # Families whose attention layers take no positions at all (order comes from their recurrent
 # layers): nothing to read from position_ids, so prepare's position check does not apply.
-NO_POSITIONS = {"nemotron_h", "mamba", "mamba2", "falcon_mamba", "jamba", "zamba"}
-REFUSED_HYBRIDS = {
-    "kimi_linear": "its Kimi Delta Attention scan (chunk_kda) is not routed yet",
-}
+NO_POSITIONS = {"nemotron_h", "mamba", "mamba2", "falcon_mamba", "jamba", "zamba",
+                "kimi_linear"}
+REFUSED_HYBRIDS: dict[str, str] = {}  # family -> why its recurrent layers are not routed
 
 
 class UnsupportedModel(NotImplementedError, ValueError):
