@@ -13,7 +13,7 @@ from reference import exact_kernel, naive_gated_delta_rule
 GDN = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear"]
 MAMBA2 = ["bamba", "nemotron_h", "falcon_h1"]
 MAMBA = ["jamba", "falcon_mamba", "zamba"]  # Mamba (v1): the selective scan
-FAMILIES = [*GDN, "lfm2", "lfm3", *MAMBA2, *MAMBA]
+FAMILIES = [*GDN, "lfm2", "lfm3", *MAMBA2, *MAMBA, "minimax"]  # minimax: lightning
 
 
 def batch(vocab=zoo.VOCAB, seed=0):

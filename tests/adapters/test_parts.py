@@ -364,7 +364,7 @@ def test_hybrid_parts_equal_one_forward_over_the_tree(family, max_tokens, monkey
 
 @pytest.mark.parametrize("family", ["qwen3_next", "olmo_hybrid", "lfm3", "nemotron_h",
                                     "falcon_h1", "jamba", "falcon_mamba", "zamba",
-                                    "kimi_linear"])
+                                    "kimi_linear", "minimax"])
 def test_every_routed_hybrid_runs_in_parts(family, monkeypatch):
     """The other routed families (falcon_h1 attends and scans in one layer; Mamba (v1) in
     jamba, falcon_mamba and zamba, whose layers scan once per Mamba head) at 7 rows a

@@ -40,6 +40,8 @@ TWO = {
                                          batch="small"),
     "kimi delta attention, a gate per key channel (kimi-linear)": dict(family="kimi_linear",
                                                                        batch="small"),
+    "lightning attention, a decay per head (minimax)": dict(family="minimax",
+                                                            batch="small"),
     "mamba (jamba): per-channel A, B and C shared by every channel": dict(family="jamba",
                                                                           batch="small"),
     "mamba in parts, two scans a layer (zamba)": dict(family="zamba", call="backward",
@@ -76,7 +78,7 @@ FOUR = {
 # weights' gradients over rows in float32, in another order per rank
 TOLERANCE = {"gemma2": 1e-6, "qwen3_5": 1e-6, "llama4_text": 1e-6, "bamba": 1e-6,
              "nemotron_h": 1e-6, "jamba": 1e-6, "zamba": 1e-6, "gemma3": 1e-6,
-             "kimi_linear": 1e-6}
+             "kimi_linear": 1e-6, "minimax": 1e-6}
 # against every sequence alone: transformers' Gated DeltaNet kernel runs in float32, in chunks
 # that start elsewhere alone than in the tree (test_hybrid.py runs it in float64 instead)
 ALONE = {"qwen3_5": 1e-3}

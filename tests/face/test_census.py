@@ -29,9 +29,7 @@ from treepack.face import census  # noqa: E402
     # the other families issue 35 names: refused by name
     ("glm_moe_dsa", "refused", "indexed_attention"),
     ("deepseek_v32", "refused", "indexed_attention"),
-    ("bailing_hybrid", "refused", "linear_attention"),
     ("deepseek_v4", "refused", "compressed_attention"),
-    ("minimax", "refused", "linear_attention"),
     # Mamba (v1)'s selective scan, level by level: alone, with norms, beside attention and
     # MoE, and two scans a layer beside a shared attention block (6 layers: its period)
     ("mamba", "exact", "grads"),
@@ -40,6 +38,8 @@ from treepack.face import census  # noqa: E402
     ("zamba", "exact", "grads"),
     ("mamba2", "exact", "grads"),
     ("kimi_linear", "exact", "grads"),  # Kimi Delta Attention: a gate per key channel
+    ("bailing_hybrid", "exact", "grads"),  # the same scan
+    ("minimax", "exact", "grads"),  # lightning attention, inline in its layer
     ("no_such_family", "not built", "KeyError"),
 ])
 def test_each_family_gets_its_class_and_reason(family, status, words):

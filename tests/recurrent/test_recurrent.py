@@ -175,3 +175,30 @@ def test_a_scan_from_zero_states_at_forks_is_caught():
     want = scan(table, torch.tensor(sequences[0]))[0][0]
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got[pack.rows[0, :5]], want, rtol=0, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([1, 4, 16]), st.booleans(), st.integers(0, 1000))
+def test_decayed_linear_attention_equals_the_recurrence(length, chunk, from_state, seed):
+    """MiniMax's lightning attention, chunked, against ``S_t = exp(g_t) S_{t-1} + k_t^T v_t``
+    token by token, from zeros or a given state; zero steps (a level's padding) keep it."""
+    from treepack.recurrent import decayed_linear_attention
+
+    g = torch.Generator().manual_seed(seed)
+    B, H, Dk, Dv = 2, 3, 4, 5
+    q, k = (torch.randn(B, length, H, Dk, generator=g, dtype=torch.float64) for _ in "qk")
+    v = torch.randn(B, length, H, Dv, generator=g, dtype=torch.float64)
+    decay = -torch.rand(B, length, H, generator=g, dtype=torch.float64)
+    state = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64) if from_state else None
+    out, final = decayed_linear_attention(q, k, v, decay, state, chunk=chunk)
+    s = torch.zeros(B, H, Dk, Dv, dtype=torch.float64) if state is None else state
+    want = []
+    for t in range(length):
+        s = s * decay[:, t].exp()[..., None, None] + k[:, t, ..., None] * v[:, t, :, None, :]
+        want.append((q[:, t, ..., None] * s).sum(-2))
+    torch.testing.assert_close(out, torch.stack(want, 1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(final, s, rtol=1e-12, atol=1e-12)
+    zeros = [torch.zeros(B, 3, H, d, dtype=torch.float64) for d in (Dk, Dk, Dv)]
+    _, kept = decayed_linear_attention(*zeros, torch.zeros(B, 3, H, dtype=torch.float64),
+                                       final, chunk=chunk)
+    torch.testing.assert_close(kept, final, rtol=0, atol=0)

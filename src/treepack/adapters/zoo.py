@@ -32,6 +32,8 @@ falcon_mamba  Mamba (v1) layers only, norms on the scan's B, C and step
 zamba      hybrid: Mamba (v1) layers of 2 heads, one attention block shared by its layers
 kimi_linear  hybrid: Kimi Delta Attention (the gated delta rule, a gate per key channel),
            multi-latent attention without positions, mixture of experts
+minimax    hybrid: lightning attention (linear attention decaying per head, computed inline
+           in its layer), attention, mixture of experts
 ========== ===================================================================
 """
 
@@ -102,6 +104,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                              linear_conv_kernel_dim=4, num_experts=4,
                                              num_experts_per_token=2, moe_intermediate_size=32,
                                              num_shared_experts=1)),
+    # lightning attention's blocks of 8 rows: the tests' sequences cross them
+    "minimax": ("MiniMaxConfig", dict(_COMMON, head_dim=16, block_size=8, num_local_experts=4,
+                                      num_experts_per_tok=2)),
 }
 HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
            "qwen3_next": _HYBRID_LAYERS, "olmo_hybrid": _HYBRID_LAYERS,
@@ -111,7 +116,7 @@ HYBRIDS = {"qwen3_5": _HYBRID_LAYERS, "qwen3_5_moe": _HYBRID_LAYERS,
            "bamba": None, "falcon_h1": None, "jamba": None, "falcon_mamba": None,
            # Zamba ties its hybrid layers' shared block, so it needs two at least
            "zamba": ["hybrid", "hybrid", "linear_attention"],
-           "kimi_linear": _HYBRID_LAYERS}
+           "kimi_linear": _HYBRID_LAYERS, "minimax": _HYBRID_LAYERS}
 # each family's layer types, in turn (None: its config sets them)
 
 

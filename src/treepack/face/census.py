@@ -94,6 +94,9 @@ def _tiny_kwargs(config_class, defaults, *, composite_part: bool = False) -> dic
 
     accepted = set(inspect.signature(config_class.__init__).parameters) | set(vars(defaults))
     kwargs = {k: v for k, v in _TINY.items() if k in accepted}
+    for key in ("sliding_window", "attention_chunk_size"):  # shortened where the family has
+        if key in kwargs and getattr(defaults, key, None) is None:  # one: none where it has
+            del kwargs[key]  # none (MiniMax passes its config's window to full layers)
     if composite_part:
         for key in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id"):
             kwargs.pop(key, None)

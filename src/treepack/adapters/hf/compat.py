@@ -16,7 +16,10 @@ GPU image). When transformers moves one of these, this file is the one to change
   Mamba (v1)'s selective scan and the fused training kernels of both, which a hybrid model's
   recurrent layers call by their module-level names (Qwen3.5, Qwen3-Next, OLMo-hybrid, LFM2,
   Bamba, Nemotron-H, Falcon-H1, Mamba, Mamba2, Falcon-Mamba, Jamba, Zamba in 5.24;
-  :data:`MIXERS`); a prepared
+  :data:`MIXERS`), and ``chunk_kimi_delta_attention`` (Kimi-Linear, Bailing-hybrid) and
+  ``MiniMaxLightningAttention.forward`` (MiniMax's lightning attention, computed inline in
+  its forward: ``qkv_proj``, ``act_fn``, ``slope_rate``, ``norm``, ``output_gate``,
+  ``out_proj``); a prepared
   model's module has them wrapped (:func:`module_functions`, :func:`replace`).
 - ``<Gated DeltaNet layer>.causal_conv1d_fn`` / ``.chunk_gated_delta_rule``: the same two,
   held per layer in transformers 5.10 (:data:`LAYER_MIXERS`, :func:`layer_functions`).
@@ -25,8 +28,9 @@ GPU image). When transformers moves one of these, this file is the one to change
   short-convolution module takes none of them, so the pack reaches its module-level
   convolution through its decoder layer.
 - ``transformers.activations.ACT2FN``: the convolution's activation by name.
-- ``<model module>.torch_recurrent_gated_delta_rule`` (5.10: ``<layer>.recurrent_gated_delta_rule``):
-  the token-by-token form of the scan, which ``treepack verify`` runs as a second unpacked
+- ``<model module>.torch_recurrent_gated_delta_rule`` (5.10:
+  ``<layer>.recurrent_gated_delta_rule``) and ``recurrent_kimi_delta_attention``: the
+  token-by-token forms of the scans, which ``treepack verify`` runs as a second unpacked
   implementation (:func:`other_scan`).
 """
 
@@ -43,9 +47,10 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("treepack.hf needs transformers >= 5: pip install 'treepack[hf]'") from e
 
-__all__ = ["other_scan", "WRITTEN_AGAINST", "attn_implementation", "set_attn_implementation", "text_config",
-           "register", "attention_function", "mask_function", "model_function", "MIXERS",
-           "module_functions", "LAYER_MIXERS", "layer_functions", "decoder_layers", "replace", "activation", "layer_types"]
+__all__ = ["other_scan", "WRITTEN_AGAINST", "attn_implementation", "set_attn_implementation",
+           "text_config", "register", "attention_function", "mask_function", "model_function",
+           "MIXERS", "module_functions", "lookup", "LAYER_MIXERS", "layer_functions",
+           "decoder_layers", "replace", "activation", "layer_types"]
 
 WRITTEN_AGAINST = "5.24"
 
@@ -97,7 +102,9 @@ MIXERS = {"causal_conv1d_fn": "conv", "torch_chunk_gated_delta_rule": "gated_del
           "mamba_selective_scan": "selective", "mamba_inner_fn": "fused",
           # Kimi Delta Attention: the gated delta rule with a gate per key channel, under the
           # same signature (a zero gate and beta keep its state too)
-          "chunk_kimi_delta_attention": "gated_delta"}
+          "chunk_kimi_delta_attention": "gated_delta",
+          # MiniMax's lightning attention computes inline in its forward, which is wrapped
+          "MiniMaxLightningAttention.forward": "lightning"}
 
 
 def module_functions(model) -> list[tuple[object, str]]:
@@ -105,7 +112,14 @@ def module_functions(model) -> list[tuple[object, str]]:
     ``model``'s submodules."""
     modules = {sys.modules[type(m).__module__] for m in model.modules()}
     return [(module, name) for module in sorted(modules, key=lambda m: m.__name__)
-            for name in MIXERS if callable(getattr(module, name, None))]
+            for name in MIXERS if callable(lookup(module, name))]
+
+
+def lookup(module, name: str):
+    """``module.name``, where ``name`` may be dotted (a class's method), or None."""
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return module
 
 
 # transformers 5.10 (verl 0.9's pin): the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) hold
@@ -133,9 +147,13 @@ def decoder_layers(model) -> list:
 
 
 def replace(module, name: str, function: Callable) -> Callable:
-    """Set ``module.name`` to ``function``; return what was there."""
-    original = getattr(module, name)
-    setattr(module, name, function)
+    """Set ``module.name`` (dotted: a class's method) to ``function``; return what was
+    there."""
+    *path, last = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    original = getattr(module, last)
+    setattr(module, last, function)
     return original
 
 
@@ -151,6 +169,12 @@ def layer_types(config) -> list[str] | None:
     return getattr(text_config(config), "layer_types", None)
 
 
+# each chunked scan's token-by-token form (Kimi Delta Attention's too: Kimi-Linear,
+# Bailing-hybrid)
+_SCAN_FORMS = {"torch_chunk_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+               "chunk_kimi_delta_attention": "recurrent_kimi_delta_attention"}
+
+
 @contextlib.contextmanager
 def other_scan(model):
     """While it lasts, ``model``'s gated-delta-rule layers scan token by token (transformers'
@@ -164,11 +188,12 @@ def other_scan(model):
 
     swapped = []
     for module in {sys.modules[type(m).__module__] for m in model.modules()}:
-        chunked = getattr(module, "torch_chunk_gated_delta_rule", None)
-        recurrent = getattr(module, "torch_recurrent_gated_delta_rule", None)
-        if chunked is not None and recurrent is not None:
-            swapped.append((module, "torch_chunk_gated_delta_rule",
-                            replace(module, "torch_chunk_gated_delta_rule", by_token(recurrent))))
+        for by_chunks, one_by_one in _SCAN_FORMS.items():
+            chunked = getattr(module, by_chunks, None)
+            recurrent = getattr(module, one_by_one, None)
+            if chunked is not None and recurrent is not None:
+                swapped.append((module, by_chunks,
+                                replace(module, by_chunks, by_token(recurrent))))
     for layer, names in layer_functions(model):
         recurrent = vars(layer).get("recurrent_gated_delta_rule")
         if "chunk_gated_delta_rule" in names and recurrent is not None:

@@ -20,7 +20,7 @@ from torch import Tensor
 from treepack.adapters.hf import compat
 from treepack.attention import TreeAttention
 from treepack.core.tree import TreePack
-from treepack.recurrent import level_scan, tree_conv1d
+from treepack.recurrent import decayed_linear_attention, level_scan, tree_conv1d
 
 __all__ = ["UnsupportedModel", "TreeForward", "tree_forward", "registered_name", "check_calls",
            "text_config", "TREE_FORWARD_KWARG", "ATTENTION_LAYER_TYPES", "MIXER_LAYER_TYPES",
@@ -39,7 +39,8 @@ _MAMBA = {"linear_attention": (False, ("conv", "selective"))}  # Mamba (v1)
 # beside attention, whether it attends too and the routed calls it makes per forward.
 HYBRIDS = {
     "qwen3_5": _GDN, "qwen3_5_text": _GDN, "qwen3_5_moe": _GDN, "qwen3_5_moe_text": _GDN,
-    "qwen3_next": _GDN, "olmo_hybrid": _GDN, "kimi_linear": _GDN,
+    "qwen3_next": _GDN, "olmo_hybrid": _GDN, "kimi_linear": _GDN, "bailing_hybrid": _GDN,
+    "minimax": {"linear_attention": (False, ("lightning",))},
     "lfm2": {"conv": (False, ("conv",))}, "lfm2_moe": {"conv": (False, ("conv",))},
     "lfm3": {"conv": (False, ("conv",))},
     "bamba": _MAMBA2, "mamba2": _MAMBA2,
@@ -197,12 +198,14 @@ class TreeForward:
         return tree_conv1d(self.pack, x, weight, bias)
 
     def scan(self, kernel, inputs: dict[str, Tensor], per_head: dict | None = None,
-             shared: tuple[str, ...] = ()) -> Tensor:
+             shared: tuple[str, ...] = (), layer: Tensor | None = None) -> Tensor:
         """One recurrent scan (the layer whose convolution ran last) over every path;
         ``per_head``: the layer's per-head parameters (Mamba2's ``A`` and ``D``), which
         reach the kernel in its batch (a sequence-parallel rank's heads of them);
         ``shared``: the inputs of one head that every head reads whole (Mamba's ``B`` and
-        ``C``, ``[T', 1, N]``), which a sequence-parallel rank gathers rather than splits."""
+        ``C``, ``[T', 1, N]``), which a sequence-parallel rank gathers rather than splits;
+        ``layer``: a weight of a layer that runs no convolution first (MiniMax's lightning
+        attention), which names its state in parts."""
         return level_scan(self.pack, with_params(kernel, per_head), inputs)
 
 
@@ -278,7 +281,7 @@ def route_mixers(model) -> list:
     """
     held = []
     for module, name in compat.module_functions(model):
-        current = getattr(module, name)
+        current = compat.lookup(module, name)
         if not hasattr(current, "treepack_original"):
             compat.replace(module, name, _WRAPPERS[compat.MIXERS[name]](current))
         key = (module.__name__, name)
@@ -306,7 +309,7 @@ def unroute_mixers(held: list) -> None:
             continue
         del _HOLDERS[key]
         module = sys.modules[key[0]]
-        current = getattr(module, key[1])
+        current = compat.lookup(module, key[1])
         if hasattr(current, "treepack_original"):
             compat.replace(module, key[1], current.treepack_original)
 
@@ -589,6 +592,37 @@ def _from_state(out: Tensor, last: Tensor, state: Tensor, A: Tensor, dt: Tensor,
     return out, last + carried[:, :, -1].to(last.dtype)
 
 
+def _lightning(original):
+    def forward(self, hidden_states, *args, **kwargs):
+        tree = _tree(kwargs)
+        if tree is None:
+            return original(self, hidden_states, *args, **kwargs)
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise UnsupportedModel("a tree forward runs without a cache (one was given to "
+                                   f"{type(self).__name__})")
+        tree.mixer_calls["lightning"] += 1
+        # as the layer computes it: projections and activation, then per head a linear
+        # attention decaying by exp(-slope) a step (its own blocks: the same sums), a norm,
+        # a sigmoid output gate and the output projection
+        rows, heads, dim = hidden_states.shape[1], self.num_attention_heads, self.head_dim
+        qkv = self.act_fn(self.qkv_proj(hidden_states))[0].view(rows, heads, 3 * dim)
+        q, k, v = torch.split(qkv, dim, dim=-1)
+        slope = self.slope_rate.reshape(heads).to(q.dtype)
+        g = (-slope)[None].expand(rows, heads)  # zero past a chain's end: the state is kept
+
+        def kernel(batch, state):
+            return decayed_linear_attention(batch["q"], batch["k"], batch["v"], batch["g"],
+                                            state, chunk=level_chunk(64, batch["q"].shape[1]))
+
+        out = tree.scan(kernel, {"q": q, "k": k, "v": v, "g": g}, layer=self.qkv_proj.weight)
+        out = self.norm(out.reshape(1, rows, heads * dim))
+        out = torch.sigmoid(self.output_gate(hidden_states)) * out
+        return self.out_proj(out), None
+
+    forward.treepack_original = original
+    return forward
+
+
 def _fused(original):
     def fused_kernel(*args, **kwargs):
         if kwargs.get(TREE_FORWARD_KWARG) is not None or _LAYER_TREE.get() is not None or \
@@ -602,7 +636,7 @@ def _fused(original):
 
 
 _WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta, "ssd": _ssd, "selective": _selective,
-             "fused": _fused}
+             "lightning": _lightning, "fused": _fused}
 
 
 @contextlib.contextmanager

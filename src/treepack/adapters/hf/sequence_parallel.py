@@ -150,7 +150,7 @@ class ShardedForward(TreeForward):
                               None if bias is None else bias[lo:hi])
         return self.exchange.to_rows(out, 0, 1)
 
-    def scan(self, kernel, inputs, per_head=None, shared=()):
+    def scan(self, kernel, inputs, per_head=None, shared=(), layer=None):
         # every head reads a shared input whole (Mamba's B and C): each rank gathers all
         # rows of it, one copy per rank through the same exchange
         whole = {k: self.exchange.to_heads(inputs[k].expand(-1, self.exchange.size,
@@ -170,7 +170,8 @@ class ShardedForward(TreeForward):
                                             t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
                   for k, t in inputs.items()}
         per_head = {k: t[lo:hi] for k, t in (per_head or {}).items()}  # this rank's heads
-        return self.exchange.to_rows(self.inner.scan(kernel, inputs | whole, per_head), 0, 1)
+        return self.exchange.to_rows(self.inner.scan(kernel, inputs | whole, per_head,
+                                                     layer=layer), 0, 1)
 
 
 # --------------------------------------------------------------------------- log-probs

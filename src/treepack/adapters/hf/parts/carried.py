@@ -60,8 +60,10 @@ class PartForward(TreeForward):
             x = torch.cat((x, *context))
         return path_conv1d(x, paths.index, weight, bias)
 
-    def scan(self, kernel, inputs, per_head=None, shared=()):
+    def scan(self, kernel, inputs, per_head=None, shared=(), layer=None):
         kernel = with_params(kernel, per_head)
+        if layer is not None:  # a layer without a convolution names itself
+            self.layer, self.scans = ("mixer", layer.data_ptr()), 0
         if self.layer is None:
             raise UnsupportedModel("a recurrent scan ran before its layer's convolution: "
                                    "treepack cannot tell which layer's state to carry")
