@@ -826,3 +826,33 @@ def test_padding_rows_do_not_trigger_transformers_padding_warning():
     finally:
         root.removeHandler(handler)
         hf_logging.set_verbosity(verbosity)
+
+
+def test_deepseek_sparse_attention_selects_among_ancestors_and_refuses_slices():
+    """DeepSeek-V3.2's indexer scores every key its mask lets through and keeps the top k: in
+    a tree forward its mask is the pack's ancestor mask, so each query picks among its own
+    sequence's earlier tokens, and the layer attends densely with the selection. Without the
+    ancestor mask (keys of other sequences selectable) it is wrong; in parts and under a
+    group, which hold slices of the rows, it is refused."""
+    from treepack.adapters.hf import routing
+    from treepack.face.census import _tiny_model
+
+    model = hf.prepare(_tiny_model("deepseek_v32", torch.float32))
+    seqs = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 20, 21, 22, 23, 24], [30, 31, 32, 33, 34]]
+    with torch.no_grad():
+        want = [model(input_ids=torch.tensor([s])).logits[0].log_softmax(-1)[:-1].gather(
+            -1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs]
+        pack = TreePack.from_sequences(seqs)
+        got = hf.logprobs(model, pack).logprobs
+        for s, seq in enumerate(seqs):
+            torch.testing.assert_close(got[s, 1:len(seq)], want[s], rtol=0, atol=2e-5)
+        real = routing.TreeForward.dense_mask
+        try:  # every row visible to the indexer: it picks other sequences' keys
+            routing.TreeForward.dense_mask = lambda self: torch.ones(
+                self.pack.num_rows, self.pack.num_rows, dtype=torch.bool).tril()
+            wrong = hf.logprobs(model, pack).logprobs
+        finally:
+            routing.TreeForward.dense_mask = real
+        assert (wrong[1, 1:9] - want[1]).abs().max() > 1e-3
+        with pytest.raises(hf.UnsupportedModel, match="indexer.*in parts"):
+            hf.logprobs_in_parts(model, seqs, max_tokens=6)

@@ -47,7 +47,7 @@ _TINY = dict(
     mamba_n_heads=8, mamba_num_heads=8, mamba_d_head=16, mamba_head_dim=16, mamba_d_ssm=128,
     mamba_d_state=16, mamba_dt_rank=8,
     # sparse attention's indexer: its top-k shorter than the sequences
-    index_head_dim=16, index_n_heads=4, index_topk=4,
+    index_head_dim=16, index_n_heads=16, index_topk=4,
     n_group=1, topk_group=1,  # expert groups: one, over the 4 experts
     vocab_size_per_layer_input=97, hidden_size_per_layer_input=8,  # Gemma 4's per-layer input
     emb_dim=64, n_layers=2,  # XLM's names

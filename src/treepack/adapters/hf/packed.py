@@ -113,7 +113,7 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
         hook = core.register_forward_hook(
             lambda module, args, out: heads.append(lm_head(model, check=False)))
     try:
-        with tree_forward(), vision_forward(model, pack, images, rows) as rope:
+        with tree_forward(mixers), vision_forward(model, pack, images, rows) as rope:
             positions = positions[None] if rope is None else rope
             out = model(input_ids=ids[None], position_ids=positions, use_cache=False,
                         **{TREE_FORWARD_KWARG: mixers}, **kwargs)

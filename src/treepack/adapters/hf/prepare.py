@@ -245,7 +245,7 @@ def _check_reads_position_ids(model, core) -> None:
             tree = TreeForward(pack, "dense")
             tree.depths = torch.tensor(positions, device=device)
             try:
-                with tree_forward():
+                with tree_forward(tree):
                     out = model(input_ids=ids, use_cache=False, **{TREE_FORWARD_KWARG: tree},
                                 position_ids=torch.tensor([positions], device=device))
             except UnsupportedModel:

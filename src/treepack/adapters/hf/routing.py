@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from treepack.adapters.hf import compat
-from treepack.attention import TreeAttention
+from treepack.attention import TreeAttention, dense
 from treepack.core.tree import TreePack
 from treepack.recurrent import decayed_linear_attention, level_scan, tree_conv1d
 
@@ -31,7 +31,12 @@ TREE_FORWARD_KWARG = "treepack_tree_forward"  # the model keyword that carries a
 _PREFIX = "treepack_"
 ORIGINAL: dict[str, str] = {}  # registered treepack name -> the original implementation
 TREE_FORWARD = contextvars.ContextVar("treepack_tree_forward", default=False)
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention",
+                         "indexed_attention"}
+# Layer types whose attention reads a mask of the forward's rows in its own code (DeepSeek
+# sparse attention's indexer picks each query's top-k keys among those it may see): a tree
+# forward hands them the pack's [T', T'] ancestor mask, and they attend densely with it.
+MASKED_LAYER_TYPES = {"indexed_attention"}
 _GDN = {"linear_attention": (False, ("conv", "gated_delta"))}
 _MAMBA2 = {"linear_attention": (False, ("conv", "ssd"))}
 _MAMBA = {"linear_attention": (False, ("conv", "selective"))}  # Mamba (v1)
@@ -82,6 +87,10 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     tree = kwargs.pop(TREE_FORWARD_KWARG, None)
     if tree is None:
         original = ORIGINAL[compat.attn_implementation(module.config)]
+        if original in ("eager", "sdpa") and kwargs.get("indices") is not None:
+            # DeepSeek sparse attention hands a renamed implementation its top-k as indices,
+            # which these two do not read: masked here as the layer masks them for them
+            attention_mask = _only_chosen(attention_mask, kwargs.pop("indices"), query)
         return compat.attention_function(module, original)(module, query, key, value,
                                                            attention_mask, **kwargs)
     sinks = kwargs.get("s_aux")
@@ -96,6 +105,11 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         )
     tree.calls += 1
     tree.windowed += kwargs.get("sliding_window") is not None
+    indices = kwargs.pop("indices", None)
+    if indices is not None or (torch.is_tensor(attention_mask) and
+                               attention_mask.dtype == torch.bool):
+        out = _masked_attention(tree, query, key, value, attention_mask, indices, kwargs)
+        return out.transpose(1, 2).contiguous(), None
     out = tree.attend(
         module, query, key, value,
         scale=kwargs.get("scaling"),
@@ -106,6 +120,32 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
         **({} if chunk is None else {"chunk": chunk}),
     )
     return out.transpose(1, 2).contiguous(), None  # [1, T', H, D] as transformers expects
+
+
+def _only_chosen(mask, indices, query):
+    """``mask`` ``[B, 1, S, T]`` cut to the keys ``indices`` ``[B, S, k]`` chooses, as
+    transformers' eager and SDPA paths of DeepSeek sparse attention cut it."""
+    chosen = torch.zeros((*indices.shape[:2], mask.shape[-1]), dtype=torch.bool,
+                         device=mask.device).scatter(-1, indices.long(), True)[:, None]
+    if mask.dtype == torch.bool:
+        return mask & chosen
+    return mask.masked_fill(~chosen, torch.finfo(query.dtype).min)
+
+
+def _masked_attention(tree, query, key, value, mask, indices, kwargs):
+    """A layer that built its own mask from the pack's (:data:`MASKED_LAYER_TYPES`): dense
+    attention with that mask, cut to the keys ``indices`` selects where given (DeepSeek
+    sparse attention's top-k, ``[1, rows, k]``), as transformers' SDPA path masks them."""
+    if mask is None or mask.dtype != torch.bool:
+        mask = tree.dense_mask()[None, None]
+    if indices is not None:
+        mask = _only_chosen(mask, indices, query)
+    if kwargs.get("sliding_window") is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedModel("a layer with its own mask of the pack (indexed attention) and "
+                               "a sliding window or attention sinks: treepack runs neither "
+                               "with such a mask")
+    return dense.sdpa(query, key, value, mask, scale=kwargs.get("scaling"),
+                      softcap=kwargs.get("softcap"), dropout=kwargs.get("dropout", 0.0))
 
 
 def _chunk_of(module) -> int | None:
@@ -159,9 +199,14 @@ def _carries_values(mask) -> bool:
 
 
 def _mask(*args, config=None, **kwargs):
-    """No mask in a tree forward (the backend has the pack); the original one otherwise."""
-    if TREE_FORWARD.get():
-        return None
+    """No mask in a tree forward (the backend has the pack), but for layers that read one in
+    their own code (:data:`MASKED_LAYER_TYPES`): the pack's ancestor mask, ``[1, 1, T', T']``;
+    the original one otherwise."""
+    tree = TREE_FORWARD.get()
+    if tree:
+        if tree is True or not MASKED_LAYER_TYPES & set(compat.layer_types(config) or ()):
+            return None
+        return tree.dense_mask()[None, None]
     mask = compat.mask_function(ORIGINAL[compat.attn_implementation(config)])
     if mask is None:
         return kwargs.get("attention_mask")  # transformers passes such masks through as-is
@@ -187,6 +232,11 @@ class TreeForward:
         if self.blocks is not None:
             kwargs["blocks"] = self.blocks
         return self.attention(query, key, value, **kwargs)
+
+    def dense_mask(self) -> Tensor:
+        """``[rows, rows]`` which rows each row of this forward sees (a layer that builds its
+        own mask from it; :data:`MASKED_LAYER_TYPES`)."""
+        return self.pack.dense_mask()
 
     def set_blocks(self, blocks: Tensor) -> None:
         """Blocks of rows whose attention sees each other both ways (image tokens of a model
@@ -640,9 +690,10 @@ _WRAPPERS = {"conv": _conv, "gated_delta": _gated_delta, "ssd": _ssd, "selective
 
 
 @contextlib.contextmanager
-def tree_forward():
-    """While it lasts, mask functions return no mask: the backend has the pack."""
-    token = TREE_FORWARD.set(True)
+def tree_forward(tree: TreeForward | None = None):
+    """While it lasts, mask functions return no mask (the backend has the pack), but the
+    pack's ``tree`` ancestor mask for layers that read one (:data:`MASKED_LAYER_TYPES`)."""
+    token = TREE_FORWARD.set(tree or True)
     try:
         yield
     finally:

@@ -144,6 +144,11 @@ class ShardedForward(TreeForward):
     def set_blocks(self, blocks):
         self.inner.set_blocks(blocks)  # the inner forward attends over every row
 
+    def dense_mask(self):
+        raise UnsupportedModel("a layer that builds its own mask of the pack (DeepSeek sparse "
+                               "attention's indexer) under sequence parallelism: each rank "
+                               "holds a slice of the rows. Run it without a group")
+
     def conv(self, x, weight, bias):
         lo, hi = self.exchange.split(x.shape[1], "channels", "a short convolution")
         out = self.inner.conv(self.exchange.to_heads(x, 1, 0), weight[lo:hi],

@@ -43,6 +43,11 @@ class PartForward(TreeForward):
                            softcap=softcap, window=window, dropout=dropout, sinks=sinks,
                            chunk=chunk)
 
+    def dense_mask(self):
+        raise UnsupportedModel("a layer that builds its own mask of the pack (DeepSeek sparse "
+                               "attention's indexer) in parts: a part holds some of the rows. "
+                               "Raise max_tokens so the tree runs in one forward")
+
     def set_blocks(self, blocks):
         raise UnsupportedModel(
             "image tokens that see each other both ways (Gemma 3) in parts: a part's rows "
