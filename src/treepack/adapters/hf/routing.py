@@ -106,8 +106,11 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     tree.calls += 1
     tree.windowed += kwargs.get("sliding_window") is not None
     indices = kwargs.pop("indices", None)
-    if indices is not None or (torch.is_tensor(attention_mask) and
-                               attention_mask.dtype == torch.bool):
+    config = getattr(module, "config", None)
+    if indices is not None or config is not None and MASKED_LAYER_TYPES & set(
+            compat.layer_types(config) or ()):
+        # only these: any other mask a layer passes in a tree forward is the model's own
+        # causal one over packed positions, which the tree's attention replaces
         out = _masked_attention(tree, query, key, value, attention_mask, indices, kwargs)
         return out.transpose(1, 2).contiguous(), None
     out = tree.attend(
