@@ -184,8 +184,8 @@ def test_a_layer_that_bypasses_the_routed_functions_is_refused(monkeypatch):
 def test_hybrids_not_routed_yet_are_refused_by_name():
     from treepack.face.census import _tiny_model
 
-    model = _tiny_model("minimax", torch.float32)
-    with pytest.raises(hf.UnsupportedModel, match="minimax.*linear_attention.*not ones"):
+    model = _tiny_model("deepseek_v4", torch.float32)  # its compressed attention layers
+    with pytest.raises(hf.UnsupportedModel, match="deepseek_v4.*compressed.*not ones"):
         hf.prepare(model)
     assert not hf.is_prepared(model)
 

@@ -113,7 +113,7 @@ class Images:
 
     Raises:
         UnsupportedModel: a model that encodes no images, or a family treepack does not run
-            (Gemma 3's bidirectional image attention, by name).
+            (Gemma 3n's and PaliGemma's bidirectional attention, by name).
         ValueError: pixel rows that disagree with the grids, a sequence whose placeholders do
             not match its images (naming the sequence), placeholders without an image, images
             left over.
@@ -544,11 +544,12 @@ def check_family(core) -> str:
     if kind in REFUSED_FAMILIES:
         raise UnsupportedModel(f"{type(core).__name__} cannot run images on a pack: "
                                f"{REFUSED_FAMILIES[kind]}. Run its image prompts unpacked")
-    if not image_token_ids(core.config) or getattr(core.config, "vision_config", None) is None:
+    towers = set(getattr(core.config, "sub_configs", None) or ()) - {"text_config"}
+    if not image_token_ids(core.config) and not towers:
         raise UnsupportedModel(f"{type(core).__name__} ({kind}) encodes no images (its config "
                                "has no image_token_id and vision_config): give it text "
                                "sequences without images=")
-    if kind not in MROPE_FAMILIES + IMAGE_FAMILIES:
+    if kind not in MROPE_FAMILIES + IMAGE_FAMILIES:  # a multimodal model of another family
         raise UnsupportedModel(f"{type(core).__name__} ({kind}): treepack runs the images of "
                                f"{list(MROPE_FAMILIES + IMAGE_FAMILIES)} on a pack; run this "
                                "model's image prompts unpacked")
