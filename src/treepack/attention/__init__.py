@@ -69,10 +69,9 @@ BACKENDS: dict[str, Backend] = {
     "dense": dense.attention,
 }
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
-SINK_BACKENDS = {"segment": segment.attention, "dense": dense.attention}  # attention sinks
-CHUNK_BACKENDS = SINK_BACKENDS  # chunked attention (Llama 4): the backends with a mask of
-#                                 their own per query
-BLOCK_BACKENDS = SINK_BACKENDS  # blocks of rows that see each other both ways (Gemma 3 images)
+# The backends with a mask of their own per query: the only ones that run attention sinks,
+# chunked attention (Llama 4) and blocks of rows that see each other both ways (Gemma 3)
+MASKED_BACKENDS = {"segment": segment.attention, "dense": dense.attention}
 
 log = logging.getLogger("treepack")
 _LOGGED: set[tuple[str, str]] = set()
@@ -172,14 +171,10 @@ class TreeAttention:
             return self._with_sinks(q, k, v, sinks, scale=scale, softcap=softcap,
                                     window=window, dropout=dropout, chunk=chunk)
         if chunk is not None:
-            backend = "segment" if backend == "auto" else backend
-            if backend not in CHUNK_BACKENDS:
-                raise RuntimeError(
-                    f"backend={backend!r} cannot run here: chunked attention (a query sees the "
-                    f"keys of its own chunk of depths) runs on {' / '.join(CHUNK_BACKENDS)}; "
-                    "use backend='segment' (or 'auto', which picks it)")
-            return CHUNK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=softcap,
-                                           window=window, dropout=dropout, chunk=chunk)
+            run = self._masked_backend("chunked attention (a query sees the keys of its own "
+                                       "chunk of depths) runs")
+            return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
+                       dropout=dropout, chunk=chunk)
         if backend == "auto":
             backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
             if (backend, why) not in _LOGGED:
@@ -199,15 +194,22 @@ class TreeAttention:
         if sinks is not None or chunk is not None:
             raise ValueError("blocks with attention sinks or chunked attention: no model has "
                              "both, and treepack composes neither with them")
-        backend = "segment" if self.backend == "auto" else self.backend
-        if backend not in BLOCK_BACKENDS:
-            raise RuntimeError(
-                f"backend={backend!r} cannot run here: blocks of rows that see each other both "
-                f"ways (Gemma 3's image tokens) run on {' / '.join(BLOCK_BACKENDS)}; use "
-                "backend='segment' (or 'auto', which picks it)")
+        run = self._masked_backend("blocks of rows that see each other both ways (Gemma "
+                                   "3's image tokens) run")
         self.pack.check_device(blocks, "blocks")
-        return BLOCK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=softcap,
-                                       window=window, dropout=dropout, blocks=blocks)
+        return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
+                   dropout=dropout, blocks=blocks)
+
+    def _masked_backend(self, what: str) -> Backend:
+        """The backend that runs a feature only :data:`MASKED_BACKENDS` run (``auto``:
+        ``segment``), or a ``RuntimeError`` naming ``what`` and where it runs."""
+        backend = "segment" if self.backend == "auto" else self.backend
+        if backend not in MASKED_BACKENDS:
+            raise RuntimeError(
+                f"backend={backend!r} cannot run here: {what} on "
+                f"{' / '.join(MASKED_BACKENDS)}; use backend='segment' (or 'auto', which "
+                "picks it)")
+        return MASKED_BACKENDS[backend]
 
     def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout,
                     chunk=None) -> Tensor:
@@ -223,18 +225,14 @@ class TreeAttention:
         if sinks.shape != (heads,):
             raise ValueError(f"sinks of shape {tuple(sinks.shape)}: one logit per query head "
                              f"({heads},) expected")
-        backend = "segment" if self.backend == "auto" else self.backend
-        if backend not in SINK_BACKENDS:
-            raise RuntimeError(
-                f"backend={backend!r} cannot run here: attention sinks (a learned logit per "
-                f"head in the softmax denominator) run on {' / '.join(SINK_BACKENDS)}; use "
-                "backend='segment' (or 'auto', which picks it)")
+        run = self._masked_backend("attention sinks (a learned logit per head in the "
+                                   "softmax denominator) run")
         if softcap is not None:
             raise ValueError(f"softcap={softcap} with attention sinks: no model caps its "
                              "scores and has sinks, and the sink's own score must not be capped")
         q, k = sink_channel(q, k, sinks, scale)
-        return SINK_BACKENDS[backend](q, k, v, self, scale=scale, softcap=None, window=window,
-                                      dropout=dropout, sink=True, chunk=chunk)
+        return run(q, k, v, self, scale=scale, softcap=None, window=window, dropout=dropout,
+                   sink=True, chunk=chunk)
 
 
 def sink_channel(q: Tensor, k: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor]:
