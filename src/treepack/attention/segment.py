@@ -201,18 +201,19 @@ def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout
     sizes = [g.size * g.kv for g in plan.groups]
     k_all = gather_rows(k[0], plan.kv_rows, 1).split(sizes, dim=1)  # repeated rows summed once
     v_all = gather_rows(v[0], plan.kv_rows, 1).split(sizes, dim=1)
-    if blocks is None:
-        qb_all = kb_all = [None] * len(plan.groups)
-    else:
-        qb_all = blocks.index_select(0, plan.q_rows).split([g.size * g.q for g in plan.groups])
-        kb_all = blocks.index_select(0, plan.kv_rows).split(sizes)
+    qb_all = kb_all = [None] * len(plan.groups)
+    if blocks is not None:
+        q_blocks = blocks.index_select(0, plan.q_rows).split([g.size * g.q for g in plan.groups])
+        k_blocks = blocks.index_select(0, plan.kv_rows).split(sizes)
+        # which groups' queries hold a block: one look from the host for every group
+        held = torch.stack([(qb >= 0).any() for qb in q_blocks]).tolist()
+        qb_all = [qb if h else None for qb, h in zip(q_blocks, held)]
+        kb_all = [kb if h else None for kb, h in zip(k_blocks, held)]
     outs = []
     for g, qg, kg, vg, qb, kb in zip(plan.groups, q_all, k_all, v_all, qb_all, kb_all):
         qg = qg.unflatten(1, (g.size, g.q)).transpose(0, 1)  # [G, Hq, q, D]
         kg = kg.unflatten(1, (g.size, g.kv)).transpose(0, 1)  # [G, Hkv, kv, D]
         vg = vg.unflatten(1, (g.size, g.kv)).transpose(0, 1)
-        if qb is not None and not bool((qb >= 0).any()):
-            qb = kb = None  # no block in this group's queries
         if window is None and softcap is None and g.padding is None and not sink \
                 and chunk is None and qb is None:
             out = sdpa(qg, kg, vg, causal_lower_right(g.q, g.kv), scale=scale, softcap=None,

@@ -238,8 +238,8 @@ class TreeForward:
 
     def dense_mask(self) -> Tensor:
         """``[rows, rows]`` which rows each row of this forward sees (a layer that builds its
-        own mask from it; :data:`MASKED_LAYER_TYPES`)."""
-        return self.pack.dense_mask()
+        own mask from it; :data:`MASKED_LAYER_TYPES`), built once per pack."""
+        return dense.visible(self.pack, None)
 
     def set_blocks(self, blocks: Tensor) -> None:
         """Blocks of rows whose attention sees each other both ways (image tokens of a model
