@@ -43,14 +43,19 @@ class OfflineQwen2VLProcessor(Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
 
 
-def processor():
-    vocab = {t: i for i, t in enumerate(SPECIAL + ["[UNK]"] + WORDS)}
+def word_tokenizer(special, **tokens):
+    """A word-level tokenizer over ``special`` tokens and :data:`WORDS`, padding on the left;
+    ``tokens``: its named tokens (``eos_token=...``)."""
+    vocab = {t: i for i, t in enumerate(special + ["[UNK]"] + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIAL)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        padding_side="left")
+    tok.add_special_tokens(special)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                   padding_side="left", **tokens)
+
+
+def processor():
+    tokenizer = word_tokenizer(SPECIAL, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     images = Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
                                       min_pixels=16, max_pixels=256)
     return OfflineQwen2VLProcessor(image_processor=images, tokenizer=tokenizer,
@@ -154,14 +159,8 @@ LLAVA_TEMPLATE = (
 def llava_processor():
     """LLaVA's processor offline: a word-level tokenizer and CLIP's PIL image processor on
     8x8 images (4x4 patches: 4 image tokens each)."""
-    special = ["<pad>", "<s>", "</s>", "<image>"]
-    vocab = {t: i for i, t in enumerate(special + ["[UNK]"] + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(special)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                                        eos_token="</s>", pad_token="<pad>", bos_token="<s>",
-                                        padding_side="left")
+    tokenizer = word_tokenizer(["<pad>", "<s>", "</s>", "<image>"], eos_token="</s>",
+                               pad_token="<pad>", bos_token="<s>")
     images = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
     return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                           vision_feature_select_strategy="default",
@@ -235,13 +234,8 @@ def gemma3_processor():
     from transformers import Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    vocab = {t: i for i, t in enumerate(GEMMA3_SPECIAL + ["[UNK]"] + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(GEMMA3_SPECIAL)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>", pad_token="<pad>",
-        bos_token="<bos>", padding_side="left",
+    tokenizer = word_tokenizer(
+        GEMMA3_SPECIAL, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     images = Gemma3ImageProcessorPil(size={"height": 8, "width": 8})
