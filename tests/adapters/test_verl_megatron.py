@@ -141,6 +141,19 @@ def test_verl_megatron_worker_on_the_trainers_batches_equals_stock(tp, pp, cp, m
     assert r["engines_tree"] == ("TreepackMegatronEngine", "TreepackMegatronEngine")
     assert r["engines_stock"] == ("MegatronEngineWithLMHead", "MegatronEngineWithLMHead")
     assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
+    m, s = assert_tree_equals_stock(r)
+    ratios = m["treepack/token_ratio"]
+    assert ratios and all(0 < x < 1 for x in ratios), ratios
+    assert set(m["treepack/lost_rows/false_forks"]) == {0.0}, m
+    assert set(m["treepack/session_forks/sessions"]) == {0.0}, m
+    assert all(0 < x < 1 for x in m["treepack/log_prob_token_ratio"]), m
+    assert "treepack/token_ratio" not in s
+
+
+def assert_tree_equals_stock(r: dict):
+    """The worker's tree engine against stock verl's Megatron engine: log-probs, entropies,
+    reference log-probs, log-probs after the update and its metrics. Returns both runs'
+    update metrics."""
     tree, stock = r["tree"], r["stock"]
     for key in ("log_probs", "entropy", "ref_log_probs"):
         assert verl_workers.relative_error(tree[key], stock[key]) < TOLERANCE, key
@@ -150,12 +163,7 @@ def test_verl_megatron_worker_on_the_trainers_batches_equals_stock(tp, pp, cp, m
     m, s = tree["update_metrics"], stock["update_metrics"]
     for key in ("grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss"):
         assert np.allclose(m[key], s[key], rtol=TOLERANCE, atol=1e-7), (key, m[key], s[key])
-    ratios = m["treepack/token_ratio"]
-    assert ratios and all(0 < x < 1 for x in ratios), ratios
-    assert set(m["treepack/lost_rows/false_forks"]) == {0.0}, m
-    assert set(m["treepack/session_forks/sessions"]) == {0.0}, m
-    assert all(0 < x < 1 for x in m["treepack/log_prob_token_ratio"]), m
-    assert "treepack/token_ratio" not in s
+    return m, s
 
 
 def test_verl_megatron_worker_runs_trees_over_its_budget_in_parts(model_dir, trainer_batches,
@@ -171,13 +179,7 @@ def test_verl_megatron_worker_runs_trees_over_its_budget_in_parts(model_dir, tra
     r = torch.load(out, weights_only=False)
     assert not any("stock Megatron engine path" in m or "is split" in m
                    for m in r["messages"]), r["messages"]
-    tree, stock = r["tree"], r["stock"]
-    for key in ("log_probs", "entropy", "ref_log_probs"):
-        assert verl_workers.relative_error(tree[key], stock[key]) < TOLERANCE, key
-    assert verl_workers.relative_error(tree["log_probs_after"], stock["log_probs_after"]) < 1e-4
-    m, s = tree["update_metrics"], stock["update_metrics"]
-    for key in ("grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss"):
-        assert np.allclose(m[key], s[key], rtol=TOLERANCE, atol=1e-7), (key, m[key], s[key])
+    m, _ = assert_tree_equals_stock(r)
     parts = m["treepack/parts"]
     assert parts and max(parts) > 1, parts  # the update ran in parts
 
