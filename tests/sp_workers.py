@@ -277,7 +277,7 @@ def broken(how: str | None):
             def packed_forward(model, pack, kwargs, *, rows, mixers, output):
                 width = rows.shape[0]
                 local = torch.arange(pack.num_rows) % width
-                pack = dataclasses.replace(pack, position_ids=local, _derived={})
+                pack = dataclasses.replace(pack, position_ids=local)  # a new pack: its own cache
                 return saved[2](model, pack, kwargs, rows=rows, mixers=mixers, output=output)
             sp.packed_forward = packed_forward
         elif how == "image_rows_from_zero":  # every rank places the image features, and

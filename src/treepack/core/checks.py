@@ -1,7 +1,9 @@
 """Argument checks shared by the whole package (core: imports nothing else of treepack).
 
-Each raises ``ValueError`` (wrong types included, as the library always has) with a message
-that names the argument, the value, the rule and, where one exists, the fix.
+Each raises ``ValueError`` (``TypeError`` where a sequence of the batch is of the wrong type)
+with a message that names the argument, the value, the rule and, where one exists, the fix:
+the numbers of :func:`positive_int` and friends, and the batch a pack is built from
+(:func:`validate_sequences`, :func:`validate_keys`, :func:`sequence_indices`).
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["positive_int", "positive_finite", "temperature", "floating", "MIN_TEMPERATURE"]
+__all__ = ["positive_int", "positive_finite", "temperature", "floating", "MIN_TEMPERATURE",
+           "validate_sequences", "validate_keys", "sequence_indices"]
 
 
 def positive_int(value, name: str, *, hint: str = "", maximum: int | None = None) -> int:
@@ -56,3 +60,127 @@ def floating(x: Tensor, name: str) -> None:
                         "(float32, bfloat16, ...)")
     if x.dtype == torch.float8_e4m3fn or x.dtype == torch.float8_e5m2:
         raise TypeError(f"{name} has dtype {x.dtype}; cast it to bfloat16 or float32 first")
+
+
+# ------------------------------------------------ sequences, keys and indices of a batch
+
+def sequence_indices(seq_ids, n: int) -> np.ndarray:
+    """``seq_ids`` (each sequence's index in the caller's batch; None: ``0 .. n-1``) as n
+    int64s."""
+    if seq_ids is None:
+        return np.arange(n, dtype=np.int64)
+    out = np.asarray(seq_ids.cpu() if isinstance(seq_ids, Tensor) else seq_ids)
+    if out.shape != (n,) or (n and out.dtype.kind not in "iu"):
+        raise ValueError(f"seq_ids must be {n} integers, one per sequence; got shape "
+                         f"{out.shape} of {out.dtype}")
+    if n and out.dtype == np.uint64 and out.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"seq_ids holds {out.max()}, beyond int64: use indices into your batch")
+    return out.astype(np.int64, copy=False)
+
+
+def validate_keys(keys, ids: list[np.ndarray]) -> list[np.ndarray]:
+    """Per-token content keys as int64 arrays, one per sequence and of its length (raises
+    naming the sequence, the value and the fix)."""
+    if isinstance(keys, (Tensor, np.ndarray)):
+        raise TypeError("keys must be a list with one key sequence per sequence (a "
+                        f"{type(keys).__name__} was given)")
+    keys = list(keys)
+    if len(keys) != len(ids):
+        raise ValueError(f"keys has {len(keys)} sequences for {len(ids)} sequences: give one "
+                         "key sequence per sequence (zeros where no token has a key)")
+    out = []
+    for i, (k, seq) in enumerate(zip(keys, ids)):
+        arr = k.detach().cpu().numpy() if isinstance(k, Tensor) else np.asarray(k)
+        if arr.ndim != 1 or arr.shape[0] != seq.shape[0]:
+            raise ValueError(f"keys[{i}] has shape {tuple(arr.shape)} but sequence {i} has "
+                             f"{seq.shape[0]} tokens: one key per token (0 for none)")
+        if arr.shape[0] and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"keys[{i}] has dtype {arr.dtype}; keys must be integers (e.g. "
+                            "a 63-bit hash of an image's pixels and grid)")
+        out.append(arr.astype(np.int64))
+    return out
+
+
+def validate_sequences(sequences) -> list[np.ndarray]:
+    """The input sequences as 1-D int64 numpy arrays, after the checks of
+    :meth:`TreePack.from_sequences` (raises naming the sequence, the value and the fix)."""
+    if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim == 1:
+        raise TypeError(
+            f"sequences is one 1-D {type(sequences).__name__}; pass a list of sequences, e.g. "
+            "[ids] for a single one"
+        )
+    if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim != 1:
+        raise TypeError(
+            f"sequences is a {sequences.ndim}-D {type(sequences).__name__}; pass a list of "
+            "1-D sequences (a padded batch would merge its padding into the tree: strip it "
+            "first, e.g. [ids[m.bool()] for ids, m in zip(input_ids, attention_mask)])"
+        )
+    try:
+        sequences = list(sequences)
+    except TypeError:
+        raise TypeError(
+            f"sequences must be a list of token-id sequences, got {type(sequences).__name__}"
+        ) from None
+    if not sequences:
+        raise ValueError("sequences is empty: a TreePack needs at least one sequence")
+    out = []
+    for i, seq in enumerate(sequences):
+        if isinstance(seq, Tensor):
+            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+                raise TypeError(
+                    f"sequence {i} has dtype {seq.dtype}; token ids must be an integer "
+                    "tensor (e.g. torch.long)"
+                )
+            arr = seq.detach().cpu().numpy()
+        else:
+            if isinstance(seq, (list, tuple)) and bool in set(map(type, seq)):
+                at = list(map(type, seq)).index(bool)  # C-level scans, only on failure
+                raise TypeError(f"sequence {i} holds {seq[at]!r} at position {at}; token ids "
+                                "must be integers, not True / False")
+            arr = np.asarray(seq)
+        if isinstance(seq, (str, bytes)):
+            raise TypeError(
+                f"sequence {i} is text ({seq[:40]!r}), not token ids: tokenize it first, e.g. "
+                "tokenizer(texts)['input_ids'], and pass the lists of ids"
+            )
+        if arr.ndim == 0:
+            raise TypeError(
+                f"sequence {i} is a single value ({arr.item()!r}), not a sequence; pass a list "
+                "of sequences, e.g. [[1, 2, 3]] rather than [1, 2, 3]"
+            )
+        if arr.ndim != 1:
+            raise ValueError(
+                f"sequence {i} has shape {tuple(arr.shape)}; each sequence must be 1-D"
+            )
+        if arr.size == 0:
+            raise ValueError(
+                f"sequence {i} is empty; every sequence needs at least one token (drop it "
+                "before packing)"
+            )
+        if arr.dtype.kind not in "iu":  # the failure path only: loops over tokens are fine
+            if isinstance(seq, (list, tuple)):
+                bad = next(((j, x) for j, x in enumerate(seq) if not isinstance(x, int)), None)
+                if bad is None:  # Python ints numpy could not hold as int64
+                    raise ValueError(f"sequence {i} has a token id {max(seq, key=abs)} beyond "
+                                     "int64")
+                if arr.dtype == object:  # mixed Python values: name the first odd one
+                    raise TypeError(f"sequence {i} holds {bad[1]!r} at position {bad[0]}; "
+                                    "token ids must be integers")
+            raise TypeError(
+                f"sequence {i} has dtype {arr.dtype} (first value {arr[0]!r}); token ids "
+                "must be integers"
+            )
+        if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
+            raise ValueError(f"sequence {i} has a token id {arr.max()} beyond int64")
+        out.append(arr.astype(np.int64, copy=False))
+    flat = np.concatenate(out)
+    if flat.min() < 0:  # one pass over all tokens; find the culprit only on failure
+        at = int(np.argmax(flat < 0))
+        ends = np.cumsum([a.shape[0] for a in out])
+        i = int(np.searchsorted(ends, at, side="right"))
+        where = at - (int(ends[i - 1]) if i else 0)
+        raise ValueError(
+            f"sequence {i} has a negative token id {flat[at]} at position {where}; ids must "
+            "be >= 0 (strip padding / ignore-index values such as -100 first)"
+        )
+    return out

@@ -26,7 +26,9 @@ from torch import Tensor
 from treepack.core import deprecation
 from treepack.core import mask as _mask
 from treepack.core import outputs
-from treepack.core.checks import positive_int
+from treepack.core.checks import (positive_int, sequence_indices, validate_keys,
+                                  validate_sequences)
+from treepack.core import derived as _derived
 from treepack.core.derived import derived_from_pack
 from treepack.core.forest import (ForestStats, HostLayout, build_layout, identities,
                                   stats_of_arrays)
@@ -144,8 +146,6 @@ class TreePack:
     num_prediction_rows: int  # distinct rows whose logits predict at least one token
     max_token_id: int  # the largest token id (-1 for an empty pack): checked against V
     host: HostLayout
-    # structures derived on first use (segment plans, edge lists), per pack and device
-    _derived: dict = dataclasses.field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
 
@@ -201,7 +201,7 @@ class TreePack:
                 ``share_prefixes`` or ``layout``.
         """
         ids = validate_sequences(sequences)
-        seq_ids = _check_seq_ids(seq_ids, len(ids))
+        seq_ids = sequence_indices(seq_ids, len(ids))
         keys = None if keys is None else validate_keys(keys, ids)
         if pad_to_multiple_of is not None:
             pad_to_multiple_of = positive_int(
@@ -274,8 +274,6 @@ class TreePack:
         """
 
         def move(value):
-            if isinstance(value, dict):
-                return {}  # derived structures hold device tensors: rebuild them there
             if isinstance(value, Tensor):
                 return value.to(device)
             if isinstance(value, (Segments, Predictions)):
@@ -290,14 +288,9 @@ class TreePack:
         """``build()``, computed once per pack (and device) and cached under ``key``.
 
         Prefer :func:`derived_from_pack`, which keys each structure by the function that
-        builds it. Built outside inference mode: a pack first used to score under
-        ``torch.inference_mode()`` must still train afterwards, and inference tensors cannot
-        be saved for backward.
+        builds it (:mod:`treepack.core.derived` holds the cache).
         """
-        if key not in self._derived:
-            with torch.inference_mode(False):
-                self._derived[key] = build()
-        return self._derived[key]
+        return _derived.cached(self, key, build)
 
     # ------------------------------------------------------------------ sizes
 
@@ -567,129 +560,6 @@ class TreePack:
         valid = self.rows >= 0
         out = x[self.rows.clamp(min=0)]
         return out.masked_fill(~valid.view(*valid.shape, *([1] * (x.dim() - 1))), 0)
-
-
-# ---------------------------------------------------------------------- input checking
-
-
-def _check_seq_ids(seq_ids, n: int) -> np.ndarray:
-    if seq_ids is None:
-        return np.arange(n, dtype=np.int64)
-    out = np.asarray(seq_ids.cpu() if isinstance(seq_ids, Tensor) else seq_ids)
-    if out.shape != (n,) or (n and out.dtype.kind not in "iu"):
-        raise ValueError(f"seq_ids must be {n} integers, one per sequence; got shape "
-                         f"{out.shape} of {out.dtype}")
-    if n and out.dtype == np.uint64 and out.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"seq_ids holds {out.max()}, beyond int64: use indices into your batch")
-    return out.astype(np.int64, copy=False)
-
-
-def validate_keys(keys, ids: list[np.ndarray]) -> list[np.ndarray]:
-    """Per-token content keys as int64 arrays, one per sequence and of its length (raises
-    naming the sequence, the value and the fix)."""
-    if isinstance(keys, (Tensor, np.ndarray)):
-        raise TypeError("keys must be a list with one key sequence per sequence (a "
-                        f"{type(keys).__name__} was given)")
-    keys = list(keys)
-    if len(keys) != len(ids):
-        raise ValueError(f"keys has {len(keys)} sequences for {len(ids)} sequences: give one "
-                         "key sequence per sequence (zeros where no token has a key)")
-    out = []
-    for i, (k, seq) in enumerate(zip(keys, ids)):
-        arr = k.detach().cpu().numpy() if isinstance(k, Tensor) else np.asarray(k)
-        if arr.ndim != 1 or arr.shape[0] != seq.shape[0]:
-            raise ValueError(f"keys[{i}] has shape {tuple(arr.shape)} but sequence {i} has "
-                             f"{seq.shape[0]} tokens: one key per token (0 for none)")
-        if arr.shape[0] and not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"keys[{i}] has dtype {arr.dtype}; keys must be integers (e.g. "
-                            "a 63-bit hash of an image's pixels and grid)")
-        out.append(arr.astype(np.int64))
-    return out
-
-
-def validate_sequences(sequences) -> list[np.ndarray]:
-    """The input sequences as 1-D int64 numpy arrays, after the checks of
-    :meth:`TreePack.from_sequences` (raises naming the sequence, the value and the fix)."""
-    if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim == 1:
-        raise TypeError(
-            f"sequences is one 1-D {type(sequences).__name__}; pass a list of sequences, e.g. "
-            "[ids] for a single one"
-        )
-    if isinstance(sequences, (Tensor, np.ndarray)) and sequences.ndim != 1:
-        raise TypeError(
-            f"sequences is a {sequences.ndim}-D {type(sequences).__name__}; pass a list of "
-            "1-D sequences (a padded batch would merge its padding into the tree: strip it "
-            "first, e.g. [ids[m.bool()] for ids, m in zip(input_ids, attention_mask)])"
-        )
-    try:
-        sequences = list(sequences)
-    except TypeError:
-        raise TypeError(
-            f"sequences must be a list of token-id sequences, got {type(sequences).__name__}"
-        ) from None
-    if not sequences:
-        raise ValueError("sequences is empty: a TreePack needs at least one sequence")
-    out = []
-    for i, seq in enumerate(sequences):
-        if isinstance(seq, Tensor):
-            if seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
-                raise TypeError(
-                    f"sequence {i} has dtype {seq.dtype}; token ids must be an integer "
-                    "tensor (e.g. torch.long)"
-                )
-            arr = seq.detach().cpu().numpy()
-        else:
-            if isinstance(seq, (list, tuple)) and bool in set(map(type, seq)):
-                at = list(map(type, seq)).index(bool)  # C-level scans, only on failure
-                raise TypeError(f"sequence {i} holds {seq[at]!r} at position {at}; token ids "
-                                "must be integers, not True / False")
-            arr = np.asarray(seq)
-        if isinstance(seq, (str, bytes)):
-            raise TypeError(
-                f"sequence {i} is text ({seq[:40]!r}), not token ids: tokenize it first, e.g. "
-                "tokenizer(texts)['input_ids'], and pass the lists of ids"
-            )
-        if arr.ndim == 0:
-            raise TypeError(
-                f"sequence {i} is a single value ({arr.item()!r}), not a sequence; pass a list "
-                "of sequences, e.g. [[1, 2, 3]] rather than [1, 2, 3]"
-            )
-        if arr.ndim != 1:
-            raise ValueError(
-                f"sequence {i} has shape {tuple(arr.shape)}; each sequence must be 1-D"
-            )
-        if arr.size == 0:
-            raise ValueError(
-                f"sequence {i} is empty; every sequence needs at least one token (drop it "
-                "before packing)"
-            )
-        if arr.dtype.kind not in "iu":  # the failure path only: loops over tokens are fine
-            if isinstance(seq, (list, tuple)):
-                bad = next(((j, x) for j, x in enumerate(seq) if not isinstance(x, int)), None)
-                if bad is None:  # Python ints numpy could not hold as int64
-                    raise ValueError(f"sequence {i} has a token id {max(seq, key=abs)} beyond "
-                                     "int64")
-                if arr.dtype == object:  # mixed Python values: name the first odd one
-                    raise TypeError(f"sequence {i} holds {bad[1]!r} at position {bad[0]}; "
-                                    "token ids must be integers")
-            raise TypeError(
-                f"sequence {i} has dtype {arr.dtype} (first value {arr[0]!r}); token ids "
-                "must be integers"
-            )
-        if arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max:
-            raise ValueError(f"sequence {i} has a token id {arr.max()} beyond int64")
-        out.append(arr.astype(np.int64, copy=False))
-    flat = np.concatenate(out)
-    if flat.min() < 0:  # one pass over all tokens; find the culprit only on failure
-        at = int(np.argmax(flat < 0))
-        ends = np.cumsum([a.shape[0] for a in out])
-        i = int(np.searchsorted(ends, at, side="right"))
-        where = at - (int(ends[i - 1]) if i else 0)
-        raise ValueError(
-            f"sequence {i} has a negative token id {flat[at]} at position {where}; ids must "
-            "be >= 0 (strip padding / ignore-index values such as -100 first)"
-        )
-    return out
 
 
 def forest_stats(sequences, keys=None) -> ForestStats:

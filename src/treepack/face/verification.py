@@ -47,7 +47,8 @@ from torch import Tensor, nn
 from treepack.adapters import hf
 from treepack.adapters.hf import compat
 from treepack.adapters.hf.vision import BIDIRECTIONAL_FAMILIES
-from treepack.core.tree import TreePack, validate_sequences
+from treepack.core.checks import validate_sequences
+from treepack.core.tree import TreePack
 
 __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR", "FLOOR_FACTOR",
            "verification_batch", "verification_image_batch", "IMAGE_LAYOUT"]

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from treepack.core import deprecation
-from treepack.core.checks import positive_int
+from treepack.core.checks import positive_int, validate_keys, validate_sequences
 from treepack.core.forest import causal_pairs, identities, ragged_arange, sort_and_lcp
-from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack, validate_keys, validate_sequences
+from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack
 
 __all__ = ["plan", "Plan", "PackSpec", "PAIR_COST"]
 

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from treepack.core.forest import (build_layout, identities, ragged_arange, sort_and_lcp,
                                   stats_of_arrays)
-from treepack.core.tree import validate_keys, validate_sequences
+from treepack.core.checks import validate_keys, validate_sequences
 
 __all__ = ["report", "SharingReport", "Causes", "FalseFork", "SessionFork", "Placement",
            "placement", "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS",

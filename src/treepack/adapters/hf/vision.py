@@ -44,7 +44,8 @@ from torch import Tensor
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel, text_config
 from treepack.core.derived import derived_from_pack
-from treepack.core.tree import TreePack, validate_sequences
+from treepack.core.checks import validate_sequences
+from treepack.core.tree import TreePack
 
 __all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "check_family",
            "vision_forward", "image_token_ids", "content_key", "placeholder_keys",
