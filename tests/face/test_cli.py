@@ -7,6 +7,7 @@ import pytest
 
 import treepack
 from treepack import cli
+from treepack.planning import jsonl
 from treepack.synthetic import agentic_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,11 +108,11 @@ def test_stats_missing_and_empty_files(tmp_path, capsys):
 def test_large_file_shows_progress_bar(tmp_path, capsys, monkeypatch):
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps(list(range(i % 50 + 1))) + "\n" for i in range(2000)))
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", path.stat().st_size // 2)
+    monkeypatch.setattr(jsonl, "PROGRESS_MIN_BYTES", path.stat().st_size // 2)
     code, out, err = run(capsys, "stats", str(path), "--json")
     assert code == 0 and json.loads(out)["num_sequences"] == 2000
     assert "reading big.jsonl" in err and "100%" in err
-    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", path.stat().st_size + 1)
+    monkeypatch.setattr(jsonl, "PROGRESS_MIN_BYTES", path.stat().st_size + 1)
     run(capsys, "stats", str(path), "--json")
     assert "reading" not in capsys.readouterr().err
 

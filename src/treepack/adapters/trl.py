@@ -53,6 +53,7 @@ from treepack.adapters.hf.vision import content_key as image_content_key
 from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
 from treepack.planning import sharing
+from treepack.planning.collation import unpadded
 from treepack.planning.groups import keep_groups_together
 from treepack.planning.planner import plan
 
@@ -289,7 +290,7 @@ def _log_sharing(trainer, input_ids, attention_mask, logits_to_keep, packs,
         step = trainer._treepack_step = {"sequences": [], "keys": [], "prompts": [],
                                          "micro": [], "packs": [], "count": 0}
     mask = attention_mask.bool().cpu()
-    sequences = sharing.unpadded(input_ids, mask, "input_ids", "attention_mask")
+    sequences = unpadded(input_ids, mask, "input_ids", "attention_mask")
     step["sequences"] += sequences
     # a token is its (id, image) pair, as in the packs
     step["keys"] += (list(images.keys) if images is not None else

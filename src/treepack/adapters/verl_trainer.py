@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from treepack.planning import sharing
+from treepack.planning.collation import unpadded
 from treepack.planning.groups import GroupOrder, keep_groups_together
 
 try:
@@ -138,7 +139,7 @@ def _log_sharing(config, batch, groups, placed: GroupOrder, dp: int, metrics: di
     ``treepack/lost_rows/split_and_repeat``). Rows with images are counted over (id, image)
     pairs, as the workers' packs are built (:func:`_image_keys`)."""
     mask = batch.batch["attention_mask"].bool().cpu().numpy()
-    sequences = sharing.unpadded(batch.batch["input_ids"], mask, "input_ids", "attention_mask")
+    sequences = unpadded(batch.batch["input_ids"], mask, "input_ids", "attention_mask")
     keys = _image_keys(batch, sequences, processor)
     prompt_lengths = None
     if "prompts" in batch.batch.keys():

@@ -7,13 +7,11 @@ command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-from typing import NamedTuple
 
-PROGRESS_MIN_BYTES = 8 << 20  # files at least this large show a progress bar
+from treepack.planning.jsonl import InputError, JsonlBatch, read_batch
 
 # Building the parser imports no torch: treepack.zoo is torch-free at import, and the backend
 # names are listed here (tests/face/test_cli.py checks them against treepack.attention.CHOICES).
@@ -23,189 +21,6 @@ BUILTIN_DESCRIPTION = (
     "built-in agentic batch: 4 GRPO groups x 8 rollouts, 4 prompts x 4 trajectories x 4 "
     "agent steps with tool outputs"
 )
-
-
-class InputError(Exception):
-    """A problem with the user's input file, reported as ``FILE:LINE: message``."""
-
-
-TOKEN_FORMATS = (("input_ids",), ("prompt", "completion"), ("prompt_ids", "completion_ids"))
-GROUP_FIELDS = ("uid", "group")  # verl's name, and treepack.collate's
-PLACEMENT_FIELDS = ("rank", "micro_batch", "pack")
-SESSION_FIELD = "session"  # an agent trajectory: its lines are its turns, in order
-KEYS_FIELD = "keys"  # per-token content keys (an image placeholder's image), 0 for text
-KNOWN_FIELDS = (*(k for f in TOKEN_FORMATS for k in f), *GROUP_FIELDS, *PLACEMENT_FIELDS,
-                SESSION_FIELD, KEYS_FIELD)
-
-
-class Batch(NamedTuple):
-    """A JSON-lines batch: its sequences and, where every line gives them, their prompt
-    lengths, group keys, placement, sessions and per-token keys (None where the lines do
-    not)."""
-
-    sequences: list
-    prompt_lengths: list | None
-    groups: list | None
-    ranks: list | None
-    micro_batches: list | None
-    packs: list | None
-    group_field: str | None  # "uid" or "group", as the file names it
-    sessions: list | None = None
-    keys: list | None = None
-
-
-def _token_list(ids, name: str, where: str):
-    import numpy as np
-
-    what = "content keys" if name == KEYS_FIELD else "token ids"
-    if not isinstance(ids, list):
-        raise InputError(f"{where}: {name!r} must be a list of {what}, got "
-                         f"{type(ids).__name__}")
-    if ids and all(isinstance(x, list) for x in ids):
-        raise InputError(f"{where}: {name!r} holds {len(ids)} lists: a batch on one line? "
-                         "Write one sequence per line (a list of ids, or an object)")
-    if any(type(x) is not int for x in ids):
-        bad = next(x for x in ids if type(x) is not int)
-        raise InputError(f"{where}: {what} must be integers, found {bad!r}")
-    try:
-        arr = np.asarray(ids, dtype=np.int64)
-    except OverflowError:
-        raise InputError(f"{where}: a {what[:-1]} is beyond int64 (max {max(ids)})") from None
-    if arr.size and arr.min() < 0 and name != KEYS_FIELD:
-        at = int(np.argmax(arr < 0))
-        raise InputError(f"{where}: token ids must be >= 0, found {int(arr[at])} at position "
-                         f"{at}: strip padding and ignore-index values such as -100 first "
-                         "(write each sequence's real tokens only)")
-    return arr
-
-
-def _row_from_line(value, where: str):
-    """(ids, prompt length or None, {group / placement / session / keys field: value}, the
-    token format's first field) of one line."""
-    import difflib
-
-    import numpy as np
-
-    if isinstance(value, list):
-        value = {"input_ids": value}
-    if not isinstance(value, dict):
-        raise InputError(f"{where}: expected a list of token ids or an object with "
-                         f"'input_ids', 'prompt' and 'completion', or 'prompt_ids' and "
-                         f"'completion_ids', got {type(value).__name__}")
-    for key in value:
-        near = difflib.get_close_matches(key, KNOWN_FIELDS, n=1, cutoff=0.85)
-        if key not in KNOWN_FIELDS and near:
-            raise InputError(f"{where}: unknown field {key!r}: did you mean {near[0]!r}? "
-                             f"(treepack stats reads {', '.join(KNOWN_FIELDS)}; other fields "
-                             "are ignored)")
-    given = [f for f in TOKEN_FORMATS if any(k in value for k in f)]
-    if len(given) != 1 or not all(k in value for k in given[0]):
-        have = sorted(k for f in TOKEN_FORMATS for k in f if k in value) or \
-            sorted(value) or ["no field"]
-        raise InputError(
-            f"{where}: expected 'input_ids', or 'prompt' and 'completion', or 'prompt_ids' and "
-            f"'completion_ids' (one of them), got {', '.join(map(repr, have))}"
-            if have != ["no field"] else f"{where}: an object without 'input_ids' (or "
-            "'prompt' and 'completion', or 'prompt_ids' and 'completion_ids')")
-    parts = [_token_list(value[k], k, where) for k in given[0]]
-    ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    if not ids.size:
-        raise InputError(f"{where}: the sequence is empty; every sequence needs a token")
-    if sum(k in value for k in GROUP_FIELDS) > 1:
-        raise InputError(f"{where}: both 'uid' and 'group': give the group key once")
-    fields = {}
-    if KEYS_FIELD in value:
-        keys = _token_list(value[KEYS_FIELD], KEYS_FIELD, where)
-        if keys.shape != ids.shape:
-            raise InputError(f"{where}: 'keys' has {keys.size} values for the sequence's "
-                             f"{ids.size} tokens: give one content key per token (0 for text)")
-        fields[KEYS_FIELD] = (KEYS_FIELD, keys)
-    for key in (*GROUP_FIELDS, *PLACEMENT_FIELDS, SESSION_FIELD):
-        if key not in value:
-            continue
-        v = value[key]
-        if key in (*GROUP_FIELDS, SESSION_FIELD) and (
-                isinstance(v, bool) or not isinstance(v, (str, int))):
-            what = "a group key" if key in GROUP_FIELDS else "a session"
-            raise InputError(f"{where}: {key!r} is {v!r}: {what} is a string or an "
-                             "integer (verl's uid, a prompt's index, a trajectory's id)")
-        if key in PLACEMENT_FIELDS and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise InputError(f"{where}: {key!r} is {v!r}: give the {key.replace('_', '-')}'s "
-                             "index, an integer >= 0")
-        fields["group" if key in GROUP_FIELDS else key] = (key, v)
-    return ids, (len(parts[0]) if len(parts) > 1 else None), fields, given[0][0]
-
-
-def read_batch(path: str) -> Batch:
-    """A batch from a JSON-lines file (``-``: standard input). Each line: a list of ids,
-    ``{"input_ids": [...]}``, ``{"prompt": [...], "completion": [...]}`` or TRL's
-    ``{"prompt_ids": [...], "completion_ids": [...]}`` (the sequence is the prompt, then the
-    completion); optionally a group key ``uid`` (verl) or ``group``, a placement ``rank``,
-    ``micro_batch``, ``pack``, a ``session`` (an agent trajectory whose lines are its turns,
-    in order) and ``keys`` (one content key per token, 0 for text: an image placeholder's
-    image, so that the same text on two images is two rows, as the packs build it). Other
-    fields are ignored.
-
-    Blank lines are skipped; any other bad line raises :class:`InputError` naming it; a
-    group, placement, session or keys field must be on every line or on none, and so must a
-    prompt (lines with one and lines of ``input_ids`` alone do not mix).
-    """
-    from tqdm import tqdm
-
-    if path == "-":
-        f, size, path = contextlib.nullcontext(sys.stdin.buffer), 0, "<stdin>"
-    else:
-        try:
-            size = os.path.getsize(path)
-            f = open(path, "rb")
-        except OSError as e:
-            raise InputError(f"{path}: cannot read ({e.strerror})") from None
-    seqs, plens, columns, first, first_number = [], [], {}, {}, 0
-    prompted = {}  # has a prompt -> (first line number, its format)
-    with f as f, tqdm(total=size, unit="B", unit_scale=True, desc=f"reading {os.path.basename(path)}",
-                 disable=size < PROGRESS_MIN_BYTES, file=sys.stderr) as bar:
-        for number, line in enumerate(f, start=1):
-            bar.update(len(line))
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                value = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{where}: not valid JSON ({e})") from None
-            ids, plen, fields, form = _row_from_line(value, where)
-            prompted.setdefault(plen is not None, (number, form))
-            if len(prompted) > 1:
-                (has, has_form), (lacks, lacks_form) = prompted[True], prompted[False]
-                raise InputError(
-                    f"{where}: the lines mix formats: line {has} gives {has_form!r} (a prompt) "
-                    f"and line {lacks} {lacks_form!r} (no prompt): give every line its prompt "
-                    "('prompt' + 'completion', or 'prompt_ids' + 'completion_ids'; false forks "
-                    "and groups by prompt need them), or none")
-            if not seqs:
-                first, first_number = {k: name for k, (name, _) in fields.items()}, number
-                columns = {k: [] for k in fields}
-            if fields.keys() != first.keys():
-                k = next(iter(sorted(fields.keys() ^ first.keys())))
-                name = first[k] if k in first else fields[k][0]
-                has, lacks = (first_number, number) if k in first else (number, first_number)
-                raise InputError(f"{where}: line {has} has {name!r} and line {lacks} has not: "
-                                 f"give every line a {name!r}, or none")
-            for k, (_, v) in fields.items():
-                columns[k].append(v)
-            seqs.append(ids)
-            plens.append(plen)
-    if not seqs:
-        raise InputError(f"{path}: no sequences (the file has no non-blank line)")
-    return Batch(seqs, None if None in plens else plens, columns.get("group"),
-                 columns.get("rank"), columns.get("micro_batch"), columns.get("pack"),
-                 first.get("group"), columns.get(SESSION_FIELD), columns.get(KEYS_FIELD))
-
-
-def read_jsonl(path: str) -> list:
-    """Sequences from a JSON-lines file (:func:`read_batch`'s formats)."""
-    return read_batch(path).sequences
-
 
 CAUSE_LABELS = {"false_forks": "false forks", "across_ranks": "across ranks",
                 "across_micro_batches": "across micro-batches",
@@ -231,7 +46,7 @@ def _stats(args) -> int:
     from treepack.planning.sharing import CAUSES, report
 
     if args.file is None:
-        batch = Batch(agentic_batch(), None, None, None, None, None, None)
+        batch = JsonlBatch(agentic_batch(), None, None, None, None, None, None)
         source = BUILTIN_DESCRIPTION
     else:
         batch, source = read_batch(args.file), args.file

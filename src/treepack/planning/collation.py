@@ -37,7 +37,7 @@ from treepack.core.outputs import take_columns
 from treepack.core.tree import TreePack
 from treepack.planning.planner import Plan, plan
 
-__all__ = ["collate", "Collated", "Batch", "rollouts_from_padded"]
+__all__ = ["collate", "Collated", "Batch", "rollouts_from_padded", "unpadded"]
 
 _RESERVED = ("prompt", "completion", "group")
 
@@ -314,3 +314,28 @@ def _check_contiguous(mask: Tensor, name: str, rule: str) -> None:
             f"{name} row {b} has holes ({mask[b].int().tolist()}): it must mark padding only "
             f"({rule}), since masked tokens would vanish from the context of the tokens after "
             "them; pass tokens to skip in the loss as loss_mask")
+
+
+def unpadded(ids, mask, ids_name: str = "ids", mask_name: str = "mask") -> list[np.ndarray]:
+    """The real tokens of each row of a padded batch, on the host.
+
+    Args:
+        ids: ``[B, width]`` token ids (a tensor on any device, or an array).
+        mask: ``[B, width]`` which of them are real (an attention or completion mask).
+        ids_name, mask_name: their names, for the message.
+
+    Returns:
+        B int arrays (one copy of the batch to the host, one split).
+
+    Raises:
+        ValueError: shapes that are not both ``[B, width]``.
+    """
+    ids, mask = _host(ids), _host(mask).astype(bool)
+    if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"{ids_name} {ids.shape} and {mask_name} {mask.shape} must both be "
+                         "[B, width]")
+    return np.split(ids[mask], np.cumsum(mask.sum(1))[:-1])
+
+
+def _host(x) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x)
