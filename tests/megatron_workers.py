@@ -265,10 +265,10 @@ def broken(how: str | None):
     from treepack.adapters.megatron import forward, rotary
     from treepack.attention import exchange
 
-    from treepack.adapters import carried
+    from treepack.forwards import carried
     from treepack.adapters.megatron import moe
 
-    saved = (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
+    saved = (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
              forward.Head, moe.install, carried.Carried.backward_inputs)
     try:
         if how == "positions":  # the rotary embedding at each row's packed index
@@ -296,7 +296,7 @@ def broken(how: str | None):
                     q, k, v, attn_mask=mask, scale=scale)
                 out = out.permute(2, 0, 1, 3).reshape(own, 1, -1)
                 return torch.cat((out, out.new_zeros(self.width - own, *out.shape[1:])))
-            forward.TreeForward.attend = attend
+            forward.MegatronForward.core_attention = attend
         elif how == "carried gradient":  # parts hand no gradient to the parts above
             carried.Carried.backward_inputs = lambda self, i: ([], [])
         elif how == "vocabulary share":  # every TP rank takes its share for the first
@@ -305,7 +305,7 @@ def broken(how: str | None):
             forward.Head = head
         yield
     finally:
-        (rotary.install, exchange._Exchange.backward, forward.TreeForward.attend,
+        (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
          forward.Head, moe.install, carried.Carried.backward_inputs) = saved
 
 

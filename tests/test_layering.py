@@ -1,10 +1,10 @@
 """The package's layering (docs/design.md), read from every module's imports.
 
-Each part is a folder: core -> core; attention, recurrent, lean, planning -> core; adapters -> any of
-those and data; face -> anything; data -> nothing. Nothing imports face, no module imports the
-package root for a re-export or a short path (``treepack.hf`` for ``treepack.adapters.hf``),
-and core, attention, lean and planning never import transformers, TRL or verl. Imports inside
-functions count: they run too.
+Each part is a folder: core -> core; attention, recurrent, lean, planning -> core; forwards
+-> those; adapters -> any of those and data; face -> anything; data -> nothing. Nothing imports
+face, no module imports the package root for a re-export or a short path (``treepack.hf`` for
+``treepack.adapters.hf``), and no part below the adapters imports transformers, TRL, verl or
+megatron-core. Imports inside functions count: they run too.
 """
 
 import ast
@@ -15,18 +15,21 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "treepack"
 
 # Each part is a folder of src/treepack; the package root and version.py stand alone.
-PARTS = ("core", "attention", "recurrent", "lean", "planning", "adapters", "face", "data")
+PARTS = ("core", "attention", "recurrent", "lean", "planning", "forwards", "adapters", "face",
+         "data")
 MAY_IMPORT = {
     "core": {"core"},
     "attention": {"core"},
     "recurrent": {"core"},
     "lean": {"core"},
     "planning": {"core"},
-    "adapters": {"core", "attention", "recurrent", "lean", "planning", "data"},
+    "forwards": {"core", "attention", "recurrent", "lean", "planning"},
+    "adapters": {"core", "attention", "recurrent", "lean", "planning", "forwards", "data"},
     "face": set(PARTS),
     "data": set(),  # built-in workloads: import nothing of treepack, usable anywhere
 }
 FRAMEWORKS = {"transformers", "trl", "verl", "megatron"}
+FRAMEWORK_FREE = ("core", "attention", "recurrent", "lean", "planning", "forwards")
 
 
 def _short_paths() -> dict:
@@ -94,7 +97,7 @@ def test_every_import_points_down():
         for target, line in imports(path, module):
             top = target.split(".")[0]
             where = f"{path.relative_to(SRC.parent)}:{line} imports {target}"
-            if top in FRAMEWORKS and layer in ("core", "attention", "recurrent", "lean", "planning"):
+            if top in FRAMEWORKS and layer in FRAMEWORK_FREE:
                 wrong.append(f"{where}: {layer} never imports {top}")
             if top != "treepack":
                 continue
@@ -146,6 +149,27 @@ def test_the_layering_test_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "core" / "mask.py").write_text("from treepack.lean.logprobs import edges\n")
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     with pytest.raises(AssertionError, match="core -> lean points up"):
+        test_every_import_points_down()
+
+
+@pytest.mark.parametrize("line,caught", [
+    ("from treepack.adapters.hf import routing\n", "forwards -> adapters points up"),
+    ("import transformers\n", "forwards never imports transformers"),
+    ("from megatron.core import parallel_state\n", "forwards never imports megatron"),
+])
+def test_the_layering_test_keeps_the_forwards_framework_free(tmp_path, monkeypatch, line,
+                                                             caught):
+    """The parts layer (forwards) sits below the adapters: it may not reach up into them nor
+    import a framework."""
+    fake = tmp_path / "treepack"
+    for part in ("forwards", "adapters"):
+        (fake / part).mkdir(parents=True)
+    (fake / "__init__.py").write_text("PATHS = {}\n")
+    (fake / "adapters" / "hf").mkdir()
+    (fake / "adapters" / "hf" / "routing.py").write_text("")
+    (fake / "forwards" / "mixers.py").write_text(line)
+    monkeypatch.setattr(__import__(__name__), "SRC", fake)
+    with pytest.raises(AssertionError, match=caught):
         test_every_import_points_down()
 
 

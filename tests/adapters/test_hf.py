@@ -6,6 +6,7 @@ transformers = pytest.importorskip("transformers")
 import tiny_models  # noqa: E402
 import treepack  # noqa: E402
 from treepack import TreePack, hf, zoo  # noqa: E402
+from treepack.forwards import PackForward  # noqa: E402
 from treepack.verification import verification_batch, verify  # noqa: E402
 
 SEQS = verification_batch(zoo.VOCAB)
@@ -846,13 +847,13 @@ def test_deepseek_sparse_attention_selects_among_ancestors_and_refuses_slices():
         got = hf.logprobs(model, pack).logprobs
         for s, seq in enumerate(seqs):
             torch.testing.assert_close(got[s, 1:len(seq)], want[s], rtol=0, atol=2e-5)
-        real = routing.TreeForward.dense_mask
+        real = PackForward.dense_mask
         try:  # every row visible to the indexer: it picks other sequences' keys
-            routing.TreeForward.dense_mask = lambda self: torch.ones(
+            PackForward.dense_mask = lambda self: torch.ones(
                 self.pack.num_rows, self.pack.num_rows, dtype=torch.bool).tril()
             wrong = hf.logprobs(model, pack).logprobs
         finally:
-            routing.TreeForward.dense_mask = real
+            PackForward.dense_mask = real
         assert (wrong[1, 1:9] - want[1]).abs().max() > 1e-3
         with pytest.raises(hf.UnsupportedModel, match="indexer.*in parts"):
             hf.logprobs_in_parts(model, seqs, max_tokens=6)

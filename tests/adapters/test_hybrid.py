@@ -243,6 +243,7 @@ def test_short_tree_levels_scan_in_short_chunks():
     no more chunk positions than every sequence alone (Falcon-H1's census model: the packed
     forward took 6.4 s against 6.1 s alone before, 0.26 s after)."""
     from treepack.adapters.hf import routing
+    from treepack.forwards import PackForward
 
     seqs = batch()
     pack = TreePack.from_sequences(seqs)
@@ -254,7 +255,7 @@ def test_short_tree_levels_scan_in_short_chunks():
         return x * dt[..., None], x.new_zeros((n, x.shape[2], x.shape[3], B.shape[-1]))
 
     routed = routing._ssd(original)
-    tree = routing.TreeForward(pack, "segment")
+    tree = PackForward(pack, "segment")
     T, H, D, N = pack.num_rows, 2, 4, 3
     out = routed(torch.randn(1, T, H, D), torch.rand(1, T, H), -torch.rand(H),
                  torch.randn(1, T, 1, N), torch.randn(1, T, 1, N), 256,

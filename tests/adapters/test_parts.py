@@ -272,7 +272,7 @@ def test_parts_refuse_what_they_cannot_run_exactly():
 def test_parts_under_activation_checkpointing_equal_one_forward(monkeypatch):
     """transformers' (non-reentrant) activation checkpointing recomputes each layer in its
     part's backward; the keys and values kept are the first forward's."""
-    from treepack.adapters.hf.parts import carried
+    from treepack.forwards import carried
 
     calls = []
     put = carried.Carried.put
@@ -411,11 +411,11 @@ def test_hybrid_parts_equal_every_sequence_alone(monkeypatch):
 def test_hybrid_parts_fail_without_what_cuts_carry(broken, monkeypatch):
     """Negative controls: scans restarting from zeros at a cut, convolutions reading zeros
     above it, or the states' gradients never reaching the part that made them."""
-    from treepack.adapters.hf.parts import carried
+    from treepack.forwards import carried, mixers
 
     if broken == "zero_state":
-        scan = carried.scan_levels
-        monkeypatch.setattr(carried, "scan_levels",
+        scan = mixers.scan_levels
+        monkeypatch.setattr(mixers, "scan_levels",
                             lambda plan, kernel, inputs, initial: scan(plan, kernel, inputs))
     elif broken == "no_conv_context":
         gather = carried.Carried.gather

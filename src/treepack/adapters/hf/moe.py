@@ -10,7 +10,6 @@ from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel, text_config
 from treepack.core import deprecation
 from treepack.core.multiplicity import row_multiplicity  # noqa: F401 - hf.row_multiplicity
-from treepack.core.tree import TreePack
 
 __all__ = ["row_multiplicity", "router_aux_loss", "batch_router_aux_loss",
            "weighted_router_aux_loss"]

@@ -5,7 +5,7 @@ Every forward treepack runs goes through :func:`packed_forward`: the whole pack
 forward (:mod:`treepack.adapters.hf.parts`), and any other way of cutting a pack's rows over
 forwards. It checks the inputs against the whole pack once per forward (keyword arguments,
 preparation, device, vocabulary, rotary scaling), runs the model on the rows asked for with
-depth positions and the per-forward token mixers (:class:`~.routing.TreeForward`, or a part's),
+depth positions and the per-forward token mixers (:class:`~treepack.forwards.PackForward`, or a part's),
 checks afterwards that every layer took them, and returns the model's output with what the
 head asked for: the logits, or the LM head's input and the head as the forward saw it.
 """
@@ -19,10 +19,11 @@ from torch import Tensor
 from treepack.adapters.hf.head import check_lm_head, lm_head
 from treepack.adapters.hf.prepare import compute_device, hold_routing, is_prepared, unwrap
 from treepack.adapters.hf.vision import image_blocks, image_token_ids, vision_forward
-from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, TreeForward, UnsupportedModel,
+from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, UnsupportedModel,
                                           check_calls, text_config, tree_forward)
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
+from treepack.forwards.mixers import PackForward, TreeForward
 
 __all__ = ["packed_forward", "PackedOutput", "check_inputs", "check_pack", "OUTPUTS"]
 
@@ -73,7 +74,7 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
         pack: the whole pack (the checks read it whole, whatever ``rows`` holds).
         kwargs: keyword arguments for the model (checked; ``return_dict=False`` refused).
         rows: the pack's rows this forward computes, ascending (default: all of them).
-        mixers: the forward's token mixers; default ``TreeForward(pack, backend,
+        mixers: the forward's token mixers; default ``PackForward(pack, backend,
             block_size)`` (``rows`` must then be all rows).
         backend, block_size: the attention backend of the default mixers.
         output: ``"logits"`` (the model's own output) or ``"hidden"`` (the head runs on one
@@ -95,7 +96,7 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
     if output not in OUTPUTS:
         raise ValueError(f"output={output!r} must be one of {OUTPUTS}")
     if mixers is None:
-        mixers = TreeForward(pack, backend, block_size)
+        mixers = PackForward(pack, backend, block_size)
     pad = getattr(text_config(core), "pad_token_id", None)  # CodeGen's config has none
     ids, positions = _input_ids(pack, pad), pack.position_ids
     if rows is not None:

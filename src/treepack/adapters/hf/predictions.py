@@ -3,18 +3,17 @@ part of a tree, one rank's slice of a sequence-parallel forward, or both.
 
 The predictions themselves and their placement are :mod:`treepack.lean.predictions`' (shared
 with every adapter that splits a pack's rows; :func:`part_predictions`, grouped by part once
-per pack and budget, is :mod:`treepack.adapters.carried`'s); :func:`place` reads a packed forward's output (its logits,
+per pack and budget, is :mod:`treepack.forwards.plans`'); :func:`place` reads a packed forward's output (its logits,
 or its hidden states and head) as their source.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import Tensor
 
-from treepack.adapters.carried import part_predictions
 from treepack.core.softmax import Head, Logits
+from treepack.forwards.plans import part_predictions
 from treepack.lean import predictions as lean
 from treepack.lean.predictions import Predictions
 

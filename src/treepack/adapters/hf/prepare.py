@@ -10,13 +10,13 @@ from torch import Tensor
 
 from treepack.adapters.hf import compat
 from treepack.adapters.hf.routing import (NO_POSITIONS, ORIGINAL, TREE_FORWARD_KWARG,
-                                          TreeForward,
                                           UnsupportedModel, attention_share, check_calls,
                                           check_layer_types,
                                           registered_name, route_mixers, text_config,
                                           tree_forward, unroute_mixers)
 from treepack.core import deprecation
 from treepack.core.tree import TreePack
+from treepack.forwards.mixers import PackForward
 from treepack.planning.planner import PAIR_COST
 
 __all__ = ["prepare", "restore", "prepared", "unprepare", "is_prepared", "original_attention",
@@ -242,7 +242,7 @@ def _check_reads_position_ids(model, core) -> None:
     outs = []
     with eval_no_grad(model):
         for positions in ([0, 1], [0, 7]):  # same chain, keys 1 vs 7 positions back
-            tree = TreeForward(pack, "dense")
+            tree = PackForward(pack, "dense")
             tree.depths = torch.tensor(positions, device=device)
             try:
                 with tree_forward(tree):

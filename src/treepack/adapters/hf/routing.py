@@ -1,7 +1,7 @@
 """Routing: each layer's token mixer of a prepared model, with a pack or without.
 
 :func:`treepack.hf.prepare` registers a treepack attention implementation per original one
-(``treepack_sdpa``, ...). With a pack (a :class:`TreeForward` passed as a forward keyword) it
+(``treepack_sdpa``, ...). With a pack (a :class:`~treepack.forwards.TreeForward` passed as a forward keyword) it
 runs the tree backend and counts the layers that took it; without one it runs the original
 implementation, so one model object serves packed and ordinary batches. Hybrid models' other
 mixers (linear attention, state-space, short convolutions) are routed here too, by layer type.
@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 
 from treepack.adapters.hf import compat
-from treepack.attention import TreeAttention, dense
-from treepack.core.tree import TreePack
-from treepack.recurrent import decayed_linear_attention, level_scan, tree_conv1d
+from treepack.attention import dense
+from treepack.forwards.mixers import TreeForward
+from treepack.recurrent import decayed_linear_attention
 
-__all__ = ["UnsupportedModel", "TreeForward", "tree_forward", "registered_name", "check_calls",
+__all__ = ["UnsupportedModel", "tree_forward", "registered_name", "check_calls",
            "text_config", "TREE_FORWARD_KWARG", "ATTENTION_LAYER_TYPES", "MIXER_LAYER_TYPES",
            "check_layer_types", "route_mixers", "unroute_mixers", "attention_share"]
 
@@ -214,59 +214,6 @@ def _mask(*args, config=None, **kwargs):
     if mask is None:
         return kwargs.get("attention_mask")  # transformers passes such masks through as-is
     return mask(*args, config=config, **kwargs)
-
-
-class TreeForward:
-    """The per-forward object every token mixer receives: the pack, the attention backend,
-    and call counts that prove each layer took the tree path."""
-
-    depths = None  # [rows] the depths of the forward's rows, in order (packed_forward sets it)
-    blocks = None  # [T'] rows that see each other both ways (Gemma 3's images), -1 elsewhere
-
-    def __init__(self, pack: TreePack, backend: str, block_size: int = 128):
-        self.pack = pack
-        self.attention = TreeAttention(pack, backend, block_size=block_size)
-        self.calls = 0
-        self.windowed = 0  # calls that passed a sliding window
-        self.mixer_calls: collections.Counter = collections.Counter()  # role -> calls
-
-    def attend(self, module, query, key, value, **kwargs):
-        """One attention layer (``module``) of the forward, on the tree backend."""
-        if self.blocks is not None:
-            kwargs["blocks"] = self.blocks
-        return self.attention(query, key, value, **kwargs)
-
-    def dense_mask(self) -> Tensor:
-        """``[rows, rows]`` which rows each row of this forward sees (a layer that builds its
-        own mask from it; :data:`MASKED_LAYER_TYPES`), built once per pack."""
-        return dense.visible(self.pack, None)
-
-    def set_blocks(self, blocks: Tensor) -> None:
-        """Blocks of rows whose attention sees each other both ways (image tokens of a model
-        that attends to them so), ``[T']`` block ids, -1 elsewhere."""
-        self.blocks = blocks
-
-    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """One short causal convolution, ``x`` ``[T', C]`` per row, along each row's path."""
-        return tree_conv1d(self.pack, x, weight, bias)
-
-    def scan(self, kernel, inputs: dict[str, Tensor], per_head: dict | None = None,
-             shared: tuple[str, ...] = (), layer: Tensor | None = None) -> Tensor:
-        """One recurrent scan (the layer whose convolution ran last) over every path;
-        ``per_head``: the layer's per-head parameters (Mamba2's ``A`` and ``D``), which
-        reach the kernel in its batch (a sequence-parallel rank's heads of them);
-        ``shared``: the inputs of one head that every head reads whole (Mamba's ``B`` and
-        ``C``, ``[T', 1, N]``), which a sequence-parallel rank gathers rather than splits;
-        ``layer``: a weight of a layer that runs no convolution first (MiniMax's lightning
-        attention), which names its state in parts."""
-        return level_scan(self.pack, with_params(kernel, per_head), inputs)
-
-
-def with_params(kernel, params: dict | None):
-    """``kernel`` whose batch also holds ``params`` (per-head tensors, not per row)."""
-    if not params:
-        return kernel
-    return lambda batch, state: kernel({**batch, **params}, state)
 
 
 # ---------------------------------------------------------------------- hybrid layers

@@ -33,13 +33,14 @@ from treepack.adapters.hf.moe import weighted_router_aux_loss
 from treepack.adapters.hf.packed import check_inputs, check_pack, packed_forward
 from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
-from treepack.adapters.hf.routing import TreeForward, UnsupportedModel
+from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.attention import exchange
 from treepack.core.agreement import (Label, PackIdentity, agreement, pack_identity,
                                      parameters_fingerprint)
 from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
+from treepack.forwards.mixers import PackForward, TreeForward
 
 __all__ = ["SequenceParallel", "ShardedForward", "sequence_parallel", "sum_over",
            "average_gradients", "agreed", "pack_identity", "PackIdentity", "logprobs",
@@ -114,14 +115,14 @@ def sum_over(x: Tensor, sp: SequenceParallel) -> Tensor:
     return exchange.sum_over(x, sp.group, sp.size)
 
 
-class ShardedForward(TreeForward):
-    """The token mixers of one rank's slice: every mixer's inputs exchanged to (all rows,
+class ShardedForward:
+    """The token mixers (a :class:`~treepack.forwards.TreeForward`) of one rank's slice: every mixer's inputs exchanged to (all rows,
     this rank's heads or channels), ``inner``'s mixer over all rows, and back
     (:class:`treepack.attention.exchange.HeadExchange`).
 
     Args:
-        inner: the mixers over all the forward's rows (the pack's :class:`TreeForward`, or a
-            part's :class:`~.parts.carried.PartForward`).
+        inner: the mixers over all the forward's rows (the pack's :class:`~treepack.forwards.PackForward`,
+            or a part's :class:`~treepack.forwards.PartForward`).
         sp: the group.
         total: the forward's rows (the pack's, or the part's).
     """
@@ -210,7 +211,7 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
                       align=align, backend=backend, head_dtype=head_dtype,
                       block_size=block_size)
     rows, start, stop = sp.rows(torch.arange(pack.num_rows, device=pack.device))
-    mixers = ShardedForward(TreeForward(pack, backend, block_size), sp, pack.num_rows)
+    mixers = ShardedForward(PackForward(pack, backend, block_size), sp, pack.num_rows)
     with sp.own_random_stream(model, pack.device):
         out = packed_forward(model, pack, kwargs, rows=rows, mixers=mixers, output=output)
     aux, router = _router_loss(model, pack, sp, out.output, start, stop)

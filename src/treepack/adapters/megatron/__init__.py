@@ -28,12 +28,12 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 from treepack.adapters.megatron.attention import (  # noqa: E402
     TreeCoreAttention, TreePackedSeqParams, UnsupportedMegatron, layer_spec)
 from treepack.adapters.megatron.forward import (  # noqa: E402
-    StageOutput, TreeForward, forward_stage, forward_step, is_prepared, logprobs, prepare,
+    MegatronForward, StageOutput, forward_stage, forward_step, is_prepared, logprobs, prepare,
     unwrap)
 from treepack.adapters.megatron.parts import (  # noqa: E402
     PartsResult, backward_in_parts, logprobs_in_parts, step_in_parts)
 
 __all__ = ["layer_spec", "prepare", "logprobs", "forward_step", "forward_stage", "StageOutput",
-           "is_prepared", "unwrap", "TreeCoreAttention", "TreePackedSeqParams", "TreeForward",
+           "is_prepared", "unwrap", "TreeCoreAttention", "TreePackedSeqParams", "MegatronForward",
            "UnsupportedMegatron", "backward_in_parts", "step_in_parts", "logprobs_in_parts",
            "PartsResult"]

@@ -44,7 +44,7 @@ class UnsupportedMegatron(ValueError, NotImplementedError):
 
 @dataclasses.dataclass
 class TreePackedSeqParams(PackedSeqParams):
-    """``packed_seq_params`` that carry a tree forward (:class:`~.forward.TreeForward`) to
+    """``packed_seq_params`` that carry a tree forward (:class:`~.forward.MegatronForward`) to
     every :class:`TreeCoreAttention` of the model."""
 
     tree: object = None
@@ -190,7 +190,7 @@ class TreeCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise UnsupportedMegatron("an attention bias (ALiBi, relative positions) is not "
                                       "read by the tree backends")
-        return tree.attend(self, query, key, value, scale=self.scale, window=self.window,
+        return tree.core_attention(self, query, key, value, scale=self.scale, window=self.window,
                            dropout=self.dropout if self.training else 0.0,
                            sinks=self._sinks(query))
 

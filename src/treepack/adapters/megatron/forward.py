@@ -3,7 +3,7 @@ from one forward over the tree's rows.
 
 The model sees the pack's rows as one sequence (``[1, rows]``) at their depths
 (:mod:`.rotary`), with every layer's core attention over the tree (:mod:`.attention`), which a
-:class:`TreeForward` reaches through ``packed_seq_params``. Megatron's own parallelism stays:
+:class:`MegatronForward` reaches through ``packed_seq_params``. Megatron's own parallelism stays:
 
 - **Tensor parallelism.** Each rank's core attention gets its heads; the LM head is
   vocab-parallel and the log-softmax runs on each rank's share of the vocabulary, its max,
@@ -30,7 +30,6 @@ import weakref
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
@@ -38,17 +37,17 @@ from megatron.core import parallel_state, tensor_parallel
 from treepack.adapters.megatron import moe, rotary
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
                                                   swap, tree_layers)
-from treepack.attention import TreeAttention
 from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
 from treepack.core.agreement import agreement, pack_identity
 from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.softmax import Head
 from treepack.core.tree import TreePack
+from treepack.forwards.mixers import PackForward, TreeForward
 from treepack.lean.predictions import place, predictions
 
 __all__ = ["prepare", "logprobs", "forward_stage", "forward_step", "StageOutput", "unwrap",
-           "TreeForward", "is_prepared"]
+           "MegatronForward", "is_prepared"]
 
 _PREPARED: weakref.WeakSet = weakref.WeakSet()
 
@@ -121,25 +120,26 @@ def is_prepared(model) -> bool:
     return unwrap(model) in _PREPARED
 
 
-class TreeForward:
-    """One tree forward of a Megatron model on this rank: its rows, their depths, and the core
-    attention over the pack, with the row/head exchange over the CP group.
+class MegatronForward:
+    """One tree forward of a Megatron model on this rank: its rows, their depths, and each
+    layer's core attention in Megatron's layout, through the row/head exchange over the CP
+    group, into the forward's token mixers (:class:`~treepack.forwards.TreeForward`).
 
     Args:
-        pack: the whole pack (every rank of the TP and CP groups holds it).
-        backend, block_size: treepack's attention backend (``"auto"``: varlen on CUDA where it
-            applies, else flex, else segment).
+        mixers: the token mixers over every row of the forward: the whole pack's
+            (:class:`~treepack.forwards.PackForward`), or one part's
+            (:class:`~treepack.forwards.PartForward`, :mod:`.parts`).
         cp: the context-parallel group (None: one rank); ``cp_rank``, ``cp_size``.
         multiple: the rows of a forward are padded to a multiple of this (Megatron's sequence
             parallelism splits them over the TP ranks).
         rows: the pack's rows this forward computes (ascending; None: every row), as one
-            part of a tree in parts does (:mod:`.parts`); ``start`` / ``stop`` count among
-            them.
+            part of a tree in parts does; ``start`` / ``stop`` count among them.
     """
 
-    def __init__(self, pack: TreePack, backend: str, block_size: int, cp, cp_rank: int,
-                 cp_size: int, multiple: int, rows: Tensor | None = None):
-        self.pack, self.cp = pack, cp
+    def __init__(self, mixers: TreeForward, cp, cp_rank: int, cp_size: int, multiple: int,
+                 rows: Tensor | None = None):
+        pack = mixers.pack
+        self.pack, self.cp, self.mixers = pack, cp, mixers
         whole = rows is None
         every = torch.arange(pack.num_rows, device=pack.device) if whole else rows
         total = every.shape[0]
@@ -158,8 +158,6 @@ class TreeForward:
         weights = row_multiplicity(pack)[rows]
         self.weights = weights.masked_fill(torch.arange(width, device=pack.device)
                                            >= self.stop - self.start, 0)
-        self.attention = TreeAttention(pack, backend, block_size=block_size) \
-            if whole else None  # a part attends through its own plans (.parts)
         self.exchange = None if cp is None else HeadExchange(
             cp, cp_rank, cp_size, total, width, error=UnsupportedMegatron)
         self.calls = 0
@@ -169,8 +167,9 @@ class TreeForward:
         """This rank's real rows (the rest of its ``width`` are padding)."""
         return self.stop - self.start
 
-    def attend(self, module, query: Tensor, key: Tensor, value: Tensor, *, scale: float,
-               window: int | None, dropout: float, sinks: Tensor | None = None) -> Tensor:
+    def core_attention(self, module, query: Tensor, key: Tensor, value: Tensor, *,
+                       scale: float, window: int | None, dropout: float,
+                       sinks: Tensor | None = None) -> Tensor:
         """A layer's tree attention: ``query`` ``[width, 1, h, d]``, ``key`` and ``value``
         ``[width, 1, g, d]`` (TP-local heads) in, ``[width, 1, h * d]`` out; ``sinks``
         ``[h]``, a sink logit per head (attention sinks), or None."""
@@ -186,9 +185,9 @@ class TreeForward:
         if sinks is not None and self.exchange is not None:  # this CP rank's heads
             mine = sinks.chunk(self.exchange.size)[self.exchange.rank]
 
-        def inner(q, k, v):
-            return self.attend_rows(module, q, k, v, scale=scale, window=window,
-                                    dropout=dropout, sinks=mine)
+        def inner(q, k, v):  # every row of the forward, this rank's heads
+            return self.mixers.attend(module, q, k, v, scale=scale, window=window,
+                                      dropout=dropout, sinks=mine)
 
         if self.exchange is not None:
             with self._own_stream(dropout):
@@ -200,13 +199,6 @@ class TreeForward:
                 out = torch.cat((out, out.new_zeros(*out.shape[:2], self.width - total,
                                                     out.shape[3])), 2)
         return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
-
-    def attend_rows(self, module, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-                    window: int | None, dropout: float, sinks: Tensor | None = None) -> Tensor:
-        """The tree attention over every row of the forward (``[1, heads, rows, d]``, this
-        rank's heads, and their ``sinks``)."""
-        return self.attention(q, k, v, scale=scale, window=window, dropout=dropout,
-                              sinks=sinks)
 
     def _own_stream(self, dropout: float):
         """With attention dropout under CP, this rank's heads draw from a stream of their own
@@ -352,8 +344,8 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
         fields.update(call="forward_stage", pack=pack_identity(pack), temperature=temps,
                       align=align, entropy=entropy, backend=backend,
                       gradients=torch.is_grad_enabled(), training=core.training)
-    forward = TreeForward(pack, backend, block_size, cp["group"], cp["rank"], cp["size"],
-                          tp["size"] if core.config.sequence_parallel else 1)
+    forward = MegatronForward(PackForward(pack, backend, block_size), cp["group"], cp["rank"],
+                              cp["size"], tp["size"] if core.config.sequence_parallel else 1)
     output, head = run_forward(model, forward, tp)
     if not core.post_process:
         return StageOutput(output, None)
@@ -361,7 +353,7 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
                                               entropy, align, chunk_size, tp, cp))
 
 
-def run_forward(model, forward: TreeForward, tp: dict) -> tuple[Tensor, dict]:
+def run_forward(model, forward: MegatronForward, tp: dict) -> tuple[Tensor, dict]:
     """The stage's model over ``forward``'s rows at their depths: its output, and on the last
     stage the output layer's weight (``head``; the output is the final norm's)."""
     core = unwrap(model)
@@ -412,7 +404,7 @@ def forward_step(loss_fn, **options):
     return step
 
 
-def _place(core, pack, forward: TreeForward, hidden: Tensor, head: dict, temps, entropy,
+def _place(core, pack, forward: MegatronForward, hidden: Tensor, head: dict, temps, entropy,
            align, chunk_size, tp: dict, cp: dict, every=None) -> TokenLogprobs:
     """The forward's predictions (``every``: those of its rows, sources counted among them;
     None: the pack's) from its hidden states (``[1, rows, H]``, or this TP rank's rows of them

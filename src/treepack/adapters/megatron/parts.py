@@ -4,7 +4,7 @@ compute their rows once (what :mod:`treepack.hf`'s parts do for transformers).
 :func:`treepack.planning.parts.split` cuts the tree into parts of at most ``max_tokens`` rows.
 A part's forward is the model over its own rows only (at their depths); each layer's core
 attention reads the keys and values of the part's ancestor rows (its context) from the parts
-that computed them (:class:`treepack.adapters.carried.Carried`: each TP rank its own heads;
+that computed them (:class:`treepack.forwards.Carried`: each TP rank its own heads;
 under CP, each rank the heads it attends after the row/head exchange). In training those go
 to the parts below as detached leaves; each of those parts' backward adds its gradient into
 them, and the part's own backward runs once, after all of them, with its loss and those
@@ -20,53 +20,22 @@ backwards in the order of the forwards.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.carried import Carried, Walk, attend_part, part_predictions
 from treepack.adapters.megatron import moe
 from treepack.adapters.megatron.attention import UnsupportedMegatron
-from treepack.adapters.megatron.forward import (TreeForward, _agreement_group, _check,
+from treepack.adapters.megatron.forward import (MegatronForward, _agreement_group, _check,
                                                 _groups, _place, run_forward, unwrap)
 from treepack.core.agreement import agreement, pack_identity
 from treepack.core.outputs import TokenLogprobs
 from treepack.core.tree import TreePack
+from treepack.forwards import Carried, PartForward, PartsResult, Walk, part_predictions
 from treepack.planning.parts import Parts, split
 
 __all__ = ["backward_in_parts", "step_in_parts", "logprobs_in_parts", "PartsResult"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PartsResult:
-    """What :func:`backward_in_parts` and :func:`step_in_parts` return (the gradients are in
-    the parameters)."""
-
-    loss: Tensor  # the step's loss (detached)
-    logprobs: Tensor  # [N, L] in the ``align`` alignment (detached)
-    entropy: Tensor | None  # the same shape, when asked for
-    parts: int  # forwards run (per pass)
-    rows: int  # rows they computed: the tree's, each once
-
-
-class PartTreeForward(TreeForward):
-    """One part's forward: its rows (split over CP, padded for sequence parallelism as
-    :class:`~.forward.TreeForward`), each layer's attention over the part's context and own
-    rows."""
-
-    def __init__(self, carried: Carried, index: int, cp, cp_rank: int, cp_size: int,
-                 multiple: int):
-        parts = carried.parts
-        rows = torch.from_numpy(parts.parts[index].rows).to(parts.pack.device)
-        super().__init__(parts.pack, "segment", 128, cp, cp_rank, cp_size, multiple, rows=rows)
-        self.carried, self.index, self.budget = carried, index, parts.max_rows
-
-    def attend_rows(self, module, q, k, v, *, scale, window, dropout, sinks=None):
-        return attend_part(self.carried, self.index, module, q, k, v, scale=scale,
-                           softcap=None, window=window, dropout=dropout, sinks=sinks)
 
 
 def _no_reentrant() -> UnsupportedMegatron:
@@ -104,8 +73,9 @@ class _Run:
 
     def _forward(self, i: int):
         cp = self.cp
-        forward = PartTreeForward(self.carried, i, cp["group"], cp["rank"], cp["size"],
-                                  self.multiple)
+        rows = torch.from_numpy(self.parts.parts[i].rows).to(self.parts.pack.device)
+        forward = MegatronForward(PartForward(self.carried, i, UnsupportedMegatron),
+                                  cp["group"], cp["rank"], cp["size"], self.multiple, rows=rows)
         return (forward, *run_forward(self.model, forward, self.tp))
 
     def _outputs(self, i: int, forward, output, head) -> Tensor | None:

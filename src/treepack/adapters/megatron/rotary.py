@@ -17,7 +17,6 @@ they are Megatron's own. The tree reaches them through ``packed_seq_params``
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (

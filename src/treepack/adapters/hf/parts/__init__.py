@@ -16,10 +16,9 @@ The package's files are its concerns:
 - :mod:`.calls`: the public calls (:func:`backward_in_parts` for a loss that is a sum over
   predictions, :func:`step_in_parts` for any loss of the whole batch, :func:`logprobs_in_parts`
   without gradients), and what they take (sequences, a pack, or built :class:`Parts`);
-- :mod:`.run`: one pass over the parts, depth-first, forwards, recomputes and backwards, and
-  each part's predictions placed in the pack's layout;
-- :mod:`.carried`: the keys, values, convolution inputs and scan states a part hands below,
-  the token mixers that read them, and each part's plans;
+- :mod:`.run`: a part's forward through the one packed forward, and each part's
+  predictions placed in the pack's layout (the pass itself, what a part carries below and
+  each part's plans are framework-free: :mod:`treepack.forwards`);
 - :mod:`.sync`: DDP, FSDP2 and FSDP1 around a step in parts.
 """
 

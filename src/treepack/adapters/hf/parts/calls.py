@@ -4,7 +4,6 @@ log-probs without gradients; each takes sequences, a pack, or a built :class:`Pa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -23,22 +22,11 @@ from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, agreed,
 from treepack.core.agreement import fingerprint, pack_identity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
+from treepack.forwards.walk import PartsResult
 from treepack.planning.parts import Parts, split
 
 __all__ = ["backward_in_parts", "step_in_parts", "logprobs_in_parts", "PartsResult",
            "check_model", "surrogate", "tree_parts"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PartsResult:
-    """What :func:`backward_in_parts` and :func:`step_in_parts` return (the gradients are in
-    the parameters)."""
-
-    loss: Tensor  # the step's loss (detached)
-    logprobs: Tensor  # in the pack's layout and the ``align`` alignment (detached)
-    entropy: Tensor | None  # the same shape, when asked for
-    parts: int  # forwards run (per pass)
-    rows: int  # rows they computed: the tree's, each once
 
 
 def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,

@@ -18,17 +18,26 @@ from torch import Tensor
 
 from treepack.adapters.hf.head import head_after
 from treepack.adapters.hf.packed import packed_forward
-from treepack.adapters.carried import Carried, Walk
-from treepack.adapters.hf.parts.carried import PartForward, reentrant_checkpoint
 from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, SequenceParallel,
                                                     ShardedForward)
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
+from treepack.forwards import Carried, PartForward, Walk
 from treepack.planning.parts import Parts
 
-__all__ = ["Run", "rng_state", "set_rng_state", "loss_tensor", "ROUTER_IN_PARTS"]
+__all__ = ["Run", "rng_state", "set_rng_state", "loss_tensor", "ROUTER_IN_PARTS",
+           "reentrant_checkpoint"]
+
+
+def reentrant_checkpoint() -> UnsupportedModel:
+    """The refusal of a layer that runs without gradients during a training step."""
+    return UnsupportedModel(
+        "a layer ran its forward without gradients during a training step: reentrant "
+        "activation checkpointing, whose backward would not see the gradients the parts below "
+        "add to this part's keys and values. Use model.gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})")
 
 
 class Run:
@@ -73,7 +82,7 @@ class Run:
     def forward(self, i: int):
         """Part ``i``'s forward: the packed forward's output and the part's router logits."""
         rows = torch.from_numpy(self.parts.parts[i].rows).to(self.device)
-        mixers = PartForward(self.carried, i)
+        mixers = PartForward(self.carried, i, UnsupportedModel)
         if self.sp is not None:
             mixers = ShardedForward(mixers, self.sp, rows.shape[0])
             rows, *self.slices[i] = self.sp.rows(rows)
