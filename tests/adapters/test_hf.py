@@ -588,6 +588,22 @@ def test_models_whose_own_code_breaks_on_a_tree_forward_get_treepacks_refusal(na
     assert not hf.is_prepared(model)  # a refused model is left as it was
 
 
+def test_a_layer_of_another_dtype_is_refused_by_its_dtype_not_as_alibi():
+    """One float64 layer in a float32 model fails with or without a pack: the refusal names
+    the dtypes and the layer (and the cast that fixes it), not ALiBi or custom attention."""
+    model = zoo.tiny_model("qwen2")
+    model.model.layers[0].to(torch.float64)
+    with pytest.raises(hf.UnsupportedModel) as info:
+        hf.prepare(model)
+        hf.logprobs(model, TreePack.from_sequences([[1, 2, 3], [1, 2, 4]]))
+    message = str(info.value)
+    assert "most in torch.float32, model.layers.0 in torch.float64" in message
+    assert "ordinary forward without a pack too" in message
+    assert "model.to(torch.float32)" in message
+    assert "ALiBi" not in message and "custom attention" not in message
+    assert not hf.is_prepared(model)
+
+
 def test_verify_runs_the_reference_on_the_callers_ids(monkeypatch):
     # A pack whose ids are consistently wrong (input ids and targets shifted alike) used to
     # pass: the reference was rebuilt from the pack.

@@ -483,6 +483,60 @@ def test_videos_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
         assert rel(model.get_parameter(name).grad, w) <= 1e-6, name
 
 
+# The pack and the stock forward run the same float64 operations in different orders (keys
+# gathered per row, reductions over other row sets): they differ by rounding alone, about
+# float64's eps (2.2e-16) relative to the largest log-prob (measured: 8.9e-16 at |logp| ~ 5,
+# under 1 eps of it). 16 eps of it, ~2e-14, is far below what rounding the pixels to float32
+# or bfloat16 costs (1.3e-8 and more).
+LOGP_EPS = 16
+
+
+def logprob_errors(model, batch, **videos):
+    """Sequence by sequence, the pack's log-probs against each sequence alone (stock), and the
+    float64 allowance: ``LOGP_EPS`` eps relative to the largest log-prob."""
+    with torch.no_grad():
+        want = [alone_with_videos(model, batch, s) for s in range(len(batch.sequences))]
+        hf.prepare(model)
+        images = hf.Images(model, batch.sequences, **videos,
+                           pixel_values_videos=batch.pixel_values_videos,
+                           video_grid_thw=batch.video_grid_thw,
+                           second_per_grid_ts=batch.second_per_grid_ts)
+        out = hf.logprobs(model, images.pack(), images=images).logprobs
+    errors = [float((out[s, 1:len(seq)] - w).abs().max())
+              for s, (seq, w) in enumerate(zip(batch.sequences, want))]
+    scale = max(float(w.abs().max()) for w in want)
+    return errors, LOGP_EPS * torch.finfo(torch.float64).eps * scale
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_float64_videos_without_images_stay_float64(family):
+    """Videos and no images: the pixels are the videos' own, in their dtype (never an empty
+    float32 image table's, which rounded float64 videos to float32: 1.3e-8 to 3.8e-8 off)."""
+    layout = [seq for seq in VIDEO_LAYOUT if A not in seq]
+    batch = zoo.image_batch(layout, dtype=torch.float64, family=family)
+    model = tiny(family)
+    errors, allowed = logprob_errors(model, batch)
+    assert max(errors) <= allowed, (errors, allowed)
+
+
+@pytest.mark.parametrize("family, image_dtype, video_dtype", [
+    ("qwen2_vl", torch.bfloat16, torch.float32),  # videos were rounded to bfloat16
+    ("qwen3_vl", torch.float32, torch.float64),  # ... and to float32
+    ("qwen2_5_vl", torch.float64, torch.float32),  # images were always widened exactly
+])
+def test_videos_keep_their_dtype_beside_images_of_another(family, image_dtype, video_dtype):
+    """Each modality reaches the (float64) vision tower with its own values, as the model's
+    get_image_features and get_video_features cast each to the tower's dtype: equal to each
+    sequence alone, stock, to float64 rounding."""
+    batch = zoo.image_batch(VIDEO_LAYOUT, dtype=torch.float64, family=family)
+    batch = batch._replace(pixel_values=batch.pixel_values.to(image_dtype),
+                           pixel_values_videos=batch.pixel_values_videos.to(video_dtype))
+    model = tiny(family)
+    errors, allowed = logprob_errors(model, batch, pixel_values=batch.pixel_values,
+                                     image_grid_thw=batch.image_grid_thw)
+    assert max(errors) <= allowed, (errors, allowed)
+
+
 def test_videos_refused_where_they_cannot_run():
     batch = zoo.image_batch([[1, V, 3]], dtype=torch.float64, family="qwen2_5_vl")
     model = hf.prepare(tiny("llava"))

@@ -242,6 +242,28 @@ def test_to_device_moves_every_tensor_and_is_immutable():
     assert built.rows.device.type == "meta"
 
 
+@pytest.mark.parametrize("args, kwargs", [
+    ((torch.float32,), {}),  # Tensor.to would read this as a dtype
+    (("cpu", torch.float64), {}),
+    (("cpu",), {"dtype": torch.float16}),
+    ((torch.zeros(1),), {}),  # Tensor.to would copy the dtype (and device) of a tensor
+    (("float32",), {}),
+])
+def test_to_refuses_anything_but_a_device_and_keeps_integer_tables(args, kwargs):
+    pack = TreePack.from_sequences([[1, 2, 3], [1, 2, 4]])
+    dtypes = [t.dtype for t in (pack.input_ids, pack.position_ids, pack.parent_row, pack.rows)]
+    with pytest.raises(TypeError) as info:
+        pack.to(*args, **kwargs)
+    message = str(info.value)
+    assert message.startswith("TreePack.to(") and "integer tables" in message
+    assert "device" in message
+    if isinstance(args[0], torch.dtype):
+        assert "TreePack.to(torch.float32)" in message
+    assert [t.dtype for t in (pack.input_ids, pack.position_ids, pack.parent_row,
+                              pack.rows)] == dtypes
+    assert pack.to(torch.device("cpu")).input_ids.dtype == torch.int64
+
+
 def test_unpack_maps_rows_to_original_layout():
     seqs = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6], [9]]
     pack = TreePack.from_sequences(seqs, pad_to_multiple_of=16)

@@ -262,16 +262,25 @@ class TreePack:
             host=host,
         )
 
-    def to(self, device: torch.device | str) -> TreePack:
+    def to(self, device: torch.device | str | int, *rest, **options) -> TreePack:
         """The same pack with every tensor on ``device``.
 
+        Only the device changes: a pack holds integer and boolean tables (ids, depths, rows,
+        masks) whose dtypes are part of its layout, so unlike ``Tensor.to`` this takes no
+        dtype, no tensor to copy a dtype from and no further options.
+
         Args:
-            device: a torch device or its name.
+            device: a torch device, its name or a CUDA device index.
 
         Returns:
             A new :class:`TreePack`; host tables stay on the host, and structures derived from
             the pack (attention plans, block masks) are rebuilt there on first use.
+
+        Raises:
+            TypeError: a dtype, a tensor or anything else that is not a device, or any
+                argument beyond the device.
         """
+        device = _device_of(device, rest, options)
 
         def move(value):
             if isinstance(value, Tensor):
@@ -582,3 +591,22 @@ def forest_stats(sequences, keys=None) -> ForestStats:
     """
     ids = validate_sequences(sequences)
     return stats_of_arrays(ids if keys is None else identities(ids, validate_keys(keys, ids)))
+
+
+def _device_of(device, rest, options) -> torch.device:
+    """``device`` as a :class:`torch.device`, refusing what ``Tensor.to`` would take as a dtype."""
+    call = ", ".join([repr(device), *map(repr, rest), *(f"{k}={v!r}" for k, v in options.items())])
+    rule = (f"TreePack.to({call}): a pack holds integer tables (ids, rows, depths) that must "
+            "keep their dtypes, and .to takes a device alone")
+    if isinstance(device, torch.dtype) or rest or options:
+        raise TypeError(f"{rule}; pass only the device, e.g. pack.to('cuda') (cast the model, "
+                        "not the pack, to change precision)")
+    if isinstance(device, (torch.device, str)) or (
+            isinstance(device, int) and not isinstance(device, bool)):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise TypeError(f"{rule}; {device!r} is not a device name ({exc}): pass one such "
+                            "as 'cpu', 'cuda' or 'cuda:1'") from None
+    raise TypeError(f"{rule}; got {type(device).__name__}: pass a torch.device, its name or a "
+                    "CUDA index (for a tensor's device, pack.to(tensor.device))")

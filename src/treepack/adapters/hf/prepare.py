@@ -139,7 +139,8 @@ def prepare(model, *, check: bool = True):
     Raises:
         UnsupportedModel: a model treepack cannot run exactly (recurrent layers of a family
             it does not route, positions not read from ``position_ids``, attention that
-            bypasses transformers' interface, ALiBi); the model is left
+            bypasses transformers' interface, ALiBi), or one that fails an ordinary
+            forward as well (layers of several dtypes, named); the model is left
             unchanged.
     """
     core = unwrap(model)
@@ -251,14 +252,7 @@ def _check_reads_position_ids(model, core) -> None:
             except UnsupportedModel:
                 raise
             except Exception as e:  # the model's own code failed on a tree forward
-                raise UnsupportedModel(
-                    f"{type(core).__name__} cannot run a tree forward: its own code raised "
-                    f"{type(e).__name__} ({str(e)[:200]}) when given treepack's attention and "
-                    "depth position_ids, as models with ALiBi biases or custom attention code "
-                    "do. treepack supports models whose layers all attend through "
-                    "transformers' attention interface and take positions from position_ids "
-                    "(rotary or learned); run this one unpacked"
-                ) from e
+                raise _tree_forward_refusal(model, core, ids, e) from e
             check_calls(core, tree)
             outs.append(out.logits)
     if torch.equal(outs[0], outs[1]) and getattr(text_config(core), "model_type",
@@ -269,6 +263,66 @@ def _check_reads_position_ids(model, core) -> None:
             "their depth. treepack supports models that take positions from position_ids "
             "(rotary or learned absolute); run this one unpacked"
         )
+
+
+def _tree_forward_refusal(model, core, ids: Tensor, error: Exception) -> UnsupportedModel:
+    """The refusal of a model whose own code raised on the check's tree forward, saying what
+    was seen: the model failing an ordinary forward as well (naming the modules whose
+    parameters are of another dtype than the rest, where that is so), or failing on the tree
+    forward alone, as ALiBi biases and custom attention code do."""
+    name = type(core).__name__
+    raised = f"its own code raised {type(error).__name__} ({str(error)[:200]})"
+    mixed = _dtype_mix(core)
+    try:
+        with eval_no_grad(model):
+            model(input_ids=ids, use_cache=False,
+                  position_ids=torch.arange(ids.shape[1], device=ids.device)[None])
+    except Exception as ordinary:
+        if mixed:
+            return UnsupportedModel(
+                f"{name} cannot run a tree forward: {raised}, and on an ordinary forward "
+                f"without a pack too. Its parameters are of several dtypes: {mixed}; a "
+                "layer whose weights are of another dtype than the activations it is given "
+                "fails, with or without a pack. Cast the model to one dtype (e.g. "
+                "model.to(torch.float32)) and prepare it again")
+        return UnsupportedModel(
+            f"{name} cannot run a tree forward: {raised}, and an ordinary forward without a "
+            f"pack raised {type(ordinary).__name__} ({str(ordinary)[:200]}): the model does "
+            "not run as it is. Make model(input_ids=...) run, then prepare it again")
+    return UnsupportedModel(
+        f"{name} cannot run a tree forward: {raised} when given treepack's attention and "
+        "depth position_ids, though it runs an ordinary forward, as models with ALiBi biases "
+        "or custom attention code do"
+        + (f" (its parameters are of several dtypes: {mixed})" if mixed else "")
+        + ". treepack supports models whose layers all attend through transformers' "
+        "attention interface and take positions from position_ids (rotary or learned); run "
+        "this one unpacked")
+
+
+def _dtype_mix(core, shown: int = 4) -> str | None:
+    """Where a model's floating parameters are not all of one dtype, which are of which (the
+    outermost modules wholly of a dtype other than most parameters'), else None."""
+    by_dtype: dict[torch.dtype, list[tuple[str, int]]] = {}
+    for name, p in core.named_parameters():
+        if p.is_floating_point():
+            by_dtype.setdefault(p.dtype, []).append((name, p.numel()))
+    if len(by_dtype) < 2:
+        return None
+    main = max(by_dtype, key=lambda d: sum(n for _, n in by_dtype[d]))
+    found: list[tuple[str, torch.dtype]] = []  # pre-order: a module before its children
+
+    def inside(name):
+        return any(name.startswith(f"{f}.") for f, _ in found)
+
+    for name, module in core.named_modules():
+        dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+        if name and len(dtypes) == 1 and main not in dtypes and not inside(name):
+            found.append((name, dtypes.pop()))
+    for dtype, params in by_dtype.items():  # one of a module's own parameters (a bias)
+        if dtype != main:
+            found += [(n, dtype) for n, _ in params if not inside(n)]
+    more = f" and {len(found) - shown} more" if len(found) > shown else ""
+    return (f"most in {main}, " + ", ".join(f"{n} in {d}" for n, d in found[:shown]) + more)
 
 
 def _check_causal_from_zero(model, core) -> None:

@@ -111,6 +111,8 @@ class Images:
             Each distinct video is encoded once, by the vision tower that encodes the images;
             its placeholders (``video_token_id``) are one run (Qwen2-VL, Qwen2.5-VL) or one
             run a temporal patch, with the processor's timestamps between (Qwen3-VL).
+            Videos and images each keep their own dtype until the tower casts them to its
+            own, as the model's forward does.
 
     Raises:
         UnsupportedModel: a model that encodes no images, or a family treepack does not run
@@ -133,8 +135,9 @@ class Images:
         ids = validate_sequences(sequences)
         videos = _videos(core, self.family, pixel_values_videos, video_grid_thw,
                          second_per_grid_ts)
-        if pixel_values is None:  # videos only: no image rows
-            pixel_values = torch.zeros(0, *videos[1].shape[1:]) if videos else None
+        if pixel_values is None:  # videos only: no image rows, in the videos' dtype
+            pixel_values = (torch.zeros(0, *videos[1].shape[1:], dtype=videos[1].dtype)
+                            if videos else None)
             image_grid_thw = torch.zeros(0, 3, dtype=torch.long) if videos else None
             if pixel_values is None:
                 raise ValueError("hf.Images needs pixel_values (images) or "
@@ -146,16 +149,28 @@ class Images:
         image_count = len(tokens)
         runs = np.ones(image_count, dtype=np.int64)  # placeholder runs of each item
         self.video_token_id = self.second_per_grid_ts = None
+        hosts = [pixel_values.detach().cpu()]  # each modality's pixels, in its own dtype
         if videos:  # the items after the images: their grids, rows, tokens and runs
             v_grid, v_pixels, v_tokens, v_starts, v_runs, self.video_token_id, seconds = videos
             grid = np.concatenate((grid, v_grid))
             starts = np.concatenate((starts, starts[-1] + v_starts[1:]))
-            pixel_values = torch.cat((pixel_values, v_pixels.to(pixel_values.dtype)))
+            hosts.append(v_pixels.detach().cpu())
+            # one table in the dtype both modalities widen to exactly (float32 for bfloat16
+            # beside float32, float64 beside anything): no video rounded to the images' dtype.
+            # The tower then casts all to its own dtype, as get_image_features and
+            # get_video_features each do with their modality.
+            wide = torch.promote_types(pixel_values.dtype, v_pixels.dtype)
+            pixel_values = torch.cat((pixel_values.to(wide), v_pixels.to(wide)))
             tokens, runs = np.concatenate((tokens, v_tokens)), np.concatenate((runs, v_runs))
             self.second_per_grid_ts = seconds
-        # one content key per image or video: its pixels and grid (and kind), from one host copy
-        host = pixel_values.detach().cpu()
-        keys = np.array([content_key(host[starts[i]:starts[i + 1]],
+        # one content key per image or video: its pixels (in their own dtype) and grid (and kind)
+        base = (0, starts[image_count])  # where the images' and the videos' rows start
+
+        def pixels_of(i):
+            kind = int(i >= image_count)
+            return hosts[kind][starts[i] - base[kind]:starts[i + 1] - base[kind]]
+
+        keys = np.array([content_key(pixels_of(i),
                                      np.zeros(0, np.int64) if grid is None else grid[i],
                                      video=i >= image_count)
                          for i in range(len(tokens))], dtype=np.int64)
