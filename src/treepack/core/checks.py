@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["positive_int", "positive_finite", "temperature", "floating", "MIN_TEMPERATURE",
-           "validate_sequences", "validate_keys", "sequence_indices"]
+           "validate_sequences", "validate_keys", "sequence_indices", "pack_device"]
 
 
 def positive_int(value, name: str, *, hint: str = "", maximum: int | None = None) -> int:
@@ -184,3 +184,24 @@ def validate_sequences(sequences) -> list[np.ndarray]:
             "be >= 0 (strip padding / ignore-index values such as -100 first)"
         )
     return out
+
+
+def pack_device(device, rest=(), options=None) -> torch.device:
+    """``device`` (the arguments of :meth:`TreePack.to`) as a :class:`torch.device`, refusing
+    what ``Tensor.to`` would take as a dtype, a tensor or options."""
+    options = options or {}
+    call = ", ".join([repr(device), *map(repr, rest), *(f"{k}={v!r}" for k, v in options.items())])
+    rule = (f"TreePack.to({call}): a pack holds integer tables (ids, rows, depths) that must "
+            "keep their dtypes, and .to takes a device alone")
+    if isinstance(device, torch.dtype) or rest or options:
+        raise TypeError(f"{rule}; pass only the device, e.g. pack.to('cuda') (cast the model, "
+                        "not the pack, to change precision)")
+    if isinstance(device, (torch.device, str)) or (
+            isinstance(device, int) and not isinstance(device, bool)):
+        try:
+            return torch.device(device)
+        except RuntimeError as exc:
+            raise TypeError(f"{rule}; {device!r} is not a device name ({exc}): pass one such "
+                            "as 'cpu', 'cuda' or 'cuda:1'") from None
+    raise TypeError(f"{rule}; got {type(device).__name__}: pass a torch.device, its name or a "
+                    "CUDA index (for a tensor's device, pack.to(tensor.device))")

@@ -26,8 +26,8 @@ from torch import Tensor
 from treepack.core import deprecation
 from treepack.core import mask as _mask
 from treepack.core import outputs
-from treepack.core.checks import (positive_int, sequence_indices, validate_keys,
-                                  validate_sequences)
+from treepack.core.checks import (pack_device, positive_int, sequence_indices,
+                                  validate_keys, validate_sequences)
 from treepack.core import derived as _derived
 from treepack.core.derived import derived_from_pack
 from treepack.core.forest import (ForestStats, HostLayout, build_layout, identities,
@@ -280,7 +280,7 @@ class TreePack:
             TypeError: a dtype, a tensor or anything else that is not a device, or any
                 argument beyond the device.
         """
-        device = _device_of(device, rest, options)
+        device = pack_device(device, rest, options)
 
         def move(value):
             if isinstance(value, Tensor):
@@ -591,22 +591,3 @@ def forest_stats(sequences, keys=None) -> ForestStats:
     """
     ids = validate_sequences(sequences)
     return stats_of_arrays(ids if keys is None else identities(ids, validate_keys(keys, ids)))
-
-
-def _device_of(device, rest, options) -> torch.device:
-    """``device`` as a :class:`torch.device`, refusing what ``Tensor.to`` would take as a dtype."""
-    call = ", ".join([repr(device), *map(repr, rest), *(f"{k}={v!r}" for k, v in options.items())])
-    rule = (f"TreePack.to({call}): a pack holds integer tables (ids, rows, depths) that must "
-            "keep their dtypes, and .to takes a device alone")
-    if isinstance(device, torch.dtype) or rest or options:
-        raise TypeError(f"{rule}; pass only the device, e.g. pack.to('cuda') (cast the model, "
-                        "not the pack, to change precision)")
-    if isinstance(device, (torch.device, str)) or (
-            isinstance(device, int) and not isinstance(device, bool)):
-        try:
-            return torch.device(device)
-        except RuntimeError as exc:
-            raise TypeError(f"{rule}; {device!r} is not a device name ({exc}): pass one such "
-                            "as 'cpu', 'cuda' or 'cuda:1'") from None
-    raise TypeError(f"{rule}; got {type(device).__name__}: pass a torch.device, its name or a "
-                    "CUDA index (for a tensor's device, pack.to(tensor.device))")
