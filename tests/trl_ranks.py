@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
 import treepack.trl
+from treepack.adapters.trl import seam
 
 
 def main(mode, model_dir, out, per_device, accumulation, config):
@@ -37,7 +38,7 @@ def main(mode, model_dir, out, per_device, accumulation, config):
                              learning_rate=0.1, optim="sgd", beta=0.04, logging_steps=1) | config)
     cls = treepack.trl.TreepackGRPOTrainer if mode == "packed" else GRPOTrainer
     micro_batches = []
-    real = treepack.trl._packed_forwards
+    real = seam._packed_forwards
 
     def recording(model, input_ids, attention_mask, logits_to_keep, **kw):
         out = real(model, input_ids, attention_mask, logits_to_keep, **kw)
@@ -49,7 +50,7 @@ def main(mode, model_dir, out, per_device, accumulation, config):
                                   sum(p.num_original_tokens for p in out[3])))
         return out
 
-    treepack.trl._packed_forwards = recording
+    seam._packed_forwards = recording
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         trainer = cls(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import treepack.trl  # noqa: E402
+from treepack.adapters.trl import seam, shuffle  # noqa: E402
 from treepack import zoo  # noqa: E402
 
 
@@ -255,7 +256,7 @@ def test_gradient_accumulation_keeps_groups_whole_and_equals_stock(tokenizer, tm
     batch before cutting it into 4 micro-batches; the packed trainer shuffles whole groups,
     so each micro-batch is one prompt's 4 completions, and two optimizer steps equal stock."""
     training_batches = []
-    real = treepack.trl._packed_forwards
+    real = seam._packed_forwards
 
     def recording(model, input_ids, attention_mask, logits_to_keep, **kw):
         if torch.is_grad_enabled():
@@ -263,7 +264,7 @@ def test_gradient_accumulation_keeps_groups_whole_and_equals_stock(tokenizer, tm
                                      attention_mask[:, :input_ids.shape[1] - logits_to_keep]))
         return real(model, input_ids, attention_mask, logits_to_keep, **kw)
 
-    monkeypatch.setattr(treepack.trl, "_packed_forwards", recording)
+    monkeypatch.setattr(seam, "_packed_forwards", recording)
     runs = train_both(tokenizer, tmp_path, model_dir,
                       config=dict(gradient_accumulation_steps=4, max_steps=2, optim="sgd",
                                   learning_rate=0.1))
@@ -456,7 +457,7 @@ def test_the_token_ratio_sums_each_steps_micro_batches(tokenizer, tmp_path, mode
             step[0] = state.global_step
 
     sums = collections.defaultdict(lambda: [0, 0])  # step -> [packed rows, tokens]
-    real = treepack.trl._packed_forwards
+    real = seam._packed_forwards
 
     def recording(*args, **kw):
         out = real(*args, **kw)
@@ -465,7 +466,7 @@ def test_the_token_ratio_sums_each_steps_micro_batches(tokenizer, tmp_path, mode
             sums[step[0]][1] += sum(p.num_original_tokens for p in out[3])
         return out
 
-    monkeypatch.setattr(treepack.trl, "_packed_forwards", recording)
+    monkeypatch.setattr(seam, "_packed_forwards", recording)
     trainer = make_trainer(tokenizer, tmp_path, model_dir, cls=treepack.trl.TreepackGRPOTrainer,
                            config=ACCUMULATION, callbacks=[Steps()])
     torch.manual_seed(0)
@@ -583,7 +584,7 @@ def test_shuffle_whole_groups_draws_what_trl_draws_and_keeps_groups_together():
         stock = shuffle_sequence_dict(batch)
         for mine, theirs in zip(ours["row"].split(4), stock["row"].split(4)):
             assert sorted(mine.tolist()) == sorted(theirs.tolist())
-    assert doctest.testmod(treepack.trl, raise_on_error=True).attempted > 0
+    assert doctest.testmod(shuffle, raise_on_error=True).attempted > 0
 
 
 def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, model_dir,
@@ -596,14 +597,14 @@ def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, mod
     trainer = treepack.trl.patch(make_trainer(tokenizer, tmp_path, model_dir))
     ids, mask = trl_batch()
     packs, forwards = [], []
-    real, real_all = treepack.trl._packed_forwards, parts.Run.all
+    real, real_all = seam._packed_forwards, parts.Run.all
 
     def recording(*args, **kw):
         out = real(*args, **kw)
         packs.extend(out[3])
         return out
 
-    monkeypatch.setattr(treepack.trl, "_packed_forwards", recording)
+    monkeypatch.setattr(seam, "_packed_forwards", recording)
     monkeypatch.setattr(parts.Run, "all", lambda self: forwards.extend(
         p.rows.shape[0] for p in self.parts.parts) or real_all(self))
     with torch.no_grad():
@@ -624,9 +625,9 @@ def test_patch_keeps_trls_timer_and_refuses_an_override(tokenizer, tmp_path, mod
     with pytest.raises(TypeError, match="overrides _get_per_token_logps_and_entropies"):
         treepack.trl.patch(make_trainer(tokenizer, tmp_path, model_dir, cls=Custom))
     trainer = treepack.trl.patch(make_trainer(tokenizer, tmp_path, model_dir))
-    seam = trainer._get_per_token_logps_and_entropies
-    assert seam.__name__ == "_get_per_token_logps_and_entropies"
-    assert seam.__func__.__wrapped__ is not None  # TRL's profiling_decorator around it
+    method = trainer._get_per_token_logps_and_entropies
+    assert method.__name__ == "_get_per_token_logps_and_entropies"
+    assert method.__func__.__wrapped__ is not None  # TRL's profiling_decorator around it
 
 
 def launch(mode, model_dir, out, per_device, accumulation, config=None):

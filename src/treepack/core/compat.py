@@ -1,0 +1,51 @@
+"""What each adapter's compat module checks when it installs: that the framework symbols it
+replaces, wraps or reads are where it was written against (core: imports nothing).
+
+A framework release that moves one of them should fail at install, naming the symbol, the
+installed version and the one treepack was written against, not later as an
+``AttributeError`` inside a training step (or, worse, as a patch that no longer reaches the
+code it meant to replace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["moved", "require"]
+
+
+def moved(symbols: Iterable[tuple[str, object, str]]) -> list[str]:
+    """The names among ``symbols`` (``(name, owner, dotted attribute path)``) whose path no
+    longer resolves on its owner."""
+    gone = []
+    for name, owner, path in symbols:
+        value = owner
+        for part in path.split("."):
+            value = getattr(value, part, _MISSING)
+            if value is _MISSING:
+                gone.append(name)
+                break
+    return gone
+
+
+def require(framework: str, installed: str, written_against: str,
+            symbols: Iterable[tuple[str, object, str]]) -> None:
+    """Raise ``ImportError`` naming every symbol of ``symbols`` that moved.
+
+    Args:
+        framework: the framework's name as users install it (``"TRL"``, ``"verl"``).
+        installed: its installed version.
+        written_against: the version the adapter was written against.
+        symbols: ``(name, owner, dotted attribute path)``: e.g.
+            ``("trl.GRPOTrainer._prepare_inputs", GRPOTrainer, "_prepare_inputs")``.
+    """
+    gone = moved(symbols)
+    if gone:
+        raise ImportError(
+            f"{framework} {installed} has no {', '.join(gone)}: treepack's {framework} adapter "
+            f"was written against {framework} {written_against} and replaces or reads "
+            f"{'them' if len(gone) > 1 else 'it'}. Install {framework} {written_against} "
+            "(or a release that still has them), or a treepack written for this one")
+
+
+_MISSING = object()
