@@ -243,7 +243,7 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: 
     from verl.workers.utils.padding import response_from_nested
 
     import treepack.verl as treepack_verl
-    from treepack.adapters.verl_megatron import TreepackMegatronEngine
+    from treepack.adapters.verl.megatron_engine import TreepackMegatronEngine
     from verl_workers import (actor_loss, captured_log, init, make_batch, make_rows,
                               ref_and_advantages, save, shard)
 
@@ -404,7 +404,7 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
     import verl_trainer_path as path
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from treepack.adapters.verl_megatron import TreepackMegatronEngine
+    from treepack.adapters.verl.megatron_engine import TreepackMegatronEngine
     from verl_workers import captured_log, init, save
 
     init(rank, world, port)
@@ -457,7 +457,7 @@ def divergent_fallback(rank: int, world: int, port: int, model_dir: str, out_pat
     rank must take verl's stock path, say why once, and give stock's outputs."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from treepack.adapters.verl_megatron import TreepackMegatronEngine
+    from treepack.adapters.verl.megatron_engine import TreepackMegatronEngine
     from verl_workers import captured_log, init, make_batch, make_rows, save, shard
 
     init(rank, world, port)
@@ -493,7 +493,7 @@ def compare_bfloat16(rank: int, world: int, port: int, model_dir: str, out_path:
     update: the largest ``|got - want| / |want|`` over the parameters, in norm)."""
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    from treepack.adapters.verl_megatron import TreepackMegatronEngine
+    from treepack.adapters.verl.megatron_engine import TreepackMegatronEngine
     from verl_workers import actor_loss, init, make_batch, make_rows, ref_and_advantages, save
 
     init(rank, world, port)

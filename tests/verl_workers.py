@@ -609,7 +609,7 @@ def expected_sharing(engine, data, group) -> dict:
     the packs are built) and over ids alone: what ``treepack/achievable_ratio`` must be, and
     what it was when the engine's report ignored the image keys."""
     from treepack import sharing
-    from treepack.adapters.verl_batches import host_sequences
+    from treepack.adapters.verl.batches import host_sequences
 
     sequences = host_sequences(data)
     keys = engine._images(data, sequences).keys

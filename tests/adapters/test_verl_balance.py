@@ -24,6 +24,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
 from verl.trainer.ppo.v1 import PPOTrainer  # noqa: E402
 
 from treepack import verl_trainer  # noqa: E402
+from treepack.adapters.verl import log as verl_log  # noqa: E402
 from treepack.sharing import report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,7 +161,7 @@ def test_an_agent_group_larger_than_a_rank_fills_whole_ranks(installed):
 
 
 def test_actor_shuffle_warns_once(installed, monkeypatch, caplog):
-    monkeypatch.setattr(verl_trainer, "_SAID", set())
+    monkeypatch.setattr(verl_log, "_SAID", set())
     batch = bench.grpo_batch("a", prompts=8)
     with caplog.at_level(logging.INFO, logger="treepack.verl"):
         for _ in range(2):
@@ -312,7 +313,7 @@ assert PPOTrainer._balance_batch.__module__ == "verl.trainer.ppo.v1.trainer_base
 omega_conf_to_dataclass(OmegaConf.create({{"_target_": "verl.workers.config.HFModelConfig",
                                           "path": {model_dir!r},
                                           "external_lib": "treepack.verl"}}))
-assert PPOTrainer._balance_batch.__module__ == "treepack.adapters.verl_trainer", PPOTrainer._balance_batch
+assert PPOTrainer._balance_batch.__module__ == "treepack.adapters.verl.trainer", PPOTrainer._balance_batch
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

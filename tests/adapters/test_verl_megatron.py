@@ -203,7 +203,7 @@ def test_verl_external_lib_registers_the_megatron_engine():
     """Importing treepack.verl (verl's external_lib) makes TreepackMegatronEngine the
     Megatron language-model engine verl's registry hands out."""
     import treepack.verl  # noqa: F401
-    from treepack.adapters.verl_megatron import TreepackMegatronEngine
+    from treepack.adapters.verl.megatron_engine import TreepackMegatronEngine
     from verl.workers.engine.base import EngineRegistry
 
     registered = EngineRegistry._engines["language_model"]["megatron"]

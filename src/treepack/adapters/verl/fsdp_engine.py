@@ -1,80 +1,6 @@
-"""verl integration: tree-packed micro-batches inside verl's FSDP language-model engine.
-
-Switch it on with one line of verl config (every actor, rollout-log-prob and reference
-forward then runs on prefix-tree packs)::
-
-    actor_rollout_ref.model.external_lib=treepack.verl
-
-verl imports ``external_lib`` in every worker before it builds the engine; importing this
-module registers :class:`TreepackEngine` as verl's FSDP / FSDP2 language-model engine
-(``treepack.verl.register()`` does the same from a launch script) and, where megatron-core is
-installed, :class:`treepack.verl_megatron.TreepackMegatronEngine` as its Megatron one
-(``model_engine=megatron``; :func:`register_megatron`). Written against verl 0.9.1
-(``treepack[verl]`` pins it).
-
-What changes, and what does not:
-
-- **Micro-batches are formed by trees.** The rank's sequences (verl's rows) are planned with
-  :func:`treepack.plan` under verl's token budget (``ppo_max_token_len_per_gpu`` /
-  ``log_prob_max_token_len_per_gpu``, or ``micro_batch_size_per_gpu`` x the longest row),
-  so the rollouts of one prompt and the steps of one agent trajectory (whose histories are
-  prefixes of each other) land in the same pack. Every rank runs the same number of real
-  micro-batches (the count is all-reduced; a rank that planned fewer packs splits its
-  largest), as verl's per-micro-batch metric aggregation across ranks needs.
-- **One packed forward per micro-batch**, through :func:`treepack.hf.logprobs` with the
-  default backend, inside the FSDP module (so FSDP1 and FSDP2 both work).
-- **Outputs in verl's layout.** ``log_probs`` and ``entropy`` are nested tensors in verl's
-  prediction-aligned layout (position p holds the log-prob of token p + 1), each row at its
-  own temperature (verl's per-sample temperature too; the model still runs once per
-  micro-batch). verl's own ``loss_function`` (policy losses, ``loss_agg_mode``,
-  KL, entropy) runs unchanged on them, normalised by verl's global token counts. The last
-  position of each row (which verl's losses never read, and whose value in stock verl
-  depends on the micro-batch's next row) is 0.
-- **Ulysses sequence parallelism packs too** (``ulysses_sequence_parallel_size = P > 1``):
-  the P ranks of verl's ``sp`` mesh dimension hold one data-parallel share, plan the same
-  packs under verl's Ulysses budget (``max_token_len_per_gpu`` x P) and each computes a
-  slice of every pack's rows, exchanging rows for heads at each attention layer
-  (``sequence_parallel=`` of :func:`treepack.hf.logprobs` and the parts calls; see
-  docs/sequence-parallel.md). Every rank gets the whole micro-batch's outputs and runs
-  verl's loss on them, as stock verl's Ulysses does; FSDP's average over every rank gives
-  the gradient. Trees over that budget run in parts, each part split the same way.
-- **Images pack too** (a vision-language model :class:`treepack.hf.Images` runs; tested on
-  Qwen3-VL and Qwen2-VL): each row's ``multi_modal_inputs`` (its copy of its
-  images) become the batch's images, keyed by content in the plan and the packs, each
-  distinct image encoded once a forward; verl's ``[4, length]`` mrope position ids are read
-  for their text row (depths), the model's own rope index giving the rest. For Qwen2-VL and
-  Qwen2.5-VL, whose forward (and, with ``use_remove_padding``, attention) verl replaces for
-  every model of the process, the packed forwards and their backward run transformers' own
-  forwards, kept when this module is imported; verl's stock path keeps verl's.
-- **Transparent fallback.** Batches or models that cannot be packed — multi-modal
-  inputs other than images (video, audio), mrope position ids of a model without images,
-  position ids other than ``0 .. length - 1``, fused kernels,
-  distillation outputs, a temperature that is not finite and > 0, a model
-  :func:`treepack.hf.prepare` refuses — run verl's stock path, with one log line saying why
-  (logger ``treepack.verl``). The decision is all-reduced: if one rank
-  falls back, every rank does, so collectives stay in step.
-- **Metrics.** Each micro-batch reports ``treepack/token_ratio`` (packed rows / tokens);
-  verl's trainer logs an update's as ``actor/treepack/token_ratio``. It drops the metrics of
-  log-prob passes, so an update also reports the engine's last log-prob pass (this rank's
-  packed rows / tokens over the pass) as ``treepack/log_prob_token_ratio``. An update also
-  reports where its sharing was lost (``treepack/*_ratio``, ``treepack/lost_rows/*``:
-  :func:`treepack.sharing.report` over the rank's rows, summed over the ranks) and, on v1
-  agent-loop rows (which carry ``session_id``), the sessions whose later turns do not
-  extend the earlier ones (``treepack/session_forks/{sessions,rows}``).
-- **Trees larger than the budget run in parts** (:mod:`treepack.hf.parts`) where the plan
-  would split one and repeat its prefix, under FSDP or FSDP2: the rank's batch is one micro-batch
-  whose trees run in forwards of at most the budget, every row once. A log-prob pass is
-  those forwards. An update takes two passes, since verl's losses normalise per sequence
-  (``seq-mean-token-mean``), which a part holding some of a sequence's tokens cannot: the
-  log-probs without gradients, verl's ``loss_function`` on them (its value, metrics and
-  gradient with respect to each log-prob and entropy), then the parts' forwards and
-  backwards with that gradient; one more forward over the tree's rows than a pack would
-  take, against repeating every split prefix. A float16 gradient scaler keeps the split
-  (said once). ``treepack/parts`` reports the forwards.
-- ``use_remove_padding=false`` changes nothing (a pack never holds padding); said once.
-- **Groups stay on one rank.** Importing this module also makes verl's trainers keep each
-  group (``uid``) on one data-parallel rank when they balance a batch
-  (:mod:`treepack.verl_trainer`): the trainer process imports ``external_lib`` too.
+"""verl's FSDP / FSDP2 language-model engine with tree-packed micro-batches
+(:class:`TreepackEngine`), and the same with the lean head (:class:`TreepackLeanEngine`): what
+:mod:`treepack.verl` registers. The package docstring says what changes and what does not.
 """
 
 from __future__ import annotations
@@ -85,35 +11,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.adapters import hf, verl_trainer
+from treepack.adapters import hf
 from treepack.adapters.hf import vision
 from treepack.adapters.hf.forwarding import inside_refusal
-from treepack.adapters.verl_batches import in_parts as vb_in_parts
-from treepack.adapters.verl_batches import (collect, host_sequences, log_sharing,
+from treepack.adapters.verl import compat
+from treepack.adapters.verl.batches import in_parts as vb_in_parts
+from treepack.adapters.verl.batches import (collect, host_sequences, log_sharing,
                                             micro_batches, note_pass, output_refusal,
                                             positions_refusal, temperature_refusal,
                                             text_positions, token_budget, verl_device)
-from treepack.adapters.verl_trainer import say_once
+from treepack.adapters.verl.compat import (FSDPEngineWithLMHead, detach_tree,
+                                           extract_multi_modal_inputs, get_device_id,
+                                           get_device_name, transformers_forwards, tu)
+from treepack.adapters.verl.log import say_once
 from treepack.core import deprecation
 from treepack.core.outputs import from_logits, per_sequence_temperature
 from treepack.core.tree import TreePack
 from treepack.planning.parts import split
 from treepack.planning.planner import plan
 
-try:
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id, get_device_name
-    from verl.utils.model import extract_multi_modal_inputs
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    from verl.workers.engine.utils import detach_tree
-except ImportError as e:  # pragma: no cover - exercised only without verl
-    raise ImportError("treepack.verl needs verl 0.9.1: pip install 'treepack[verl]'") from e
-
-__all__ = ["TreepackEngine", "TreepackLeanEngine", "register", "register_megatron", "VERL_VERSION",
-           "verl_log_probs"]
-
-VERL_VERSION = "0.9.1"
+__all__ = ["TreepackEngine", "TreepackLeanEngine", "register", "verl_log_probs"]
 
 
 class TreepackEngine(FSDPEngineWithLMHead):
@@ -126,7 +43,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
         super().initialize()
         self._treepack_refused = None
         try:
-            with _transformers_forwards():
+            with transformers_forwards():
                 hf.prepare(self.module)
         except (TypeError, hf.UnsupportedModel) as e:
             self._treepack_refused = f"{_model_name(self.module)}: {e}"
@@ -145,7 +62,7 @@ class TreepackEngine(FSDPEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only)
         # packed forwards run transformers' own forwards where verl patched a family's
         # classes (restored for the step's backward too: checkpointing recomputes them)
-        with _transformers_forwards():
+        with transformers_forwards():
             return self._packed_step(data, loss_function, forward_only)
 
     def _packed_step(self, data, loss_function, forward_only):
@@ -419,58 +336,6 @@ class TreepackEngine(FSDPEngineWithLMHead):
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
 
 
-# verl 0.9.1's apply_monkey_patch replaces these classes' forwards, for every model of the
-# process, when it builds a Qwen2-VL / Qwen2.5-VL engine: the model's forward with one that
-# takes only [4, batch, length] position ids and its attention with a direct flash-attention
-# call, which no attention interface reaches. treepack keeps transformers' own, taken when
-# this module is imported (verl imports external_lib before it builds an engine), and runs
-# its packed forwards on them; verl's stock path keeps verl's.
-_PATCHED_BY_VERL = (
-    ("transformers.models.qwen2_vl.modeling_qwen2_vl",
-     ("Qwen2VLForConditionalGeneration", "Qwen2VLModel", "Qwen2VLTextModel",
-      "Qwen2VLAttention")),
-    ("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-     ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel", "Qwen2_5_VLTextModel",
-      "Qwen2_5_VLAttention")),
-)
-
-
-def _own_forwards() -> dict:
-    """transformers' own ``forward`` of each class verl patches, as they are now."""
-    import importlib
-
-    found = {}
-    for module_name, names in _PATCHED_BY_VERL:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # pragma: no cover - a transformers without the family
-            continue
-        for name in names:
-            cls = getattr(module, name, None)
-            forward = None if cls is None else cls.__dict__.get("forward")
-            if forward is not None and getattr(forward, "__module__", "").startswith(
-                    "transformers."):
-                found[cls] = forward
-    return found
-
-
-_TRANSFORMERS_FORWARDS = _own_forwards()
-
-
-@contextlib.contextmanager
-def _transformers_forwards():
-    """While it lasts, the classes verl patched run transformers' own forwards."""
-    swapped = {cls: cls.__dict__["forward"] for cls, own in _TRANSFORMERS_FORWARDS.items()
-               if cls.__dict__.get("forward") is not own}
-    for cls in swapped:
-        cls.forward = _TRANSFORMERS_FORWARDS[cls]
-    try:
-        yield
-    finally:
-        for cls, patched in swapped.items():
-            cls.forward = patched
-
-
 # what verl's multi_modal_inputs carry for an image model (images_seqlens: verl's own count)
 _IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "images_seqlens")
 
@@ -530,49 +395,14 @@ class TreepackLeanEngine(TreepackEngine):
 def register(devices=("cuda", "npu"), engine: type = TreepackEngine) -> None:
     """Make ``engine`` (:class:`TreepackEngine`) verl's FSDP / FSDP2 language-model engine.
 
-    Importing this module does it. Every registry entry that names verl's stock
-    ``FSDPEngineWithLMHead`` or a treepack engine (any device, any vendor) now names
-    ``engine``, and so do the plain ``devices`` keys (call it with ``devices=("cpu",)`` to run
-    verl's engine on CPU, as the tests do). Writes verl's registry table directly: its
-    ``register`` decorator refuses keys that are taken, and the stock engine has taken these.
+    :func:`treepack.adapters.verl.install` does it (importing :mod:`treepack.verl` installs).
+    Every registry entry that names verl's stock ``FSDPEngineWithLMHead`` or a treepack engine
+    (any device, any vendor) now names ``engine``, and so do the plain ``devices`` keys (call
+    it with ``devices=("cpu",)`` to run verl's engine on CPU, as the tests do).
 
     Args:
         devices: device names to register for, besides those the stock engine holds.
         engine: :class:`TreepackEngine` or :class:`TreepackLeanEngine`.
     """
-    table = EngineRegistry._engines.setdefault("language_model", {})
-    for backend in ("fsdp", "fsdp2"):
-        entries = table.setdefault(backend, {})
-        for key, registered in list(entries.items()):
-            if registered is FSDPEngineWithLMHead or (isinstance(registered, type) and
-                                                      issubclass(registered, TreepackEngine)):
-                entries[key] = engine
-        for device in devices:
-            entries[device] = engine
-
-
-def register_megatron(devices=("cuda", "npu")) -> bool:
-    """Make :class:`treepack.verl_megatron.TreepackMegatronEngine` verl's Megatron
-    language-model engine (``strategy=megatron``), where megatron-core is installed. Importing
-    this module does it.
-
-    Args:
-        devices: device names to register for, besides those the stock engine holds.
-
-    Returns:
-        Whether megatron-core was found (and the engine registered).
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec(
-            "megatron.core") is None:
-        return False
-    from treepack.adapters import verl_megatron
-
-    verl_megatron.register(devices)
-    return True
-
-
-register()
-register_megatron()
-verl_trainer.install()  # the trainer process imports this module too (external_lib)
+    compat.register_engine(("fsdp", "fsdp2"), FSDPEngineWithLMHead, TreepackEngine, engine,
+                           devices)

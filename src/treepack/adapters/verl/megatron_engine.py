@@ -1,9 +1,10 @@
 """verl's Megatron engine on tree packs: ``actor_rollout_ref.actor.strategy=megatron`` together
 with ``actor_rollout_ref.model.external_lib=treepack.verl``.
 
-Importing :mod:`treepack.verl` registers :class:`TreepackMegatronEngine` as verl's Megatron
-language-model engine where megatron-core is installed (``treepack.verl.register_megatron()``
-does it from a launch script). Written against verl 0.9.1 and megatron-core 0.16.
+Importing :mod:`treepack.verl` (:func:`treepack.adapters.verl.install`) registers
+:class:`TreepackMegatronEngine` as verl's Megatron language-model engine where megatron-core is
+installed (``treepack.verl.register_megatron()`` does it from a launch script). Written
+against verl 0.9.1 and megatron-core 0.16.
 
 What changes, and what does not:
 
@@ -58,23 +59,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from treepack.adapters import megatron as tm
 from treepack.adapters.megatron import parts as tm_parts
-from treepack.adapters import verl_batches as vb
-from treepack.adapters.verl_trainer import say_once
+from treepack.adapters.verl import batches as vb
+from treepack.adapters.verl import compat
+from treepack.adapters.verl.compat import extract_multi_modal_inputs, get_device_id, tu
+from treepack.adapters.verl.log import say_once
 from treepack.core.outputs import per_sequence_temperature
 from treepack.core.tree import TreePack
 from treepack.planning.parts import split
 from treepack.planning.planner import plan
 
-try:
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id
-    from verl.utils.megatron.pipeline_parallel import make_batch_generator
-    from verl.utils.model import extract_multi_modal_inputs
-    from verl.workers.engine.base import EngineRegistry
-    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
-except ImportError as e:  # pragma: no cover - exercised only without verl's Megatron engine
-    raise ImportError("treepack's verl Megatron engine needs verl 0.9.1 and megatron-core >= "
-                      "0.16: pip install 'treepack[verl,megatron]'") from e
+MegatronEngineWithLMHead, make_batch_generator = compat.megatron_engine()
 
 __all__ = ["TreepackMegatronEngine", "register"]
 
@@ -337,13 +331,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
 def register(devices=("cuda", "npu"), engine: type = TreepackMegatronEngine) -> None:
     """Make ``engine`` verl's Megatron language-model engine: every registry entry that names
     verl's stock ``MegatronEngineWithLMHead`` (any device, any vendor), and the plain
-    ``devices`` keys (``("cpu",)`` in the tests). Importing :mod:`treepack.verl` does it.
+    ``devices`` keys (``("cpu",)`` in the tests). :func:`treepack.adapters.verl.install` does
+    it where megatron-core is installed.
     """
-    table = EngineRegistry._engines.setdefault("language_model", {})
-    entries = table.setdefault("megatron", {})
-    for key, registered in list(entries.items()):
-        if registered is MegatronEngineWithLMHead or (
-                isinstance(registered, type) and issubclass(registered, TreepackMegatronEngine)):
-            entries[key] = engine
-    for device in devices:
-        entries[device] = engine
+    compat.register_engine(("megatron",), MegatronEngineWithLMHead, TreepackMegatronEngine,
+                           engine, devices)

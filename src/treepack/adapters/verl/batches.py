@@ -1,5 +1,5 @@
-"""What verl's language-model engines with tree packs share (:mod:`treepack.verl`'s FSDP
-engine, :mod:`treepack.verl_megatron`'s Megatron engine): reading verl's batches, the
+"""What verl's language-model engines with tree packs share (:mod:`.fsdp_engine`,
+:mod:`.megatron_engine`): reading verl's batches, the
 reasons a batch keeps verl's stock path, the micro-batch budget, outputs back in the batch's
 order, and the metrics of sharing.
 """
@@ -9,15 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treepack.adapters.verl_trainer import say_once
+from treepack.adapters.verl.compat import append_to_dict, get_device_id, tu
+from treepack.adapters.verl.log import say_once
 from treepack.planning import sharing
-
-try:
-    from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id
-    from verl.utils.py_functional import append_to_dict
-except ImportError as e:  # pragma: no cover - exercised only without verl
-    raise ImportError("treepack.verl needs verl 0.9.1: pip install 'treepack[verl]'") from e
 
 __all__ = ["verl_device", "host_sequences", "token_budget", "micro_batches", "collect",
            "output_refusal", "positions_refusal", "temperature_refusal", "text_positions",

@@ -57,48 +57,41 @@ from treepack.planning import sharing
 from treepack.planning.collation import unpadded
 from treepack.planning.groups import GroupOrder, keep_groups_together
 
-try:
-    from verl.trainer.ppo import ray_trainer
-    from verl.trainer.ppo.v1 import trainer_base
-    from verl.utils.seqlen_balancing import calculate_workload, log_seqlen_unbalance
-except ImportError as e:  # pragma: no cover - exercised only without verl
-    raise ImportError("treepack.verl_trainer needs verl 0.9.1: pip install 'treepack[verl]'") from e
+from treepack.adapters.verl.compat import (calculate_workload, log_seqlen_unbalance,
+                                           ray_trainer, trainer_base)
+from treepack.adapters.verl.log import say_once
 
 __all__ = ["install", "uninstall", "TREEPACK_LIBS"]
 
 TREEPACK_LIBS = ("treepack.verl", "treepack.verl_lean")
-log = logging.getLogger("treepack.verl")
-_ORIGINALS: dict[type, object] = {}  # trainer class -> verl's own _balance_batch
-_SAID: set[str] = set()
 
 
 def install() -> None:
-    """Put the group-keeping ``_balance_batch`` on verl's v1 and v0 trainers.
+    """Put the group-keeping ``_balance_batch`` on verl's v1 and v0 trainers, verl's own kept
+    as its ``__wrapped__``.
 
-    Importing :mod:`treepack.verl` does it; installing twice wraps once. A trainer whose
-    ``actor_rollout_ref.model.external_lib`` names no treepack module still runs verl's own
-    method, unchanged.
+    :func:`treepack.adapters.verl.install` calls it (importing :mod:`treepack.verl` installs);
+    installing twice wraps once. A trainer whose ``actor_rollout_ref.model.external_lib``
+    names no treepack module still runs verl's own method, unchanged.
     """
-    for cls, balance in ((trainer_base.PPOTrainer, _balance_v1),
-                         (ray_trainer.RayPPOTrainer, _balance_v0)):
-        if cls not in _ORIGINALS:
-            _ORIGINALS[cls] = cls.__dict__["_balance_batch"]
+    for cls, balance in _PATCHES:
+        own = cls.__dict__["_balance_batch"]
+        if own is not balance:
+            balance.__wrapped__ = own
             cls._balance_batch = balance
 
 
 def uninstall() -> None:
-    """Give verl's trainers back their own ``_balance_batch``.
-    """
-    for cls, original in list(_ORIGINALS.items()):
-        cls._balance_batch = original
-        del _ORIGINALS[cls]
+    """Give verl's trainers back their own ``_balance_batch``."""
+    for cls, balance in _PATCHES:
+        if cls.__dict__["_balance_batch"] is balance:
+            cls._balance_batch = balance.__wrapped__
 
 
 def _balance_v1(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
     """verl v1 ``PPOTrainer._balance_batch`` keeping GRPO groups whole (module docstring)."""
     if not _treepack_on(self.config):
-        return _ORIGINALS[trainer_base.PPOTrainer](self, batch, metrics, logging_prefix,
-                                                   keep_minibatch)
+        return _balance_v1.__wrapped__(self, batch, metrics, logging_prefix, keep_minibatch)
     dp = _dp_size(self.actor_rollout_wg)
     batch = trainer_base.upsample_batch_to_divisible_size(
         batch, self._get_required_batch_multiple(dp), self.tokenizer.eos_token_id)
@@ -113,8 +106,7 @@ def _balance_v1(self, batch, metrics, logging_prefix="global_seqlen", keep_minib
 def _balance_v0(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
     """verl v0 ``RayPPOTrainer._balance_batch`` keeping GRPO groups whole (module docstring)."""
     if keep_minibatch or not _treepack_on(self.config):
-        return _ORIGINALS[ray_trainer.RayPPOTrainer](self, batch, metrics, logging_prefix,
-                                                      keep_minibatch)
+        return _balance_v0.__wrapped__(self, batch, metrics, logging_prefix, keep_minibatch)
     mask = batch.batch["attention_mask"]
     seqlen = mask.view(mask.shape[0], -1).sum(-1)
     if "uid" in batch.non_tensor_batch:
@@ -244,8 +236,5 @@ def _uid_of_key(key: str) -> str:
     return parts[0] if len(parts) == 3 else key
 
 
-def say_once(message: str, level: int = logging.WARNING) -> None:
-    """Log ``message`` (logger ``treepack.verl``) the first time it comes, in this process."""
-    if message not in _SAID:
-        _SAID.add(message)
-        log.log(level, "treepack: %s", message)
+# each trainer class and the method that replaces its _balance_batch
+_PATCHES = ((trainer_base.PPOTrainer, _balance_v1), (ray_trainer.RayPPOTrainer, _balance_v0))
