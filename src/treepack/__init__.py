@@ -11,7 +11,8 @@ Every name below is imported on first use, so ``import treepack`` (and ``treepac
 loads neither torch nor any optional package until something needs it.
 
 The modules live in one folder per part (docs/design.md, "Layering"): ``core``,
-``attention``, ``lean``, ``planning``, ``adapters``, ``face`` and ``data``. The short paths
+``attention``, ``recurrent``, ``lean``, ``planning``, ``forwards``, ``adapters`` (one folder
+per framework), ``face`` and ``data``. The short paths
 users import (``treepack.hf``, ``treepack.trl``, ``treepack.verl``, ``treepack.losses``, ...)
 are the same module objects under a second name (:data:`PATHS`), so ``import treepack.verl``
 and verl's ``external_lib=treepack.verl`` keep working.
@@ -34,10 +35,10 @@ PATHS = {  # short public path -> the module's place in its part
     "logprobs": "lean.logprobs", "losses": "lean.losses",
     "planner": "planning.planner", "collation": "planning.collation",
     "groups": "planning.groups", "parts": "planning.parts", "sharing": "planning.sharing",
-    "hf": "adapters.hf", "hf_compat": "adapters.hf.compat", "trl": "adapters.trl",
-    "verl": "adapters.verl", "verl_lean": "adapters.verl_lean",
-    "verl_trainer": "adapters.verl_trainer", "verl_megatron": "adapters.verl_megatron",
-    "zoo": "adapters.zoo",
+    "hf": "adapters.hf", "hf_compat": "adapters.hf.compat", "zoo": "data.zoo",
+    "trl": "adapters.trl",
+    "verl": "adapters.verl", "verl_lean": "adapters.verl.lean",
+    "verl_trainer": "adapters.verl.trainer", "verl_megatron": "adapters.verl.megatron_engine",
     "megatron": "adapters.megatron",
     "cli": "face.cli", "verification": "face.verification", "benchmark": "face.benchmark",
     "synthetic": "data.synthetic",

@@ -168,7 +168,7 @@ def run_one(family: str, mapping: str = "causal-lm") -> Outcome:
     if mapping == "image-text-to-text":
         return _run_images(family)
     from treepack.adapters import hf
-    from treepack.adapters.zoo import VOCAB
+    from treepack.data.zoo import VOCAB
     from treepack.face.verification import verification_batch, verify
 
     import torch
@@ -197,7 +197,7 @@ def _zoo_vision(family: str) -> str | None:
     """The key of ``treepack.zoo.VISION_FAMILIES`` whose model is of type ``family``."""
     import transformers
 
-    from treepack.adapters import zoo
+    from treepack.data import zoo
 
     return next((key for key, (name, *_) in zoo.VISION_FAMILIES.items()
                  if getattr(transformers, name).model_type == family), None)
@@ -210,7 +210,8 @@ def _run_images(family: str) -> Outcome:
     user's would: ``hf.prepare``, then the images' check (:class:`treepack.hf.Images`)."""
     import torch
 
-    from treepack.adapters import hf, zoo
+    from treepack.adapters import hf
+    from treepack.data import zoo
     from treepack.adapters.hf.vision import check_family
     from treepack.face.verification import verification_image_batch, verify
 

@@ -292,7 +292,8 @@ def _verify(args) -> int:
         return _census(args)
     import torch
 
-    from treepack.adapters import hf, zoo
+    from treepack.adapters import hf
+    from treepack.data import zoo
     from treepack.face.verification import verification_batch, verification_image_batch, verify
 
     dtype = getattr(torch, args.dtype)
@@ -319,7 +320,7 @@ def _verify(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from treepack.version import __version__
-    from treepack.adapters.zoo import FAMILIES, MODELS, VISION_FAMILIES
+    from treepack.data.zoo import FAMILIES, MODELS, VISION_FAMILIES
 
     parser = argparse.ArgumentParser(
         prog="treepack",

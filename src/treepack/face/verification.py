@@ -206,7 +206,7 @@ def verification_image_batch(family: str, *, seed: int = 0, dtype=None):
         A ``treepack.zoo.ImageBatch`` (``sequences``, ``pixel_values``, ``image_grid_thw``)
         for :class:`treepack.hf.Images`.
     """
-    from treepack.adapters import zoo
+    from treepack.data import zoo
 
     return zoo.image_batch(IMAGE_LAYOUT, seed=seed, dtype=dtype, family=family)
 

@@ -112,7 +112,8 @@ def bench_model(preset: str, device: torch.device, dtype: torch.dtype = torch.fl
     for tree forwards (:func:`treepack.hf.prepare`; padded batches run as before)."""
     import transformers
 
-    from treepack.adapters import hf, zoo
+    from treepack.adapters import hf
+    from treepack.data import zoo
 
     if preset not in zoo.MODELS:
         raise ValueError(f"model={preset!r}: choose one of {sorted(zoo.MODELS)}")
