@@ -329,7 +329,7 @@ def average_gradients_worker(rank: int, world: int, port: int) -> None:
     the ranks'."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from treepack.adapters.hf.parts.sync import average_gradients
+    from treepack.adapters.fsdp.sync import average_gradients
 
     init(rank, world, port)
     try:
@@ -349,7 +349,8 @@ def average_gradients_worker(rank: int, world: int, port: int) -> None:
 
         for name, grad in grads(rank).items():
             getattr(module, name).grad = grad
-        average_gradients(model, bucket_bytes=40)  # a bucket a parameter or two
+        average_gradients(module, model.process_group, zeros_for_missing=True,
+                          bucket_bytes=40)  # a bucket a parameter or two
         for name in ("a", "b", "c"):
             each = [grads(r)[name] for r in range(world)]
             want = sum(torch.zeros_like(each[0]) if g is None else g for g in each) / world

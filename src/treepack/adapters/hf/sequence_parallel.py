@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from treepack.adapters.fsdp import sync
 from treepack.adapters.hf.head import check_head, head_after, head_refusal
 from treepack.adapters.hf.moe import weighted_router_aux_loss
 from treepack.adapters.hf.packed import check_inputs, check_pack, packed_forward
@@ -319,18 +320,6 @@ def average_gradients(model, group) -> None:
             ``sequence_parallel``.
 
     Returns:
-        None; one all-reduce per gradient dtype.
+        None; one all-reduce per bucket of about 25 MiB of one dtype, as DDP's reducer.
     """
-    size = dist.get_world_size(group)
-    by_dtype: dict = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():  # one collective per dtype
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    sync.average_gradients(model, group)

@@ -9,10 +9,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from treepack.adapters.fsdp import sync
+from treepack.adapters.hf.forwarding import forward
 from treepack.adapters.hf.head import head_after
 from treepack.adapters.hf.moe import router_logits_on, row_multiplicity, weighted_router_aux_loss
 from treepack.adapters.hf.packed import check_inputs
-from treepack.adapters.hf.parts import sync
 from treepack.adapters.hf.parts.run import (ROUTER_IN_PARTS, Run, loss_tensor, rng_state,
                                             set_rng_state)
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
@@ -316,7 +317,7 @@ def _agreed(sp, call: str, model, sequences, max_tokens, kwargs, temperature, en
 
 def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute, kwargs,
            router_grads=None, sp=None) -> PartsResult:
-    with sync.unsharded(model):
+    with sync.unsharded(model, lambda: _empty_step(model)):
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
                   align=align, train=True, kwargs=kwargs, loss_fn=loss_fn,
                   recompute=recompute, router_grads=router_grads, sp=sp)
@@ -327,10 +328,18 @@ def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute,
                        len(parts.parts), parts.rows_computed)
 
 
+def _empty_step(model) -> None:
+    """An empty pack's forward and backward through ``model``: nothing learned, every
+    collective of a data-parallel wrapper in step (:func:`treepack.adapters.fsdp.sync.
+    unsharded` ends a step in parts with it)."""
+    empty = TreePack.empty(1, device=compute_device(model))
+    (forward(model, empty).logits.sum() * 0.0).backward()
+
+
 def _score(model, parts: Parts, temperature, entropy, align, kwargs, sp=None) -> Run:
     """Every output of the parts without gradients (a pass that keeps each part's router
     logits)."""
-    with sync.unsharded(model, train=False), torch.no_grad():
+    with sync.unsharded(model, lambda: _empty_step(model), train=False), torch.no_grad():
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
                   align=align, train=False, kwargs=kwargs, sp=sp)
         run.all()

@@ -6,9 +6,12 @@ collectives line up anyway.
   averaged once at the end (:func:`average_gradients`), as DDP's reducer would.
 - FSDP2 and FSDP1: every parameter is gathered once, up front, and kept while the parts run,
   their gradients accumulated unsharded; one empty forward and backward, the same on every
-  rank, then reduce-scatters them and reshards (:func:`unsharded`).
+  rank (the adapter's ``empty_step``), then reduce-scatters them and reshards
+  (:func:`unsharded`).
 
 A rank without trees (an empty pack) runs no part and still takes part in each collective.
+:func:`average_gradients` is also what ``treepack.hf.average_gradients`` runs after a
+sequence-parallel backward outside DDP / FSDP.
 """
 
 from __future__ import annotations
@@ -16,11 +19,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
-
-from treepack.adapters.hf.forwarding import forward
-from treepack.adapters.hf.prepare import compute_device
-from treepack.core.tree import TreePack
 
 __all__ = ["local", "unsharded", "average_gradients", "finish"]
 
@@ -36,21 +36,24 @@ def finish(model) -> None:
     """After a training step's parts: DDP's gradient average (FSDP's ran in
     :func:`unsharded`)."""
     if local(model) is not model:
-        average_gradients(model)
+        average_gradients(model.module, model.process_group, zeros_for_missing=True)
 
 
 @contextlib.contextmanager
-def unsharded(model, train: bool = True):
+def unsharded(model, empty_step, train: bool = True):
     """FSDP2: every module's parameters gathered once, up front, and kept while the parts
     run, their gradients accumulated unsharded without reduction; then one empty forward
     and backward on every rank reduce-scatters them and reshards (without ``train``: the
     parameters are resharded). So each rank runs its own sequence of parts, while the
     collectives (one all-gather per module, one reduce-scatter per module) line up across
-    ranks. FSDP1: :func:`_fsdp1_unsharded`. Anything else: nothing to do."""
+    ranks. FSDP1: :func:`_fsdp1_unsharded`. Anything else: nothing to do.
+
+    ``empty_step()``: one forward and backward of no rows through ``model``, contributing
+    nothing (the adapter's: an empty pack through the model)."""
     from torch.distributed.fsdp import FSDPModule
 
     if _fsdp1_root(model) is not None:
-        with _fsdp1_unsharded(model, train):
+        with _fsdp1_unsharded(model, empty_step, train):
             yield
         return
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -71,18 +74,17 @@ def unsharded(model, train: bool = True):
             m.set_reshard_after_forward(True, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
         if train:
-            _sync_step(model)
+            _sync_step(empty_step)
         else:
             for m in sharded:
                 m.reshard()
 
 
-def _sync_step(model) -> None:
+def _sync_step(empty_step) -> None:
     """One empty forward and backward, the same on every rank: with FSDP's gradient sync
     back on, it reduce-scatters what the parts accumulated unsharded, and reshards."""
-    empty = TreePack.empty(1, device=compute_device(model))
     with torch.enable_grad():
-        (forward(model, empty).logits.sum() * 0.0).backward()
+        empty_step()
 
 
 def _fsdp1_root(model):
@@ -93,64 +95,48 @@ def _fsdp1_root(model):
 
 
 @contextlib.contextmanager
-def _fsdp1_unsharded(model, train: bool):
-    """FSDP1, as FSDP2 above: every handle's flat parameter gathered once, up front (in
-    handle order on every rank), then kept while the parts run: FSDP1 skips its all-gather
-    when the unsharded parameter is still allocated, and it frees it only for the
-    reshard-after-forward strategies or when syncing gradients, so the handles run as
-    ``SHARD_GRAD_OP`` with gradient sync off (``no_sync``'s flag; gradients accumulate
-    unsharded). Then, strategies and sync back, one empty forward and backward on every rank
-    reduce-scatters the accumulated gradients and reshards (without ``train``: every handle
-    reshards). These are FSDP1's internals (torch.distributed.fsdp._runtime_utils,
-    _traversal_utils), as of torch 2.11-2.13."""
-    from torch.distributed.fsdp import _runtime_utils, _traversal_utils
-    from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+def _fsdp1_unsharded(model, empty_step, train: bool):
+    """FSDP1, as FSDP2 above: every handle's flat parameter gathered once, up front, and kept
+    while the parts run, their gradients accumulated unsharded (:func:`.compat.gather_fsdp1`:
+    FSDP1's internals). Then, strategies and sync back, one empty forward and backward on
+    every rank reduce-scatters the accumulated gradients and reshards (without ``train``:
+    every handle reshards)."""
+    from treepack.adapters.fsdp import compat  # FSDP1's internals, imported when used
 
-    root = _fsdp1_root(model)
-    _runtime_utils._lazy_init(root, root)
-    states = _traversal_utils._get_fsdp_states(root)
-    strategies = []
-    for state in states:
-        handle = state._handle
-        state._sync_gradients = False
-        if handle is None:
-            continue
-        _runtime_utils._unshard(state, handle, state._unshard_stream,
-                                state._pre_unshard_stream)
-        strategies.append((handle, handle._sharding_strategy))
-        if handle.uses_sharded_strategy:
-            handle._sharding_strategy = HandleShardingStrategy.SHARD_GRAD_OP
+    states, strategies = compat.gather_fsdp1(_fsdp1_root(model))
     try:
         yield
     finally:
-        for handle, strategy in strategies:
-            handle._sharding_strategy = strategy
-        for state in states:
-            state._sync_gradients = True
+        compat.release_fsdp1(states, strategies, reshard=not train)
         if train:
-            _sync_step(model)
-        else:
-            for state in states:
-                if state._handle is not None:
-                    _runtime_utils._reshard(state, state._handle, True)
+            _sync_step(empty_step)
 
 
-def average_gradients(model, bucket_bytes: int = 25 * 2**20) -> None:
-    """What DDP's reducer does once per step: every gradient averaged over its process
-    group, in flat buckets of about ``bucket_bytes`` (DDP's default size: a few collectives,
-    not one per parameter). A parameter without a gradient on this rank adds zeros (the
-    ranks' parameter lists must line up)."""
-    import torch.distributed as dist
+def average_gradients(model, group=None, *, zeros_for_missing: bool = False,
+                      bucket_bytes: int = 25 * 2**20) -> None:
+    """Every gradient of ``model`` averaged over ``group``, in place, in flat buckets of about
+    ``bucket_bytes`` (DDP's default size: a few collectives, not one per parameter), as DDP's
+    reducer does once per step.
 
-    group = model.process_group
+    Args:
+        model: the module whose parameters' ``.grad`` to average.
+        group: the process group (None: every rank).
+        zeros_for_missing: a parameter that requires a gradient and has none on this rank
+            gets zeros first, so that ranks with different parameter sets (a step in parts)
+            line up; without it, such a parameter is left alone and every rank must have
+            gradients for the same parameters (a sequence-parallel backward gives every rank
+            the same).
+        bucket_bytes: the size of a bucket.
+    """
     world = dist.get_world_size(group)
     grads = []
-    for p in model.module.parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             continue
-        if p.grad is None:
+        if p.grad is None and zeros_for_missing:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        if p.grad is not None:
+            grads.append(p.grad)
     buckets: list[list[Tensor]] = []
     size = 0
     for g in grads:  # consecutive runs of one dtype and device, up to the size
