@@ -16,22 +16,18 @@ The tree enters each layer as its ``core_attention`` (:mod:`.attention`): treepa
 backends (``segment`` on a CPU, ``varlen`` / ``flex`` on CUDA) over the pack's rows, at
 their depths (:mod:`.rotary`). Log-probs come from the vocabulary-parallel output layer's
 weight, normalised on each TP rank's share of the vocabulary (:mod:`.forward`). Tensor,
-Megatron sequence and context parallelism follow ``megatron.core.parallel_state``.
+Megatron sequence and context parallelism follow ``megatron.core.parallel_state``. Every
+megatron-core internal treepack touches is in :mod:`.compat`.
 """
 
-try:
-    import megatron.core  # noqa: F401
-except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError("treepack.megatron needs megatron-core >= 0.16: pip install "
-                      "'treepack[megatron]'") from e
-
-from treepack.adapters.megatron.attention import (  # noqa: E402
-    TreeCoreAttention, TreePackedSeqParams, UnsupportedMegatron, layer_spec)
-from treepack.adapters.megatron.forward import (  # noqa: E402
-    MegatronForward, StageOutput, forward_stage, forward_step, is_prepared, logprobs, prepare,
-    unwrap)
-from treepack.adapters.megatron.parts import (  # noqa: E402
-    PartsResult, backward_in_parts, logprobs_in_parts, step_in_parts)
+from treepack.adapters.megatron import compat  # first: says what is missing  # noqa: F401
+from treepack.adapters.megatron.attention import (TreeCoreAttention, TreePackedSeqParams,
+                                                  UnsupportedMegatron, layer_spec)
+from treepack.adapters.megatron.forward import (MegatronForward, StageOutput, forward_stage,
+                                                forward_step, is_prepared, logprobs, prepare,
+                                                unwrap)
+from treepack.adapters.megatron.parts import (PartsResult, backward_in_parts,
+                                              logprobs_in_parts, step_in_parts)
 
 __all__ = ["layer_spec", "prepare", "logprobs", "forward_step", "forward_stage", "StageOutput",
            "is_prepared", "unwrap", "TreeCoreAttention", "TreePackedSeqParams", "MegatronForward",

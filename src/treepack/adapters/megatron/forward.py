@@ -34,7 +34,7 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.megatron import moe, rotary
+from treepack.adapters.megatron import compat, moe, rotary
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
                                                   swap, tree_layers)
 from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
@@ -89,6 +89,7 @@ def prepare(model):
             with recomputed MoE layers or routing replay (:func:`.moe.check`).
         TypeError: not a ``GPTModel``.
     """
+    compat.check()
     core = unwrap(model)
     config = core.config
     if getattr(config, "mtp_num_layers", None):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from treepack.adapters.megatron import compat
 from treepack.adapters.megatron.attention import UnsupportedMegatron
 
 __all__ = ["install", "active", "has_moe", "check"]
@@ -58,13 +59,10 @@ def _weights(tokens: int) -> Tensor | None:
 
 
 class _TreeRouter:
-    """The steps of a router that a tree forward weights (module doc), bound to each router
-    instance by :func:`install` (megatron's router classes declare ``__slots__`` and an ABC
-    base, so no subclass can be swapped in); each calls the router's own step,
+    """The steps of a router that a tree forward weights (module doc; :data:`.compat.
+    ROUTER_STEPS`), bound to each router instance of a prepared model by :func:`install`, so
+    every other model keeps Megatron's own; each calls the router's own step,
     ``self._stock<name>``, outside a tree forward."""
-
-    STEPS = ("routing", "apply_z_loss", "_apply_aux_loss", "_apply_seq_aux_loss",
-             "_apply_global_aux_loss", "_apply_expert_bias")
 
     def routing(self, logits: Tensor, padding_mask: Tensor | None = None):
         w = _weights(logits.shape[0] * logits.shape[1]) if logits.dim() == 3 else \
@@ -197,7 +195,7 @@ def install(model) -> None:
     for router in routers(model):
         if "_stock_routing" in vars(router):
             continue
-        for name in _TreeRouter.STEPS:
+        for name in compat.ROUTER_STEPS:
             stock = "_stock" + (name if name.startswith("_") else "_" + name)
             object.__setattr__(router, stock, getattr(router, name))  # bound: the class's
             object.__setattr__(router, name, types.MethodType(getattr(_TreeRouter, name),

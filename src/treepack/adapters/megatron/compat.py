@@ -1,0 +1,76 @@
+"""Every access treepack makes to megatron-core beyond its documented API, in one place.
+
+Written against megatron-core 0.16.1 (the newest for Python 3.11, which the suite installs)
+and kept to what 0.16 and 0.19 share (``treepack[megatron]`` allows ``>= 0.16``; the GPU image
+carries newer wheels). :func:`check` runs in :func:`treepack.megatron.prepare` and names any of
+these that moved.
+
+Replaced on each instance of the model being prepared (never on the classes):
+
+- ``TopKRouter.routing``, ``.apply_z_loss``, ``._apply_aux_loss``, ``._apply_seq_aux_loss``,
+  ``._apply_global_aux_loss``, ``._apply_expert_bias``: the router's steps that average over
+  a batch's tokens, weighted by each row's multiplicity in a tree forward (:mod:`.moe`; the
+  originals kept as ``_stock_*``). They call ``get_aux_loss_coeff``,
+  ``attach_and_log_load_balancing_loss`` and ``moe_utils``' ``MoEAuxLossAutoScaler``,
+  ``save_to_aux_losses_tracker`` and ``switch_load_balancing_loss_func``, and read the
+  router's ``tp_cp_group``, ``tp_dp_cp_group``, ``layer_number``, ``topk``,
+  ``enable_expert_bias``, ``global_tokens_per_expert``, ``ga_steps`` and
+  ``local_tokens_per_expert``.
+- ``GPTModel.rotary_pos_emb.__class__``: swapped for a subclass whose ``get_rotary_seq_len`` /
+  ``forward`` give each row its depth (:mod:`.rotary`; ``RotaryEmbedding.get_emb``).
+- ``GPTModel.output_layer.forward``: for one forward, returns its input and records the weight
+  (:mod:`.forward`), so no ``[T', V]`` logits exist.
+- ``<layer>.self_attention.core_attention``: the tree core attention around the built module
+  (:mod:`.attention`), which shares the stock module's ``softmax_offset`` (attention sinks)
+  after deleting it from ``stock._parameters``.
+
+Implemented: the core-attention contract Megatron builds and calls (constructor ``config,
+layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+cp_comm_type, pg_collection``; forward ``query, key, value, attention_mask, attn_mask_type,
+attention_bias, packed_seq_params``), and ``PackedSeqParams`` subclassed with a ``tree`` field
+(``qkv_format``, ``max_seqlen_q``, ``max_seqlen_kv``, ``cp_group`` read by Megatron).
+"""
+
+from __future__ import annotations
+
+try:
+    import megatron.core
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+except ImportError as e:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError("treepack.megatron needs megatron-core >= 0.16: pip install "
+                      "'treepack[megatron]'") from e
+
+from treepack.core.compat import require
+
+__all__ = ["WRITTEN_AGAINST", "ROUTER_STEPS", "check"]
+
+WRITTEN_AGAINST = "0.16.1"
+
+# the router steps a tree forward weights, replaced on each router instance (.moe)
+ROUTER_STEPS = ("routing", "apply_z_loss", "_apply_aux_loss", "_apply_seq_aux_loss",
+                "_apply_global_aux_loss", "_apply_expert_bias")
+
+SYMBOLS = (  # (name, owner, attribute path)
+    *((f"TopKRouter.{step}", TopKRouter, step) for step in ROUTER_STEPS),
+    ("TopKRouter.get_aux_loss_coeff", TopKRouter, "get_aux_loss_coeff"),
+    ("TopKRouter.attach_and_log_load_balancing_loss", TopKRouter,
+     "attach_and_log_load_balancing_loss"),
+    ("moe_utils.MoEAuxLossAutoScaler", moe_utils, "MoEAuxLossAutoScaler"),
+    ("moe_utils.save_to_aux_losses_tracker", moe_utils, "save_to_aux_losses_tracker"),
+    ("moe_utils.switch_load_balancing_loss_func", moe_utils, "switch_load_balancing_loss_func"),
+    ("RotaryEmbedding.get_rotary_seq_len", RotaryEmbedding, "get_rotary_seq_len"),
+    ("RotaryEmbedding.get_emb", RotaryEmbedding, "get_emb"),
+    # the fields Megatron reads of the packed_seq_params a tree forward passes (all default)
+    *((f"PackedSeqParams.{f}", PackedSeqParams, f)
+      for f in ("qkv_format", "max_seqlen_q", "max_seqlen_kv", "cp_group")),
+)
+
+
+def check() -> None:
+    """Raise ``ImportError`` naming the megatron-core symbols treepack replaces or reads that
+    moved."""
+    require("megatron-core", getattr(megatron.core, "__version__", "?"), WRITTEN_AGAINST,
+            SYMBOLS)
