@@ -133,14 +133,14 @@ def test_hybrid_moe_router_loss_counts_original_tokens(family, monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3_5", "falcon_mamba"])
 def test_a_scan_that_forgets_its_parent_state_is_caught(family, monkeypatch):
     """A negative control: the equivalence fails when segments start from zero states."""
-    from treepack.adapters.hf import routing
+    from treepack.forwards import mixers
 
-    real = routing.level_scan
+    real = mixers.level_scan
 
     def zero_states(pack, kernel, inputs):
         return real(pack, lambda batch, state: kernel(batch, None), inputs)
 
-    monkeypatch.setattr(routing, "level_scan", zero_states)
+    monkeypatch.setattr(mixers, "level_scan", zero_states)
     with pytest.raises(AssertionError):
         test_hybrid_logprobs_and_gradients_equal_each_sequence_alone(family, "flat",
                                                                      monkeypatch)
