@@ -19,7 +19,7 @@ from treepack.attention.segment import ShapeGroups, chain_groups
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 from treepack.lean import predictions as lean
-from treepack.lean.predictions import Predictions
+from treepack.lean.predictions import ForwardPredictions
 from treepack.planning.parts import Parts, split
 from treepack.recurrent import ancestor_table, row_levels
 
@@ -148,17 +148,18 @@ def _outside(parts: Parts, i: int, rows: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 @derived_from_pack
-def part_predictions(pack: TreePack, budget: int | None, align: str) -> list[Predictions]:
+def part_predictions(pack: TreePack, budget: int | None, align: str
+                     ) -> list[ForwardPredictions]:
     """The predictions of each part of ``split(pack, budget)`` (``budget`` None: one part,
     the whole pack), sources counted among the part's rows."""
     if budget is None:
-        return [lean.predictions(pack, align)]
+        return [lean.forward_predictions(pack, align)]
     where, seq, source, token, real = lean.host_predictions(pack, align)
     parts = split(pack, budget)
     part_of, local, count = parts.part_of, parts.local[source], len(parts.parts)
     order = np.lexsort((local, part_of[source]))  # by part, then source row
     counts = np.bincount(part_of[source], minlength=count)
     move = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(pack.device)  # noqa: E731
-    return [Predictions(move(where[sel]), seq[sel], local[sel], move(token[sel]),
-                        None if real[sel].all() else move(real[sel]))
+    return [ForwardPredictions(move(where[sel]), seq[sel], local[sel], move(token[sel]),
+                               None if real[sel].all() else move(real[sel]))
             for sel in np.split(order, np.cumsum(counts)[:-1])]

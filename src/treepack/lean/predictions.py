@@ -3,11 +3,13 @@ pack's layout: one rank's slice of the rows, one part of a tree, or both.
 
 A prediction is one (sequence, position) of the pack's layout, with its source row (the row
 whose logits predict it) and its target token. A forward over some rows owns the predictions
-whose source row it computed: :func:`predictions` lists every prediction of a pack once
-(cached), :meth:`Predictions.within` narrows them to a slice of rows, and :func:`place`
-normalises a forward's rows once per (row, temperature) and scatters the log-probs (and
-entropies) to where they go. Every adapter that splits a pack's rows (sequence and context
-parallelism, parts) places its log-probs through here.
+whose source row it computed: :func:`forward_predictions` lists every prediction of a pack
+once (cached), :meth:`ForwardPredictions.within` narrows them to a slice of rows, and
+:func:`logprobs_at` normalises a forward's rows once per (row, temperature) and scatters the
+log-probs (and entropies) to where they go. Every adapter that splits a pack's rows (sequence
+and context parallelism, parts) places its log-probs through here. (A pack's own
+:class:`~treepack.core.tree.Predictions` are its occurrences in input order; these are what
+one forward's rows predict, by source row.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from treepack.core.outputs import check_align, sequence_of
 from treepack.core.softmax import Head, Logits, normalise
 from treepack.core.tree import TreePack
 
-__all__ = ["Predictions", "HostPredictions", "predictions", "host_predictions", "place"]
+__all__ = ["ForwardPredictions", "HostPredictions", "forward_predictions", "host_predictions",
+           "logprobs_at"]
 
 
 class HostPredictions(NamedTuple):
@@ -38,8 +41,8 @@ class HostPredictions(NamedTuple):
     real: np.ndarray
 
 
-class Predictions(NamedTuple):
-    """Predictions of one forward: where they go in the pack's (flattened) layout, their
+class ForwardPredictions(NamedTuple):
+    """ForwardPredictions of one forward: where they go in the pack's (flattened) layout, their
     sequences and source rows among the forward's rows (host), their target tokens, and which
     of them predict a token (None: all)."""
 
@@ -49,14 +52,14 @@ class Predictions(NamedTuple):
     token: Tensor
     real: Tensor | None
 
-    def within(self, start: int, stop: int) -> "Predictions":
+    def within(self, start: int, stop: int) -> "ForwardPredictions":
         """Those whose source is among rows ``start .. stop - 1``, sources counted from
         ``start``: a rank's slice of the forward's rows."""
         keep = (self.source >= start) & (self.source < stop)
         if keep.all():
             return self._replace(source=self.source - start)
         on = torch.from_numpy(np.flatnonzero(keep)).to(self.where.device)
-        return Predictions(self.where[on], self.seq[keep], self.source[keep] - start,
+        return ForwardPredictions(self.where[on], self.seq[keep], self.source[keep] - start,
                            self.token[on], None if self.real is None else self.real[on])
 
 
@@ -82,19 +85,19 @@ def host_predictions(pack: TreePack, align: str) -> HostPredictions:
 
 
 @derived_from_pack
-def predictions(pack: TreePack, align: str) -> Predictions:
+def forward_predictions(pack: TreePack, align: str) -> ForwardPredictions:
     """Every prediction of ``pack`` (sources among all its rows), on its device, by source
     row."""
     where, seq, source, token, real = host_predictions(pack, align)
     order = np.argsort(source, kind="stable")
     move = lambda a: torch.from_numpy(np.ascontiguousarray(a[order])).to(pack.device)  # noqa: E731
-    return Predictions(move(where), seq[order], source[order], move(token),
+    return ForwardPredictions(move(where), seq[order], source[order], move(token),
                        None if real.all() else move(real))
 
 
-def place(predictions: Predictions, source: Logits | Head, temperature: np.ndarray, *,
-          entropy: bool, numel: int, chunk_size: int | None = None
-          ) -> tuple[Tensor, Tensor | None]:
+def logprobs_at(predictions: ForwardPredictions, source: Logits | Head, temperature: np.ndarray,
+                *, entropy: bool, numel: int, chunk_size: int | None = None
+                ) -> tuple[Tensor, Tensor | None]:
     """The forward's log-probs (and entropies) at ``predictions``, in a flat ``[numel]``
     layout (0 elsewhere), with autograd to the source's tensors.
 

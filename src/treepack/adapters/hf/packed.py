@@ -22,6 +22,7 @@ from treepack.adapters.hf.vision import image_blocks, image_token_ids, vision_fo
 from treepack.adapters.hf.routing import (TREE_FORWARD_KWARG, UnsupportedModel,
                                           check_calls, text_config, tree_forward)
 from treepack.core.derived import derived_from_pack
+from treepack.core.softmax import Head, Logits
 from treepack.core.tree import TreePack
 from treepack.forwards.mixers import PackForward, TreeForward
 
@@ -62,6 +63,25 @@ class PackedOutput(NamedTuple):
     output: object  # the model's output (``.logits`` [1, n, V] for ``output="logits"``)
     hidden: Tensor | None  # [n, H] the LM head's input, for ``output="hidden"``
     head: dict | None  # the LM head as the forward saw it (lm_head's keywords), likewise
+
+    def source(self) -> Head | Logits:
+        """What the forward's predictions are normalised from (:mod:`treepack.core.softmax`):
+        its hidden states and head (``output="hidden"``), or its logits."""
+        if self.hidden is None:
+            return Logits(self.output.logits[0])
+        h = self.head
+        return Head(self.hidden, h["weight"], h.get("bias"), scale=h.get("scale", 1.0),
+                    softcap=h.get("softcap"))
+
+    def zero(self) -> Tensor:
+        """0, as a function of everything the forward's predictions would read: the loss of
+        a sequence-parallel rank that predicts nothing, so that its backward runs the
+        exchanges the other ranks' do and its gradients are the same set of parameters
+        (zeros), as theirs."""
+        if self.hidden is None:
+            return self.output.logits.sum() * 0
+        head = [t.sum() for t in self.head.values() if isinstance(t, Tensor)]
+        return (self.hidden.sum() + sum(head)) * 0
 
 
 def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None = None,

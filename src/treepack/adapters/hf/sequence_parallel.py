@@ -32,7 +32,6 @@ from treepack.adapters.fsdp import sync
 from treepack.adapters.hf.head import check_head, head_after, head_refusal
 from treepack.adapters.hf.moe import weighted_router_aux_loss
 from treepack.adapters.hf.packed import check_inputs, check_pack, packed_forward
-from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.attention import exchange
@@ -42,6 +41,8 @@ from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
 from treepack.forwards.mixers import PackForward, TreeForward
+from treepack.forwards.plans import part_predictions
+from treepack.lean.predictions import logprobs_at
 
 __all__ = ["SequenceParallel", "ShardedForward", "sequence_parallel", "sum_over",
            "average_gradients", "agreed", "pack_identity", "PackIdentity", "logprobs",
@@ -224,10 +225,10 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
     dtype = torch.promote_types(unwrap(model).dtype, torch.float32)
     mine = part_predictions(pack, None, align)[0].within(start, stop)
     if mine.source.shape[0]:
-        logp, ent = place(mine, out, temps, entropy=entropy, numel=numel,
-                          chunk_size=chunk_size)
+        logp, ent = logprobs_at(mine, out.source(), temps, entropy=entropy, numel=numel,
+                                chunk_size=chunk_size)
     else:  # nothing predicted from these rows; the backward still runs their exchanges
-        logp = torch.zeros(numel, dtype=dtype, device=pack.device) + zero_of(out)
+        logp = torch.zeros(numel, dtype=dtype, device=pack.device) + out.zero()
         ent = logp if entropy else None
     logp = sum_over(logp.to(dtype), sp).view(shape)
     ent = None if ent is None else sum_over(ent.to(dtype), sp).view(shape)

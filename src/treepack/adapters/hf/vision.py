@@ -387,7 +387,7 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
     deepstack: list = []
     placed = []  # one entry per embedding call: exactly one a forward
 
-    def place(module, args, out):
+    def put_features(module, args, out):
         placed.append(True)
         if len(placed) > 1:  # refused after the forward
             return out
@@ -395,7 +395,7 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
 
     handles = []
     try:
-        handles.append(core.get_input_embeddings().register_forward_hook(place))
+        handles.append(core.get_input_embeddings().register_forward_hook(put_features))
         text_model = _text_model(core)
         if text_model is not None and "deepstack_visual_embeds" in inspect.signature(
                 text_model.forward).parameters:

@@ -44,7 +44,7 @@ from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_tempe
 from treepack.core.softmax import Head
 from treepack.core.tree import TreePack
 from treepack.forwards.mixers import PackForward, TreeForward
-from treepack.lean.predictions import place, predictions
+from treepack.lean.predictions import forward_predictions, logprobs_at
 
 __all__ = ["prepare", "logprobs", "forward_stage", "forward_step", "StageOutput", "unwrap",
            "MegatronForward", "is_prepared"]
@@ -426,9 +426,10 @@ def _place(core, pack, forward: MegatronForward, hidden: Tensor, head: dict, tem
                   vocab_start=tp["rank"] * weight.shape[0])
     shape = tuple(pack.rows.shape)
     numel = math.prod(shape)
-    every = predictions(pack, align) if every is None else every
+    every = forward_predictions(pack, align) if every is None else every
     mine = every.within(forward.start, forward.stop)
-    logp, ent = place(mine, source, temps, entropy=entropy, numel=numel, chunk_size=chunk_size)
+    logp, ent = logprobs_at(mine, source, temps, entropy=entropy, numel=numel,
+                            chunk_size=chunk_size)
     if cp["size"] > 1:
         logp = sum_over(logp, cp["group"])
         ent = None if ent is None else sum_over(ent, cp["group"])

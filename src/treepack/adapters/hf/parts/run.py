@@ -18,13 +18,13 @@ from torch import Tensor
 
 from treepack.adapters.hf.head import head_after
 from treepack.adapters.hf.packed import packed_forward
-from treepack.adapters.hf.predictions import part_predictions, place, zero_of
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, SequenceParallel,
                                                     ShardedForward)
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
-from treepack.forwards import Carried, PartForward, Walk
+from treepack.forwards import Carried, PartForward, Walk, part_predictions
+from treepack.lean.predictions import logprobs_at
 from treepack.planning.parts import Parts
 
 __all__ = ["Run", "rng_state", "set_rng_state", "loss_tensor", "ROUTER_IN_PARTS",
@@ -112,11 +112,11 @@ class Run:
                 loss = sum((r * g).sum() for r, g in zip(router, grads) if g is not None)
         if source.shape[0] == 0:
             if self.sp is not None and self.train and loss is None:
-                loss = zero_of(out)
+                loss = out.zero()
             return loss
         shape, numel = self.logprobs.shape, self.logprobs.numel()
-        logprobs, entropy = place(predictions, out, self.temperature,
-                                  entropy=self.want_entropy, numel=numel)
+        logprobs, entropy = logprobs_at(predictions, out.source(), self.temperature,
+                                        entropy=self.want_entropy, numel=numel)
         mask = torch.zeros(numel, dtype=torch.bool, device=self.device)
         mask[where] = True
         self.logprobs.view(-1)[where] = logprobs[where].detach().to(self.logprobs.dtype)
