@@ -118,6 +118,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import response_from_nested  # noqa: E402
 
 import treepack.verl as treepack_verl  # noqa: E402
+from treepack import hf  # noqa: E402
 
 VOCAB = 128
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
@@ -283,7 +284,6 @@ def make_image_rows(seed: int = 0) -> list[dict]:
 def _mrope_positions(engine, rows) -> list[torch.Tensor]:
     """Each row's ``[4, length]`` position ids as verl's agent loop computes them: the text
     positions, then the model's own ``get_rope_index`` (its processor's)."""
-    from treepack import hf
 
     inner = hf.unwrap(engine.module).model
     out = []
@@ -680,14 +680,14 @@ def fallback(rank: int, world: int, port: int, model_dir: str, out_path: str) ->
         records = captured_log()
 
         def refuse(model, **kw):
-            raise treepack_verl.hf.UnsupportedModel("a layer treepack cannot pack (test)")
+            raise hf.UnsupportedModel("a layer treepack cannot pack (test)")
 
-        real = treepack_verl.hf.prepare
-        treepack_verl.hf.prepare = refuse
+        real = hf.prepare  # the function the engine calls, as treepack.hf.prepare
+        hf.prepare = refuse
         try:
             tree = make_engine(treepack_verl.TreepackEngine, model_dir, "fsdp2")
         finally:
-            treepack_verl.hf.prepare = real
+            hf.prepare = real
         stock = make_engine(FSDPEngineWithLMHead, model_dir, "fsdp2")
         rows = make_rows(seed=3)
         got = []
