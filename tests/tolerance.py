@@ -2,24 +2,28 @@
 
 The rule: two floating-point computations of the same quantity may differ by
 
-    rounding(dtype, scale, steps) = steps * eps(dtype) * scale
+    rounding(dtype, size, steps) = steps * eps(dtype) * size
 
 - ``eps(dtype)``: ``torch.finfo(dtype).eps`` of the precision the computation *rounds in*. That
-  is the run's dtype, except where a model computes inside float32 even in a float64 run
-  (transformers' eager softmax and RMSNorm upcasts, Kimi-Linear's float32 gates, the Mamba and
+  is the run's dtype, except where a model computes in float32 even in a float64 run:
+  transformers' RMSNorm upcasts and eager softmax, Kimi-Linear's float32 gates, the Mamba and
   Gated DeltaNet torch scans, float32 router losses, the float32 logits of Nemotron-H and
-  Falcon-Mamba heads): such a float64 run is float32-accurate, and eps is float32's.
-- ``scale``: the size of the values compared (``max |expected|``), or 1 for a relative error.
+  Falcon-Mamba heads. There the float64 run is float32-accurate and eps is float32's: two
+  runs round their nearly equal float64 values to float32 alike, except where the two straddle
+  a float32 rounding, and there one of them is a float32 step off (Kimi-Linear's gates: 1e-8
+  in the log-probs on an Intel Xeon, 1e-9 on an AMD EPYC, against float64's 1e-15).
+- ``size``: the size of the values compared (``max |expected|``), or 1 for a relative error.
 - ``steps``: how many roundings may accumulate between the two. A sum of n terms computed in
-  two orders differs by at most ``n`` roundings of its largest partial sum (the worst case),
-  and by about ``sqrt(n)`` for roundings that fall at random. The named allowances below give
-  every test's number; a test that needs another says why where it uses it.
+  two orders differs by at most n roundings of its largest partial sum (the worst case), and
+  by about sqrt(n) where the roundings fall at random. The named allowances below give the
+  tests' numbers; a test that needs another says where its steps come from.
 
 bfloat16 follows the spec (STYLE.md, after flash-attn): packed bfloat16 against a float32
 reference may be at most twice the unpacked bfloat16 run's own error (``LOW_PRECISION_FACTOR``).
 
-Every allowance stays far below the errors of the bugs the tests guard (siblings seeing each
-other, a scan restarting from zeros, a wrong denominator): those are 1e-4 to 1e-1 of the values.
+Every allowance stays below the errors of the bugs the tests guard (siblings seeing each other,
+a scan restarting from zeros, a wrong denominator), 1e-4 to 1e-1 of the values: where a float32
+worst case would reach them, the roundings count as a random walk.
 
 Measuring (opt-in): with ``TREEPACK_TOLERANCE_LOG=<path>`` set, every ``torch.testing.
 assert_close``, ``pytest.approx`` comparison and :func:`within` called from tests/ appends one
@@ -30,6 +34,7 @@ site. Unset, nothing is patched and :func:`within` is a plain comparison.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,24 +67,60 @@ REDUCTIONS = 32
 OP_STEPS = TERMS  # one operation (a sum, a softmax, a log-softmax), worst case
 MODEL_STEPS = REDUCTIONS * TERMS  # a model computed two ways, worst case: 8192
 MODEL_STEPS_F32 = REDUCTIONS * math.isqrt(TERMS)  # the same, roundings as a random walk: 512
+# float32 roundings on the way to a log-prob of a float64 run: 2 norms and a gate, scan or
+# softmax a layer, 4 layers, the final norm and the head
+INSIDE_STEPS = 16
 
-# The float64 exact-comparison allowance: relative error of one float64 model computation done
-# two ways (packed and alone, in parts and whole, on ranks and in one process), worst case:
-# 1.8e-12. float64 affords the worst case; anything larger is a different computation.
+# The float64 exact-comparison allowance: relative error of a float64 computation with no float32
+# step done two ways (packed and alone, in parts and whole, on ranks and in one process), worst
+# case: 1.8e-12. float64 affords the worst case; anything larger is a different computation.
 FLOAT64_EXACT = rounding(torch.float64, steps=MODEL_STEPS)
 # One float64 operation done two ways (a log-softmax, a loss over a pack's rows): 5.7e-14.
 FLOAT64_OP = rounding(torch.float64, steps=OP_STEPS)
-# The float32-relative allowance: a float32 run of a model done two ways, and what a float64 run
-# keeps of a model's float32 steps when they round gradients (RMSNorm's float32 backward summing
-# rows): 6.1e-5. The worst case (8192 float32 roundings, 1e-3) would be the size of a bug, so the
-# roundings count as a random walk; the bugs the tests guard (1e-4 and up) stay outside.
-FLOAT32_RELATIVE = rounding(torch.float32, steps=MODEL_STEPS_F32)
-# One float32 operation inside a float64 run (transformers' eager float32 softmax, a head's
-# float32 logits and their log-softmax, Kimi-Linear's float32 gates over a scan): 3.1e-5.
+# The values of a float64 run of a model that rounds to float32 inside (most transformers models:
+# their norms' variance; gates, chunked scans, an eager softmax; see ``inside``): 1.9e-6.
+FLOAT32_INSIDE = rounding(torch.float32, steps=INSIDE_STEPS)
+# One whole float32 operation on the values compared (a log-softmax of a head's float32 logits,
+# a float32 router loss): 3.1e-5.
 FLOAT32_OP = rounding(torch.float32, steps=OP_STEPS)
+# The float32-relative allowance: a float32 run of a model done two ways, and gradients of a
+# float64 run through float32 steps (the backward of RMSNorm's cast rounds every gradient that
+# passes to float32): 6.1e-5. The worst case (8192 roundings, 1e-3) would be the size of a bug.
+FLOAT32_RELATIVE = rounding(torch.float32, steps=MODEL_STEPS_F32)
 # flash-attn's rule for low precision: the packed run's error against a float32 reference is at
 # most twice the unpacked low-precision run's error against the same reference.
 LOW_PRECISION_FACTOR = 2.0
+
+
+def rounds_in(model, **inputs) -> torch.dtype:
+    """The lowest floating precision ``model``'s forward on ``inputs`` computes in, found by
+    watching every op it runs: float32 for a float64 transformers model whose norms upcast
+    (most), float64 for one that never leaves it (GPT-2)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen = set()
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.update(t.dtype for t in tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return out
+
+    with torch.no_grad(), Watch():
+        model(**inputs)
+    return max(seen, key=eps) if seen else torch.float64
+
+
+def inside(model, *, grads: bool = False, **inputs) -> float:
+    """The allowance for a float64 model's values (``grads``: gradients) computed two ways:
+    FLOAT64_EXACT where its forward never leaves float64, else FLOAT32_INSIDE (FLOAT32_RELATIVE
+    for gradients, which the backward of every float32 cast rounds)."""
+    inputs = inputs or {"input_ids": torch.tensor([[3, 4, 5, 6]])}
+    if rounds_in(model, **inputs) == torch.float64:
+        return FLOAT64_EXACT
+    return FLOAT32_RELATIVE if grads else FLOAT32_INSIDE
 
 
 def assert_within(actual, expected, rel: float, msg=None) -> None:
@@ -109,9 +150,23 @@ def _site() -> tuple[str, str] | None:
     return (inner, outer) if inner else None
 
 
+_NEGATIVE = []  # inside negative_control(): checks that are meant to fail
+
+
+@contextlib.contextmanager
+def negative_control():
+    """Checks made inside are a negative control's (a test run on purpose on broken code,
+    ``with pytest.raises(AssertionError), negative_control():``): not recorded."""
+    _NEGATIVE.append(True)
+    try:
+        yield
+    finally:
+        _NEGATIVE.pop()
+
+
 def _record(kind: str, ratio: float, error: float, allowed: str, site=None) -> None:
     site = site or _site()
-    if site is None:  # a call from the library or a framework, not a tolerance of ours
+    if site is None or _NEGATIVE:  # the library's or a framework's call; a negative control
         return
     line = json.dumps(dict(site=site[0], caller=site[1], kind=kind, ratio=ratio, error=error,
                            allowed=allowed, test=os.environ.get("PYTEST_CURRENT_TEST", ""),
@@ -120,12 +175,16 @@ def _record(kind: str, ratio: float, error: float, allowed: str, site=None) -> N
         f.write(line + "\n")
 
 
-def within(error, allowed) -> bool:
-    """``error <= allowed``, recorded when measuring: ``assert within(err, tol), msg``."""
+def within(error, allowed, *, rule: bool = False) -> bool:
+    """``error <= allowed``, recorded when measuring: ``assert within(err, tol), msg``.
+
+    ``rule=True`` marks an allowance that is a rule rather than a rounding bound (the
+    low-precision one: twice the unpacked run's error, the same kind of error as the one
+    measured), which the summary lists apart: its ratios sit near 1/2 by design."""
     error, allowed = float(error), float(allowed)
     if os.environ.get(ENV):
         ratio = error / allowed if allowed > 0 else (0.0 if error == 0 else math.inf)
-        _record("within", ratio, error, f"{allowed:.3g}")
+        _record("within rule" if rule else "within", ratio, error, f"{allowed:.3g}")
     return error <= allowed
 
 
