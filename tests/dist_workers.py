@@ -406,10 +406,10 @@ def vocab_parallel_worker(rank: int, world: int, port: int, out: str) -> None:
             ((want_logp * wl).sum() + (want_ent * we).sum()).backward()
             grad_h = mine_h.grad.clone()
             dist.all_reduce(grad_h)  # the caller's sum of every share's hidden gradient
-            results[chunk] = max(
-                (logp - want_logp).abs().max().item(), (ent - want_ent).abs().max().item(),
-                (grad_h - whole_h.grad).abs().max().item(),
-                (mine_w.grad - whole_w.grad[rank * share:(rank + 1) * share]).abs().max().item())
+            pairs = ((logp, want_logp), (ent, want_ent), (grad_h, whole_h.grad),
+                     (mine_w.grad, whole_w.grad[rank * share:(rank + 1) * share]))
+            results[chunk] = max(((a - b).abs().max() / b.abs().max()).item()
+                                 for a, b in pairs)  # each relative to its size
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         shutdown()
