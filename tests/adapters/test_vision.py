@@ -99,6 +99,17 @@ def rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
 
 
+def grad_rel(got, want, name):
+    """``rel`` of a gradient; a key bias of a vision tower without rotary positions (llava's
+    CLIP, Gemma 3's SigLIP) is zero in exact arithmetic (the softmax ignores a shift of every
+    score) and holds only rounding of terms as large as the model's gradients: judged against
+    the model's largest, as treepack's bench judges every gradient."""
+    w = want[name]
+    if "vision_tower" in name and name.endswith("k_proj.bias"):
+        return float((got[name] - w).abs().max()) / max(float(v.abs().max()) for v in want.values())
+    return rel(got[name], w)
+
+
 def setup(family, monkeypatch):
     batch = zoo.image_batch(LAYOUT, dtype=torch.float64, family=family)
     g = torch.Generator().manual_seed(1)
@@ -150,8 +161,8 @@ def test_images_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
         assert within((a - b).abs().max(), lp_tol), s
     assert set(got) == set(want) and any(n.startswith(("model.visual", "model.vision_tower"))
                                          for n in want)
-    for name, w in want.items():
-        assert within(rel(got[name], w), grad_tol), (name, rel(got[name], w), grad_tol)
+    for name in want:
+        assert within(grad_rel(got, want, name), grad_tol), (name, grad_rel(got, want, name))
 
 
 def test_rows_are_keyed_by_image_content():
