@@ -12,3 +12,6 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# TREEPACK_TOLERANCE_LOG=<path>: record every tolerance check (tests/tolerance.py); unset: nothing.
+import tolerance  # noqa: E402, F401

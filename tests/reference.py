@@ -5,6 +5,7 @@ No sorting, no LCP, no intervals: every prefix is a dict path, ancestors are par
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -129,3 +130,32 @@ def exact_kernel(monkeypatch, model):
     for name in ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, naive_gated_delta_rule)
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """While it lasts, whatever asks for float32 gets float64: a float64 model's norms, gates,
+    scans and eager softmax, which transformers computes in float32 even in a float64 model,
+    stay float64, so that two runs compare to float64's rounding (tolerance.FLOAT64_EXACT;
+    tolerance.inside sees it). Tensors made without a dtype are float64 too."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    def f64(x):
+        return torch.float64 if x is torch.float32 else x
+
+    class Float64(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.float:
+                func = torch.Tensor.double
+            args = tuple(f64(a) for a in args)
+            kwargs = {k: f64(v) for k, v in (kwargs or {}).items()}
+            return func(*args, **kwargs)
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with Float64():
+            yield
+    finally:
+        torch.set_default_dtype(default)

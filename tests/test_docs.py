@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from tolerance import FLOAT32_RELATIVE, assert_within
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,8 +49,8 @@ def test_the_grpo_step_over_planned_packs_in_losses_md_equals_each_sequence_alon
         total = total + (-adv * ratio).sum()
         count += len(logp)
     (total / count).backward()
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(got[k], p.grad, rtol=1e-4, atol=1e-7)
+    for k, p in model.named_parameters():  # a float32 model, packed and alone
+        assert_within(got[k], p.grad, FLOAT32_RELATIVE)
 
 
 def test_every_public_function_documents_what_it_takes_and_gives():

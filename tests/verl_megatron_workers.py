@@ -173,8 +173,8 @@ def engine_config(dtype: str = "float32", **fields) -> McoreEngineConfig:
 def make_engine(engine_cls, path: str, *, tp: int = 1, pp: int = 1, cp: int = 1,
                 lr: float = 1e-2, dtype: str = "float32", **fields):
     """verl's Megatron engine as its workers build it (mbridge, vanilla), on CPU in ``dtype``,
-    Adam at ``lr``; ``fields`` of its engine config. mbridge switches Megatron's sequence
-    parallelism on wherever TP > 1."""
+    SGD at ``lr`` (verl_workers.optimizer_settings); ``fields`` of its engine config. mbridge
+    switches Megatron's sequence parallelism on wherever TP > 1."""
     config = dict(vanilla_mbridge=True, seed=42, use_dynamic_bsz=True,
                   max_token_len_per_gpu=96, infer_max_token_len_per_gpu=96,
                   micro_batch_size_per_gpu=2, infer_micro_batch_size_per_gpu=2,
@@ -183,7 +183,7 @@ def make_engine(engine_cls, path: str, *, tp: int = 1, pp: int = 1, cp: int = 1,
     engine = engine_cls(
         model_config=HFModelConfig(path=path, use_remove_padding=True),
         engine_config=engine_config(dtype, **config),
-        optimizer_config=McoreOptimizerConfig(**verl_workers.optimizer_settings(lr)),
+        optimizer_config=McoreOptimizerConfig(**verl_workers.optimizer_settings(lr, "sgd")),
         checkpoint_config=CheckpointConfig())
     engine.initialize()
     return engine
@@ -375,7 +375,7 @@ def _float32_post_init():
 
 # the docs' command's FSDP lines, and the FSDP settings of the CPU overrides
 FSDP_ONLY = ("actor_rollout_ref.actor.strategy=", "+actor_rollout_ref.actor.fsdp_config.",
-             "+actor_rollout_ref.ref.fsdp_config.")
+             "+actor_rollout_ref.ref.fsdp_config.", "actor_rollout_ref.actor.optim.optimizer=")
 
 
 def megatron_overrides(tp: int = 1, pp: int = 1, cp: int = 1) -> list[str]:
@@ -384,7 +384,8 @@ def megatron_overrides(tp: int = 1, pp: int = 1, cp: int = 1) -> list[str]:
     training steps verl's trainer counts (Megatron's learning-rate schedule needs them)."""
     out = ["model_engine=megatron", "actor_rollout_ref.actor.strategy=megatron",
            # what verl's trainer sets from its data loader before it builds the workers
-           "actor_rollout_ref.actor.optim.total_training_steps=10"]
+           "actor_rollout_ref.actor.optim.total_training_steps=10",
+           "actor_rollout_ref.actor.optim.optimizer=sgd"]  # Megatron's spelling of SGD
     for role in ("actor", "ref"):
         out += [f"actor_rollout_ref.{role}.megatron.{k}={v}" for k, v in (
             ("use_mbridge", "true"), ("vanilla_mbridge", "true"), ("dtype", "float32"),

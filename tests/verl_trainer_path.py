@@ -57,7 +57,10 @@ CPU_OVERRIDES = [  # the docs' command on a CPU, on a tiny local model, in float
     f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={BUDGET}",
     f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={BUDGET}",
     "actor_rollout_ref.actor.entropy_coeff=0.01",
-    "actor_rollout_ref.actor.optim.lr=1e-3",  # Adam moves every weight by ~lr a step
+    "actor_rollout_ref.actor.optim.lr=1e-3",
+    # SGD: a step linear in the gradient, so the log-probs after it agree to float32 rounding
+    # (AdamW's first step turns rounding in a near-zero gradient into a share of lr)
+    "actor_rollout_ref.actor.optim.optimizer=SGD",
 ]
 
 

@@ -5,6 +5,16 @@ transformers = pytest.importorskip("transformers")
 
 import tiny_models  # noqa: E402
 import treepack  # noqa: E402
+from tolerance import (  # noqa: E402
+    FLOAT32_INSIDE,
+    FLOAT32_OP,
+    FLOAT32_RELATIVE,
+    FLOAT64_EXACT,
+    FLOAT64_OP,
+    assert_within,
+    inside,
+    within,
+)
 from treepack import TreePack, hf, zoo  # noqa: E402
 from treepack.forwards import PackForward  # noqa: E402
 from treepack.verification import verification_batch, verify  # noqa: E402
@@ -15,14 +25,16 @@ SEQS = verification_batch(zoo.VOCAB)
 def tiny(*args, **kwargs):
     """A zoo model, prepared for tree forwards (hf.forward refuses unprepared models)."""
     return hf.prepare(zoo.tiny_model(*args, **kwargs))
-# transformers' eager attention (Gemma 2's reference) takes its softmax in float32 even in a
-# float64 model, so that reference is only float32-accurate.
-EAGER_REFERENCE = {"gemma2"}
-# Nemotron-H returns float32 logits (``.float()``) from a float64 model.
-FLOAT32_LOGITS = {"nemotron_h", "falcon_mamba"}  # heads that cast logits to float32
-# Kimi-Linear computes its forget gate in float32 (forget_gate.float(), A_log.float()): a tree's
-# float64 rounding, 1e-16 apart from alone's, comes out of it float32-rounded (1.3e-9)
-FLOAT32_INSIDE = {"kimi_linear": 1e-8}
+
+
+# A float64 transformers model rounds to float32 inside (tolerance.inside finds it; then
+# FLOAT32_INSIDE, else FLOAT64_EXACT): its norms' variance; transformers' eager attention
+# (Gemma 2's reference) takes its softmax in float32; Kimi-Linear computes its forget gate in
+# float32 (forget_gate.float(), A_log.float()), where a tree's float64 rounding, 1e-16 apart
+# from alone's, can come out a float32 step apart (1e-8 in the log-probs on an Intel Xeon).
+# Nemotron-H and Falcon-Mamba cast their logits to float32 (``.float()``), and alone_logprobs
+# takes their log-softmax in float32: a whole float32 operation (tolerance.FLOAT32_OP).
+FLOAT32_LOGITS = {"nemotron_h", "falcon_mamba"}
 
 
 def alone_logprobs(model, seqs):
@@ -49,10 +61,7 @@ def test_every_family_equals_each_sequence_alone_float64(family, monkeypatch):
     expect = alone_logprobs(model, SEQS)
     pack = TreePack.from_sequences(SEQS, pad_to_multiple_of=16)
     flat = TreePack.from_sequences(SEQS, share_prefixes=False)  # the padding-free baseline
-    # eager's float32 softmax: float32 rounding relative to the log-probs' magnitude
-    tol = (16 * torch.finfo(torch.float32).eps * expect.detach().abs().max().item()
-           if family in EAGER_REFERENCE | FLOAT32_LOGITS
-           else FLOAT32_INSIDE.get(family, 1e-9) if family in zoo.HYBRIDS else 1e-12)
+    rel = FLOAT32_OP if family in FLOAT32_LOGITS else inside(model)
     softcapped = bool(getattr(model.config, "attn_logit_softcapping", None))
     for p, backend in ((pack, "segment"), (pack, "dense"), (pack, "varlen"), (flat, "auto")):
         if backend == "varlen" and softcapped:
@@ -60,7 +69,7 @@ def test_every_family_equals_each_sequence_alone_float64(family, monkeypatch):
                 hf.forward(model, p, backend)
             continue
         got = packed_flat(p, p.token_logprobs(hf.forward(model, p, backend).logits[0]))
-        torch.testing.assert_close(got, expect.to(got.dtype), rtol=0, atol=tol)
+        assert_within(got, expect.to(got.dtype), rel)
 
 
 def test_a_peft_lora_model_packs_like_its_base_with_the_adapter_on_and_off():
@@ -81,10 +90,10 @@ def test_a_peft_lora_model_packs_like_its_base_with_the_adapter_on_and_off():
     assert hf.unwrap(model) is model.get_base_model()
     pack = TreePack.from_sequences(SEQS)
     got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack).logits[0]))
-    torch.testing.assert_close(got, with_adapter, rtol=0, atol=1e-12)
+    assert_within(got, with_adapter, FLOAT32_INSIDE)  # float64 with float32 norms
     with model.disable_adapter():
         got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack).logits[0]))
-    torch.testing.assert_close(got, without, rtol=0, atol=1e-12)
+    assert_within(got, without, FLOAT32_INSIDE)
     report = verify(model.float(), SEQS)
     assert report.passed, str(report)
 
@@ -102,7 +111,7 @@ def test_verify_passes_float32(family):
     report = verify(zoo.tiny_model(family).eval(), SEQS, backend="segment")
     assert report.passed, str(report)
     if family not in zoo.HYBRIDS:  # a scan in float32: the floor of two unpacked runs decides
-        assert report.errors["grads"].max_rel <= 1e-5
+        assert within(report.errors["grads"].max_rel, FLOAT32_RELATIVE)  # a float32 run
     assert report.packed_rows < report.original_tokens
 
 
@@ -188,8 +197,8 @@ def test_forward_never_changes_an_unprepared_model():
     assert model.config._attn_implementation == before and not hf.is_prepared(model)
     assert hf.restore(hf.prepare(model)) is model and not hf.is_prepared(model)
     hf.prepare(model)
-    with hf.prepared(model):  # an already prepared model stays prepared
-        torch.testing.assert_close(hf.forward(model, pack).logits, logits)
+    with hf.prepared(model):  # an already prepared model stays prepared: the same computation
+        torch.testing.assert_close(hf.forward(model, pack).logits, logits, rtol=0, atol=0)
     assert hf.is_prepared(model) and hf.original_attention(model) == before
 
 
@@ -233,13 +242,14 @@ def alone_loss_and_grads(model, seqs, mask):
 
 
 # transformers' RMSNorm computes in float32 even in a float64 model, and the backward of that
-# cast rounds gradients to float32: float64 gradients are float32-accurate by construction.
-GRAD_TOL = 16 * torch.finfo(torch.float32).eps
+# cast rounds gradients to float32: float64 gradients are float32-accurate by construction
+# (relative to each tensor's largest).
+GRAD_TOL = FLOAT32_RELATIVE
 
 
 def assert_grads_close(a, b, tol=GRAD_TOL):
     for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=tol * b[k].abs().max().item() + 1e-300)
+        assert_within(a[k], b[k], tol)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -262,7 +272,7 @@ def test_loss_masked_prompts_still_get_gradient_from_descendants():
         mask[s, min(10, len(seq) - 1):len(seq)] = True  # supervise only past the prompt
     loss, grads = loss_and_grads(model, pack, mask)
     ref_loss, ref = alone_loss_and_grads(model, SEQS, mask)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, ref_loss, rtol=FLOAT32_INSIDE, atol=0)
     assert_grads_close(grads, ref)
     # the prompt's embeddings are trained only through attention from later tokens
     prompt_token = int(SEQS[0][0])
@@ -290,7 +300,8 @@ def test_return_hidden_gives_the_lm_head_input():
     hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
     z = hidden @ model.get_output_embeddings().weight.T
     cap = model.config.final_logit_softcapping
-    torch.testing.assert_close(torch.tanh(z / cap) * cap, logits, rtol=0, atol=1e-12)
+    # the same forward; the head: one matmul over the hidden size and a tanh, in float64
+    assert_within(torch.tanh(z / cap) * cap, logits, FLOAT64_OP)
 
 
 def test_moe_aux_loss_counts_original_tokens():
@@ -304,7 +315,8 @@ def test_moe_aux_loss_counts_original_tokens():
         ids[i, : len(s)], mask[i, : len(s)] = s, 1
     hf.restore(model)
     ref = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
-    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-12, atol=0)
+    # the router's logits come out of float32 norms (FLOAT32_INSIDE), packed and padded
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=FLOAT32_INSIDE, atol=0)
     weights = hf.row_multiplicity(pack)
     assert weights.sum() == pack.num_original_tokens and weights[pack.num_packed_rows:].sum() == 0
     # counting each packed row once (what a naive packer does) would be wrong
@@ -434,7 +446,8 @@ def test_llama4_chunked_attention_and_nope_temperature_equal_each_sequence_alone
     report = verify(tiny_models.llama4_text(torch.float64), verification_batch(zoo.VOCAB))
     if broken is None:
         assert report.passed, report
-        assert report.errors["logprobs"].max_rel < 1e-12, report
+        # llama4_in_float64 leaves no float32 step that the two runs take on different values
+        assert within(report.errors["logprobs"].max_rel, FLOAT64_EXACT), report
     else:  # and the floor (one padded batch included) does not swallow it
         assert not report.passed and report.errors["logprobs"].max_rel > 1e-4, report
 
@@ -470,7 +483,7 @@ def test_flex_forward_on_cpu_equals_segment_through_the_model():
     with torch.no_grad():
         flex = hf.forward(model, pack, "flex").logits
         segment = hf.forward(model, pack, "segment").logits
-    torch.testing.assert_close(flex, segment, rtol=1e-5, atol=1e-5)
+    assert_within(flex, segment, FLOAT32_RELATIVE)  # a float32 model, two attention kernels
 
 
 @pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
@@ -482,9 +495,10 @@ def test_lean_logprobs_from_hidden_equal_the_logits_path(family):
     expect = pack.token_logprobs(hf.forward(model, pack).logits[0])
     hidden = hf.forward_hidden(model, pack).last_hidden_state[0]
     got = treepack.logprobs_from_hidden(pack, hidden, **hf.lm_head(model), chunk_size=5)
-    tol = 1e-12 if family not in FLOAT32_LOGITS else \
-        16 * torch.finfo(torch.float32).eps * expect.detach().abs().max().item()
-    torch.testing.assert_close(got, expect.to(got.dtype), rtol=0, atol=tol)
+    # a head that casts its logits to float32 rounds them once, and the two paths differently;
+    # one forward of one pack: the heads differ (a float64 matmul and log-softmax)
+    assert_within(got, expect.to(got.dtype),
+                  FLOAT32_OP if family in FLOAT32_LOGITS else FLOAT64_EXACT)
 
 
 def test_lm_head_refuses_an_unknown_logit_transform():
@@ -522,7 +536,7 @@ def test_moe_aux_loss_of_an_empty_pack_is_zero_and_of_several_packs_is_the_batch
     whole = hf.forward(model, TreePack.from_sequences(SEQS), output_router_logits=True)
     empty = hf.forward(model, TreePack.empty(2), output_router_logits=True).router_logits
     both = hf.batch_router_aux_loss(model, packs + [TreePack.empty(2)], logits + [empty])
-    torch.testing.assert_close(both, whole.aux_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(both, whole.aux_loss, rtol=FLOAT32_INSIDE, atol=0)  # other packs
     with pytest.warns(FutureWarning, match="batch_router_aux_loss"):  # the deprecated form
         old = hf.router_aux_loss(model, packs + [TreePack.empty(2)], logits + [empty])
     torch.testing.assert_close(old, both, rtol=0, atol=0)
@@ -549,8 +563,8 @@ def test_rotary_scaling_that_reads_the_longest_position_is_refused_past_its_limi
     short = [[5, 6, 7, 8], [5, 6, 9]]
     pack = TreePack.from_sequences(short)
     got = packed_flat(pack, pack.token_logprobs(hf.forward(model, pack).logits[0]))
-    torch.testing.assert_close(got, alone_logprobs(model, [torch.tensor(s) for s in short]),
-                               rtol=0, atol=1e-12)  # within the limit: exact
+    # within the limit: exact (a float64 model with float32 norms)
+    assert_within(got, alone_logprobs(model, [torch.tensor(s) for s in short]), FLOAT32_INSIDE)
     long = TreePack.from_sequences(short + [list(range(3, 23))])
     with pytest.raises(hf.UnsupportedModel, match="rope_type='dynamic'.*16 positions.*has 20"):
         hf.forward(model, long)
@@ -645,13 +659,13 @@ def test_a_flat_pack_gives_the_dense_packs_values_sequence_after_sequence():
     valid = dense.rows >= 0
     out_d = hf.forward(model, dense, output_router_logits=True)
     out_f = hf.forward(model, flat, output_router_logits=True)
-    torch.testing.assert_close(out_f.aux_loss, out_d.aux_loss, rtol=1e-12, atol=0)
+    # the same rows in the same forward: only the gathers differ
+    torch.testing.assert_close(out_f.aux_loss, out_d.aux_loss, rtol=FLOAT64_EXACT, atol=0)
     assert torch.equal(flat.token_logprobs(out_f.logits[0]),
                        dense.token_logprobs(out_d.logits[0])[valid])
     hidden = hf.forward_hidden(model, flat).last_hidden_state[0]
     lean = treepack.logprobs_from_hidden(flat, hidden, **hf.lm_head(model))
-    torch.testing.assert_close(lean, dense.token_logprobs(out_d.logits[0])[valid],
-                               rtol=0, atol=1e-12)
+    assert_within(lean, dense.token_logprobs(out_d.logits[0])[valid], FLOAT64_EXACT)
 
 
 def reference_outputs(model, pack, temperature, align):
@@ -702,13 +716,15 @@ def test_every_head_gives_the_same_logprobs_entropies_and_gradients(family, layo
     for head in ("inside", "hidden", "logits"):
         out = hf.logprobs(model, pack, head=head, entropy=True, temperature=0.8, align=align)
         assert out.align == align and out.logprobs.shape == pack.rows.shape
-        torch.testing.assert_close(out.logprobs, want_lp, rtol=0, atol=1e-12, msg=head)
-        torch.testing.assert_close(out.entropy, want_ent, rtol=0, atol=1e-12, msg=head)
+        # one forward of one pack: only the head's float64 matmul and log-softmax differ
+        assert_within(out.logprobs, want_lp, FLOAT64_EXACT, msg=head)
+        assert_within(out.entropy, want_ent, FLOAT64_EXACT, msg=head)
         ((out.logprobs * w_lp).sum() + (out.entropy * w_ent).sum()).backward()
         got = grads()
         assert got.keys() == want.keys(), head
         for name, w in want.items():
-            torch.testing.assert_close(got[name], w, rtol=1e-9, atol=1e-12, msg=f"{head} {name}")
+            # backward through the float32 norms from the heads' float64-rounded gradients
+            assert_within(got[name], w, FLOAT32_RELATIVE, msg=f"{head} {name}")
     assert "forward" not in vars(model.get_output_embeddings())  # the head is restored
 
 
@@ -723,14 +739,13 @@ def test_auto_head_and_per_sequence_temperatures():
     for t in (0.5, 1.3):
         alone = hf.logprobs(model, pack, temperature=t, entropy=True)  # auto: inside
         rows = temps == t
-        torch.testing.assert_close(got.logprobs[rows], alone.logprobs[rows], rtol=0, atol=1e-12)
-        torch.testing.assert_close(got.entropy[rows], alone.entropy[rows], rtol=0, atol=1e-12)
+        assert_within(got.logprobs[rows], alone.logprobs[rows], FLOAT64_EXACT)
+        assert_within(got.entropy[rows], alone.entropy[rows], FLOAT64_EXACT)
     with pytest.raises(hf.UnsupportedModel, match="different temperatures"):
         hf.logprobs(model, pack, head="inside", temperature=temps)
     gemma = tiny("gemma2", dtype=torch.float64)
     auto = hf.logprobs(gemma, pack).logprobs
-    torch.testing.assert_close(auto, hf.logprobs(gemma, pack, head="hidden").logprobs,
-                               rtol=0, atol=1e-12)
+    assert_within(auto, hf.logprobs(gemma, pack, head="hidden").logprobs, FLOAT64_EXACT)
 
 
 def test_moe_router_loss_comes_with_the_logprobs():
@@ -739,7 +754,7 @@ def test_moe_router_loss_comes_with_the_logprobs():
     want = hf.forward(model, pack, output_router_logits=True).aux_loss
     for head in ("inside", "hidden", "logits"):
         out = hf.logprobs(model, pack, head=head, output_router_logits=True)
-        torch.testing.assert_close(out.aux_loss, want, rtol=1e-12, atol=0, msg=head)
+        torch.testing.assert_close(out.aux_loss, want, rtol=FLOAT64_EXACT, atol=0, msg=head)
         assert len(out.router_logits) == model.config.num_hidden_layers
 
 
@@ -851,7 +866,6 @@ def test_deepseek_sparse_attention_selects_among_ancestors_and_refuses_slices():
     sequence's earlier tokens, and the layer attends densely with the selection. Without the
     ancestor mask (keys of other sequences selectable) it is wrong; in parts and under a
     group, which hold slices of the rows, it is refused."""
-    from treepack.adapters.hf import routing
     from treepack.face.census import _tiny_model
 
     model = hf.prepare(_tiny_model("deepseek_v32", torch.float32))
@@ -862,7 +876,8 @@ def test_deepseek_sparse_attention_selects_among_ancestors_and_refuses_slices():
         pack = TreePack.from_sequences(seqs)
         got = hf.logprobs(model, pack).logprobs
         for s, seq in enumerate(seqs):
-            torch.testing.assert_close(got[s, 1:len(seq)], want[s], rtol=0, atol=2e-5)
+            # a float32 model, packed and alone
+            assert_within(got[s, 1:len(seq)], want[s], FLOAT32_RELATIVE)
         real = PackForward.dense_mask
         try:  # every row visible to the indexer: it picks other sequences' keys
             PackForward.dense_mask = lambda self: torch.ones(

@@ -17,6 +17,18 @@ import treepack.trl  # noqa: E402
 from treepack.adapters.trl import seam, shuffle  # noqa: E402
 from treepack import zoo  # noqa: E402
 
+from reference import exact_kernel, float64_throughout  # noqa: E402
+from tolerance import (  # noqa: E402
+    FLOAT32_RELATIVE,
+    FLOAT64_EXACT,
+    FLOAT64_OP,
+    assert_within,
+    inside,
+    rounding,
+    scale,
+    within,
+)
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -75,8 +87,7 @@ def test_seam_equals_the_stock_seam(tokenizer, tmp_path, model_dir, max_tokens):
     completion = mask[:, -keep:].bool()
     for a, b in zip(ours[:2], stock[:2]):
         assert a.shape == b.shape == (4, keep)
-        # measured 1.4e-6 at most (float32); a scan state lost at a cut is 1.1e-5 off
-        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=4e-6)
+        assert_within(a[completion], b[completion], FLOAT32_RELATIVE)  # a float32 model
         assert (a[~completion] == 0).all()
     # gradients too: the loss the trainer builds on them
     w = torch.randn(4, keep)
@@ -86,7 +97,7 @@ def test_seam_equals_the_stock_seam(tokenizer, tmp_path, model_dir, max_tokens):
         ((out[0] * w * completion).sum() + (out[1] * w * completion).sum()).backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
     for k, g in grads[1].items():
-        torch.testing.assert_close(grads[0][k], g, rtol=0, atol=1e-5 * g.abs().max().item())
+        assert_within(grads[0][k], g, FLOAT32_RELATIVE)
 
 
 def test_the_seam_called_by_hand_runs_no_collective(tokenizer, tmp_path, model_dir,
@@ -113,16 +124,22 @@ def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path,
                                                            monkeypatch, family):
     """TRL's old / reference log-prob passes (no grad) at a budget that splits the batch's
     tree: every row once, in parts, equal to the stock seam; the training pass plans packs.
-    On Qwen3.5 each cut carries the convolutions' inputs and the scans' states."""
+    On Qwen3.5 each cut carries the convolutions' inputs and the scans' states: a state lost
+    at a cut is 1.1e-5 off, within float32's rounding of these log-probs (FLOAT32_RELATIVE of
+    their size, 3e-4), so the model runs in float64 throughout (its float32 norms and scan
+    too: reference.float64_throughout, exact_kernel) and the seams agree to FLOAT64_EXACT."""
     from treepack.adapters.hf.parts import run as parts
 
-    if family != "qwen2":
-        model_dir = str(tmp_path / family)
-        zoo.tiny_model(family, layers=4).save_pretrained(model_dir)
-    trainer = make_trainer(tokenizer, tmp_path, model_dir)
+    model_dir = str(tmp_path / family)
+    zoo.tiny_model(family, layers=4, dtype=torch.float64).save_pretrained(model_dir)
+    trainer = make_trainer(tokenizer, tmp_path, model_dir,  # "auto": the saved float64
+                           config=dict(model_init_kwargs={"dtype": "auto"}))
     model = trainer.model
+    assert model.dtype == torch.float64
+    exact_kernel(monkeypatch, model)
     ids, mask = trl_batch()
-    with torch.no_grad():
+    with torch.no_grad(), float64_throughout():
+        assert inside(model) == FLOAT64_EXACT
         stock = trainer._get_per_token_logps_and_entropies(model, ids, mask, 4,
                                                            compute_entropy=True)
     treepack.trl.patch(trainer, max_tokens=8)  # the 11-row tree of rows 0, 1, 3 splits
@@ -130,28 +147,32 @@ def test_no_grad_passes_run_a_tree_over_the_budget_in_parts(tokenizer, tmp_path,
     real = parts.Run.all
     monkeypatch.setattr(parts.Run, "all", lambda self: runs.append(len(self.parts.parts))
                         or real(self))
-    with torch.no_grad():
+    with torch.no_grad(), float64_throughout():
         ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, 4,
                                                           compute_entropy=True)
     assert runs and runs[0] > 1  # in parts
     completion = mask[:, -4:].bool()
     for a, b in zip(ours[:2], stock[:2]):
-        # measured 1.4e-6 at most (float32); a scan state lost at a cut is 1.1e-5 off
-        torch.testing.assert_close(a[completion], b[completion], rtol=0, atol=4e-6)
+        assert a.dtype == torch.float64
+        assert_within(a[completion], b[completion], FLOAT64_EXACT)
         assert (a[~completion] == 0).all()
     trainer._get_per_token_logps_and_entropies(model, ids, mask, 4)  # with grad: packs
     assert len(runs) == 1
 
 
 class GradientsAtStep(TrainerCallback):
-    """The gradients the optimizer is about to apply."""
+    """The gradients the optimizer is about to apply (the last step's), and each gradient's
+    largest magnitude over every step (``sizes``)."""
 
     def __init__(self):
         self.grads = None
+        self.sizes = {}
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.grads = {k: p.grad.clone() for k, p in model.named_parameters()
                       if p.grad is not None}
+        for k, g in self.grads.items():
+            self.sizes[k] = max(self.sizes.get(k, 0.0), scale(g))
 
 
 @pytest.mark.parametrize("max_tokens", [None, 16])
@@ -179,8 +200,7 @@ def test_one_training_step_equals_the_stock_trainer(tokenizer, tmp_path, model_d
     assert treepack.hf.is_prepared(packed.model) and not treepack.hf.is_prepared(stock.model)
     for k, g in runs["stock"][1].items():
         assert g.abs().max() > 0
-        torch.testing.assert_close(runs["packed"][1][k], g, rtol=0,
-                                   atol=1e-5 * g.abs().max().item(), msg=k)
+        assert_within(runs["packed"][1][k], g, FLOAT32_RELATIVE, msg=k)  # a float32 model
     for (name, a), b in zip(packed.model.named_parameters(), stock.model.parameters()):
         assert (a - model.get_parameter(name)).abs().max() > 0  # both took the step
     assert bool(forwards) == (max_tokens is not None) and all(n > 1 for n in forwards), forwards
@@ -202,7 +222,7 @@ def test_patch_refuses_images_for_a_text_model_and_other_trainers(tokenizer, tmp
 
 def train_both(tokenizer, tmp_path, model_dir, **kwargs):
     """Stock TRL and TreepackGRPOTrainer trained from the same seed: (trainer, gradients at the
-    last optimizer step) each."""
+    last optimizer step, each gradient's size over the steps) each."""
     runs = {}
     for name, cls in (("stock", GRPOTrainer), ("packed", treepack.trl.TreepackGRPOTrainer)):
         probe = GradientsAtStep()
@@ -210,32 +230,39 @@ def train_both(tokenizer, tmp_path, model_dir, **kwargs):
                                callbacks=[probe], **kwargs)
         torch.manual_seed(0)
         trainer.train()  # same seed: the same completions, rewards and advantages
-        runs[name] = (trainer, probe.grads)
+        runs[name] = (trainer, probe.grads, probe.sizes)
     return runs
 
 
 def assert_same_training(runs, zero_by_algebra=()):
     """Equal logged losses, equal gradients at the last step and equal weights after it
-    (float32 rounding; the runs step with SGD, whose update is linear in the gradient: Adam's
-    first step divides each gradient by its own magnitude, so it turns rounding in a near-zero
-    one into ~lr). Gradients whose names end in ``zero_by_algebra`` (a key bias without
-    rotary: the softmax ignores it) hold only rounding, judged against the model's largest."""
-    (packed, packed_grads), (stock, stock_grads) = runs["packed"], runs["stock"]
+    (a float32 model: FLOAT32_RELATIVE; the runs step with SGD, whose update is linear in the
+    gradient: Adam's first step divides each gradient by its own magnitude, so it turns
+    rounding in a near-zero one into ~lr). Gradients whose names end in ``zero_by_algebra`` (a
+    key bias without rotary: the softmax ignores it) hold only rounding, judged against the
+    model's largest."""
+    (packed, packed_grads, *_), (stock, stock_grads, *sizes) = runs["packed"], runs["stock"]
+    # each gradient's size over the steps (GradientsAtStep.sizes), or the last step's
+    sizes = sizes[0] if sizes else {k: scale(g) for k, g in stock_grads.items()}
     model_max = max(g.abs().max().item() for g in stock_grads.values())
+    sizes = dict(sizes)
     for k in [k for k in stock_grads if zero_by_algebra and k.endswith(zero_by_algebra)]:
         for g in (stock_grads.pop(k), packed_grads.pop(k)):
-            assert g.abs().max().item() <= 1e-5 * model_max, k
+            assert within(g.abs().max(), FLOAT32_RELATIVE * model_max), k
+        sizes[k] = model_max  # its gradient: rounding of terms as large as the model's
     losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (packed, stock)]
     assert len(losses[1]) == stock.args.max_steps, stock.state.log_history
-    scale = max(abs(v) for v in losses[1])
-    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(losses[0], losses[1], rtol=0,
+                               atol=FLOAT32_RELATIVE * max(abs(v) for v in losses[1]))
     assert stock_grads and packed_grads.keys() == stock_grads.keys()
     for k, g in stock_grads.items():
-        torch.testing.assert_close(packed_grads[k], g, rtol=0,
-                                   atol=1e-5 * g.abs().max().item(), msg=k)
+        assert_within(packed_grads[k], g, FLOAT32_RELATIVE, msg=k)
+    lr, steps = stock.args.learning_rate, stock.args.max_steps
     for (name, a), b in zip(packed.model.named_parameters(), stock.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * max(b.abs().max().item(), 1e-3),
-                                   msg=name)
+        # float32 weights computed two ways (FLOAT32_RELATIVE of their size), each SGD step
+        # moving them by lr x gradients within FLOAT32_RELATIVE of their size
+        size = scale(b) + steps * lr * sizes.get(name, 0.0)
+        torch.testing.assert_close(a, b, rtol=0, atol=FLOAT32_RELATIVE * size, msg=name)
 
 
 def test_a_lora_grpo_step_equals_the_stock_trainer(tokenizer, tmp_path, model_dir):
@@ -474,7 +501,8 @@ def test_the_token_ratio_sums_each_steps_micro_batches(tokenizer, tmp_path, mode
     logged = [h["treepack/token_ratio"] for h in trainer.state.log_history
               if "treepack/token_ratio" in h]
     want = [rows / tokens for _, (rows, tokens) in sorted(sums.items())]
-    assert len(want) == 2 and logged == pytest.approx(want, rel=1e-12), (logged, want)
+    # a ratio of two counts: a float64 division either way
+    assert len(want) == 2 and logged == pytest.approx(want, rel=FLOAT64_OP, abs=0), (logged, want)
 
 
 def test_a_per_device_batch_smaller_than_a_group_warns_with_the_fix(tokenizer, tmp_path,
@@ -523,10 +551,13 @@ def test_each_step_logs_where_sharing_was_lost(tokenizer, tmp_path, model_dir):
                 - whole["treepack/lost_rows/across_micro_batches"])
         assert more > 0
         # the rows between the two achieved ratios, in tokens of the same batch
-        tokens = whole["treepack/lost_rows/across_micro_batches"] / (
-            whole["treepack/achieved_ratio"] - whole["treepack/achievable_ratio"])
-        assert more / (split["treepack/achieved_ratio"] - whole["treepack/achieved_ratio"]) \
-            == pytest.approx(tokens, rel=1e-9)
+        gaps = (whole["treepack/achieved_ratio"] - whole["treepack/achievable_ratio"],
+                split["treepack/achieved_ratio"] - whole["treepack/achieved_ratio"])
+        tokens = whole["treepack/lost_rows/across_micro_batches"] / gaps[0]
+        # ratios in [0, 1], rounded once each (float64): a difference keeps their rounding,
+        # relative to itself 1 / gap of them, and the two quotients add theirs
+        rel = rounding(torch.float64, 1 / min(gaps), steps=8)
+        assert more / gaps[1] == pytest.approx(tokens, rel=rel, abs=0)
     assert len(logs[4]) == len(logs[2]) == 2
 
 
@@ -547,7 +578,7 @@ def test_a_model_object_with_a_reference_model_equals_stock_from_its_path(tokeni
                                config=dict(optim="sgd", learning_rate=0.1, max_steps=2))
         torch.manual_seed(0)
         trainer.train()
-        runs[name] = (trainer, probe.grads)
+        runs[name] = (trainer, probe.grads, probe.sizes)
     packed = runs["packed"][0]
     assert packed.ref_model is not model and packed.model is model
     assert_same_training(runs)
@@ -614,7 +645,7 @@ def test_no_grad_passes_pack_at_most_one_of_trls_chunks(tokenizer, tmp_path, mod
     assert len(forwards) > 1 and max(forwards) <= ids.shape[1], forwards
     (one,) = packs  # without chunks: the whole batch in one pack
     assert one.num_sequences == len(ids)
-    torch.testing.assert_close(chunked[0], whole[0], rtol=0, atol=1e-6)
+    assert_within(chunked[0], whole[0], FLOAT32_RELATIVE)  # a float32 model, other packs
 
 
 def test_patch_keeps_trls_timer_and_refuses_an_override(tokenizer, tmp_path, model_dir):
@@ -671,15 +702,14 @@ def test_two_processes_keep_groups_whole_and_equal_stock(tokenizer, model_dir, t
     assert packed["processes"] == 2 and not packed["warnings"]
     for process in packed["micro_batches"]:
         assert len(process) == 4 and all(len(prompts) == 1 for prompts, *_ in process), process
-    for k, want in stock["params"].items():
-        torch.testing.assert_close(packed["params"][k], want, rtol=0,
-                                   atol=1e-5 * want.abs().max().item(), msg=k)
+    for k, want in stock["params"].items():  # a float32 model
+        assert_within(packed["params"][k], want, FLOAT32_RELATIVE, msg=k)
     logged = [h["treepack/token_ratio"] for h in packed["history"]
               if "treepack/token_ratio" in h]
     sums = [[sum(mb[1] for process in packed["micro_batches"] for mb in process[s:s + 2]),
              sum(mb[2] for process in packed["micro_batches"] for mb in process[s:s + 2])]
             for s in (0, 2)]  # 2 micro-batches a step on each process
-    assert logged == pytest.approx([rows / tokens for rows, tokens in sums], rel=1e-12)
+    assert logged == pytest.approx([rows / tokens for rows, tokens in sums], rel=FLOAT64_OP, abs=0)
     if not option:
         straddling = launch("packed", model_dir, tmp_path / "straddling.pt", 2, 1)
         (said,) = straddling["warnings"]
@@ -713,7 +743,8 @@ def test_a_hybrid_qwen3_5_trains_through_the_trainer_as_stock(tokenizer, tmp_pat
         torch.manual_seed(0)
         trainer.train()
         runs[name] = probe.grads
-    scale = max(g.abs().max().item() for g in runs["stock"].values())
-    for k, g in runs["stock"].items():
-        torch.testing.assert_close(runs["packed"][k], g, rtol=0, atol=1e-5 * scale, msg=k)
+    largest = max(g.abs().max().item() for g in runs["stock"].values())
+    for k, g in runs["stock"].items():  # a float32 model: FLOAT32_RELATIVE of the largest
+        torch.testing.assert_close(runs["packed"][k], g, rtol=0, atol=FLOAT32_RELATIVE * largest,
+                                   msg=k)
     assert bool(forwards) == (max_tokens is not None) and all(n > 1 for n in forwards), forwards

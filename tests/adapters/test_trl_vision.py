@@ -136,7 +136,7 @@ def test_a_vision_language_grpo_step_equals_the_stock_trainer(tmp_path, config, 
                       callbacks=[probe], **extra)
         torch.manual_seed(0)
         trainer.train()
-        runs[name] = (trainer, probe.grads)
+        runs[name] = (trainer, probe.grads, probe.sizes)
     assert_same_training(runs)
     packed, stock_grads = runs["packed"][0], runs["stock"][1]
     assert any(k.startswith("model.visual") for k in stock_grads)
@@ -212,7 +212,7 @@ def accumulated_runs(tmp_path, proc, build):
                       callbacks=[probe])
         torch.manual_seed(0)
         trainer.train()
-        runs[name] = (trainer, probe.grads)
+        runs[name] = (trainer, probe.grads, probe.sizes)
     assert any(k.startswith("model.vision_tower") for k in runs["stock"][1])
     return runs
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
 import pytest
 
 pytest.importorskip("verl", reason="verl tests run in the verl environment (.ci/run)")
@@ -23,8 +22,13 @@ warnings.filterwarnings("ignore", message=".* engine is not available")
 import verl_megatron_workers  # noqa: E402  (the CPU platform, megatron-core and mbridge)
 import verl_workers  # noqa: E402
 from launch import free_port  # noqa: E402
+from tolerance import within  # noqa: E402
+from verl_workers import TOLERANCE  # noqa: E402  (float32: FLOAT32_RELATIVE)
 
-TOLERANCE = 1e-5  # relative, float32
+
+def same(got: float, want: float) -> bool:
+    """Two float32 engines' loss or grad norm: within TOLERANCE of its size."""
+    return within(abs(got - want), TOLERANCE * abs(want))
 
 
 def spawn(fn, world, *args):
@@ -60,15 +64,16 @@ def test_verl_megatron_engine_runs_trees_over_the_budget_in_parts(world, tp, cp,
                    for m in r["messages"]), r["messages"]
     assert min(r["update_metrics"]["treepack/parts"]) > 1, r["update_metrics"]
     for name in ("scalar", "per_row", "fixed_size"):
-        assert r[f"log_probs_{name}"] < TOLERANCE, (name, r)
-        assert r[f"entropy_{name}"] < TOLERANCE, (name, r)
+        assert within(r[f"log_probs_{name}"], TOLERANCE), (name, r)
+        assert within(r[f"entropy_{name}"], TOLERANCE), (name, r)
     for mode in ("seq-mean-token-mean", "token-mean"):
         tree, stock = r[f"loss_{mode}"]
-        assert tree == pytest.approx(stock, rel=TOLERANCE), (mode, tree, stock)
-        assert r[f"grads_{mode}"] < TOLERANCE, (mode, r[f"grads_{mode}"])
+        assert same(tree, stock), (mode, tree, stock)
+        assert within(r[f"grads_{mode}"], TOLERANCE), (mode, r[f"grads_{mode}"])
     tree, stock = r["grad_norm"]
-    assert tree == pytest.approx(stock, rel=TOLERANCE)
-    assert r["log_probs_after_step"] < 1e-4, r["log_probs_after_step"]
+    assert same(tree, stock)
+    # SGD's step is linear in the gradient: float32 rounding after it too
+    assert within(r["log_probs_after_step"], TOLERANCE), r["log_probs_after_step"]
 
 
 @pytest.mark.parametrize("world,tp,pp,cp,vpp", [(1, 1, 1, 1, None), (2, 1, 1, 1, None),
@@ -91,17 +96,18 @@ def test_verl_megatron_engine_equals_stock(world, tp, pp, cp, vpp, model_dir, fo
     assert r["chunks"] == (vpp or 1)
     assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
     for name in ("scalar", "per_row", "fixed_size"):
-        assert r[f"log_probs_{name}"] < TOLERANCE, (name, r)
-        assert r[f"entropy_{name}"] < TOLERANCE, (name, r)
+        assert within(r[f"log_probs_{name}"], TOLERANCE), (name, r)
+        assert within(r[f"entropy_{name}"], TOLERANCE), (name, r)
     assert r["token_ratio"] and all(0 < x < 1 for x in r["token_ratio"]), r["token_ratio"]
     for mode in ("seq-mean-token-mean", "token-mean"):
         tree, stock = r[f"loss_{mode}"]
-        assert tree == pytest.approx(stock, rel=TOLERANCE), (mode, tree, stock)
+        assert same(tree, stock), (mode, tree, stock)
         assert r[f"grad_names_{mode}"], mode
-        assert r[f"grads_{mode}"] < TOLERANCE, (mode, r[f"grads_{mode}"])
+        assert within(r[f"grads_{mode}"], TOLERANCE), (mode, r[f"grads_{mode}"])
     tree, stock = r["grad_norm"]
-    assert tree == pytest.approx(stock, rel=TOLERANCE)
-    assert r["log_probs_after_step"] < 1e-4, r["log_probs_after_step"]
+    assert same(tree, stock)
+    # SGD's step is linear in the gradient: float32 rounding after it too
+    assert within(r["log_probs_after_step"], TOLERANCE), r["log_probs_after_step"]
     m = r["update_metrics"]
     assert "treepack/log_prob_token_ratio" in m and "treepack/achievable_ratio" in m, m
 
@@ -156,13 +162,18 @@ def assert_tree_equals_stock(r: dict):
     update metrics."""
     tree, stock = r["tree"], r["stock"]
     for key in ("log_probs", "entropy", "ref_log_probs"):
-        assert verl_workers.relative_error(tree[key], stock[key]) < TOLERANCE, key
-    # after one AdamW step at lr 1e-3 on each, float32 rounding moved apart by Adam's
-    # normalisation of near-zero gradients
-    assert verl_workers.relative_error(tree["log_probs_after"], stock["log_probs_after"]) < 1e-4
+        assert within(verl_workers.relative_error(tree[key], stock[key]), TOLERANCE), key
+    # after the update's SGD steps (linear in the gradient: verl_trainer_path's optimizer),
+    # float32 rounding; with AdamW, its normalisation of near-zero gradients moved them 1e-4
+    # apart
+    assert within(verl_workers.relative_error(tree["log_probs_after"], stock["log_probs_after"]),
+                  TOLERANCE)
     m, s = tree["update_metrics"], stock["update_metrics"]
     for key in ("grad_norm", "actor/pg_loss", "actor/entropy_loss", "kl_loss"):
-        assert np.allclose(m[key], s[key], rtol=TOLERANCE, atol=1e-7), (key, m[key], s[key])
+        # kl_loss of a policy and its equal reference: rounding of log-probs and ratios of
+        # size 1 (metric_error's size)
+        error = verl_workers.metric_error(m[key], s[key], size=1.0)
+        assert within(error, TOLERANCE), (key, m[key], s[key])
     return m, s
 
 

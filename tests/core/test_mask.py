@@ -10,6 +10,7 @@ from treepack import TreePack
 
 from reference import block_tables
 from strategies import forests
+from tolerance import FLOAT32_OP, assert_within
 
 
 def pooled(mask: torch.Tensor, block: int):
@@ -94,7 +95,7 @@ def test_flex_forward_on_cpu_equals_sdpa_with_dense_mask(compiled_flex, multiple
     q, k, v = (torch.randn(1, 4, T, 16, generator=g) for _ in range(3))
     out = compiled_flex(q, k, v, block_mask=pack.block_mask(block))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=pack.dense_mask())
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_within(out, ref, FLOAT32_OP)  # one float32 attention, two kernels
     # Siblings really are invisible: perturbing one branch's values leaves the others alone.
     d_row = int(pack.rows[-1, 10])  # a row of the [8] * 50 tree
     v2 = v.clone()

@@ -12,6 +12,10 @@ from treepack.recurrent import level_scan, levels, row_levels, scan_levels, tree
 
 from reference import naive_gated_delta_rule
 from strategies import forests
+from tolerance import FLOAT64_OP, assert_within, negative_control
+
+# float64 throughout; a convolution of at most 4 taps, a scan of at most 20 steps of a few sums
+# each, and their gradients, computed on a tree and alone: FLOAT64_OP of the values' size.
 
 
 def per_row(pack, sequences, fn):
@@ -45,10 +49,9 @@ def test_tree_conv1d_equals_conv1d_on_each_sequence(sequences, taps, layout):
 
     for r, values in per_row(pack, sequences, alone).items():
         for v in values:
-            torch.testing.assert_close(got[r], v, rtol=0, atol=1e-12)
+            assert_within(got[r], v, FLOAT64_OP)
     pad = pack.input_ids[pack.num_packed_rows:]  # padding rows read themselves only
-    torch.testing.assert_close(got[pack.num_packed_rows:],
-                               table[pad] * weight[:, -1] + bias, rtol=0, atol=1e-12)
+    assert_within(got[pack.num_packed_rows:], table[pad] * weight[:, -1] + bias, FLOAT64_OP)
 
 
 def gated_delta_inputs(pack, g, heads=2, dk=3, dv=2):
@@ -87,7 +90,7 @@ def test_level_scan_equals_the_scan_of_each_sequence(sequences, layout):
     expected = per_row(pack, sequences, lambda s: scan(table, torch.tensor(sequences[s]))[0][0])
     for r, values in expected.items():
         for v in values:
-            torch.testing.assert_close(got[r], v, rtol=0, atol=1e-12)
+            assert_within(got[r], v, FLOAT64_OP)
     assert not got[pack.num_packed_rows:].any()
 
 
@@ -109,7 +112,7 @@ def test_row_levels_cut_anywhere_scan_alike_and_end_chains_at_the_cuts(sequences
     inputs = {k: t[pack.input_ids] for k, t in table.items()}
     plan = row_levels(pack.host.parent_row, cut, pack.device)
     got, finals = scan_levels(plan, kernel, inputs)
-    torch.testing.assert_close(got, level_scan(pack, kernel, inputs), rtol=0, atol=1e-12)
+    assert_within(got, level_scan(pack, kernel, inputs), FLOAT64_OP)
     for row in np.flatnonzero(cut):
         (d, b), = [(d, b) for d, lv in enumerate(plan.levels)
                    for b in np.flatnonzero(lv.last == row)]
@@ -117,7 +120,7 @@ def test_row_levels_cut_anywhere_scan_alike_and_end_chains_at_the_cuts(sequences
         ids = torch.tensor(sequences[s][:p + 1])
         want = naive_gated_delta_rule(*(table[k][ids][None] for k in "qkvgb"),
                                       output_final_state=True)[1][0]
-        torch.testing.assert_close(finals[d][b], want, rtol=0, atol=1e-12)
+        assert_within(finals[d][b], want, FLOAT64_OP)
 
 
 def test_level_scan_gradients_reach_every_ancestor_once_per_descendant():
@@ -147,7 +150,7 @@ def test_level_scan_gradients_reach_every_ancestor_once_per_descendant():
         total = total + (out_s * w[rows]).sum()
     total.backward()
     for n, t in table.items():
-        torch.testing.assert_close(got[n], t.grad, rtol=1e-10, atol=1e-12, msg=n)
+        assert_within(got[n], t.grad, FLOAT64_OP, msg=n)
 
 
 def test_levels_of_a_grpo_tree_and_an_agent_trajectory():
@@ -173,7 +176,7 @@ def test_a_scan_from_zero_states_at_forks_is_caught():
 
     got = level_scan(pack, forgetful, {n: t[pack.input_ids] for n, t in table.items()})
     want = scan(table, torch.tensor(sequences[0]))[0][0]
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError), negative_control():  # off by far more than 1e-6
         torch.testing.assert_close(got[pack.rows[0, :5]], want, rtol=0, atol=1e-6)
 
 
@@ -196,8 +199,8 @@ def test_decayed_linear_attention_equals_the_recurrence(length, chunk, from_stat
     for t in range(length):
         s = s * decay[:, t].exp()[..., None, None] + k[:, t, ..., None] * v[:, t, :, None, :]
         want.append((q[:, t, ..., None] * s).sum(-2))
-    torch.testing.assert_close(out, torch.stack(want, 1), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(final, s, rtol=1e-12, atol=1e-12)
+    assert_within(out, torch.stack(want, 1), FLOAT64_OP)
+    assert_within(final, s, FLOAT64_OP)
     zeros = [torch.zeros(B, 3, H, d, dtype=torch.float64) for d in (Dk, Dk, Dv)]
     _, kept = decayed_linear_attention(*zeros, torch.zeros(B, 3, H, dtype=torch.float64),
                                        final, chunk=chunk)
