@@ -7,7 +7,7 @@ TP = 2 and CP = 2, in one run (gloo on this CPU).
 
 Runs where megatron-core is installed (``pip install -e ".[test-megatron]"``, the
 environment ``.ci/run`` makes); megatron-core's CUDA assumptions are stood in for as the tests
-do (``tests/megatron_cpu.py``).
+do (``tests/support/megatron_cpu.py``).
 
 Each layout runs in fresh processes holding the same random model (float32: hidden 256,
 2 layers, 8 query / 2 key-value heads of 32, intermediate 512, vocabulary 4,096, rope).
@@ -67,7 +67,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # this file is megatron.py: its own folder off the path, or `import megatron` finds it
-sys.path[:] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")] + [
+sys.path[:] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests", "support")] + [
     p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 from treepack import TreePack  # noqa: E402

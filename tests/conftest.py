@@ -13,5 +13,6 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# TREEPACK_TOLERANCE_LOG=<path>: record every tolerance check (tests/tolerance.py); unset: nothing.
+# TREEPACK_TOLERANCE_LOG=<path>: record every tolerance check (tests/support/tolerance.py);
+# unset: nothing.
 import tolerance  # noqa: E402, F401

@@ -200,15 +200,28 @@ def test_short_paths_are_the_same_modules():
 
 
 def test_tests_mirror_the_package():
-    """tests/<part>/ holds the tests of src/treepack/<part>/; what spans the parts (the
-    layering, the docs, the README, the examples, bad input everywhere) and the shared
-    helpers stay in tests/."""
+    """tests/<part>/ holds the tests of src/treepack/<part>/, and tests/adapters/<framework>/
+    those of src/treepack/adapters/<framework>/, with their worker modules; what spans the
+    parts (the layering, the docs, the README, the examples, bad input everywhere) stays in
+    tests/, and the helpers every folder shares (launch, strategies, reference, tolerance,
+    tiny models, megatron-core on a CPU) are in tests/support/."""
     tests = Path(__file__).resolve().parent
-    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
-    assert folders <= set(PARTS), folders - set(PARTS)
-    for folder in folders:
+
+    def folders(path: Path) -> set[str]:
+        return {p.name for p in path.iterdir() if p.is_dir()
+                and not p.name.startswith((".", "__"))}
+
+    top = folders(tests) - {"support"}
+    assert top <= set(PARTS), top - set(PARTS)
+    assert not any(tests.joinpath("support").glob("test_*.py")), "support/ holds helpers only"
+    mirrored = [*(top - {"adapters"}), *(f"adapters/{f}" for f in folders(tests / "adapters"))]
+    for folder in mirrored:
         assert (SRC / folder).is_dir(), folder
         assert any(tests.joinpath(folder).glob("test_*.py")), folder
+    assert not list(tests.joinpath("adapters").glob("*.py")), \
+        "each framework's tests live in tests/adapters/<framework>/"
+    assert folders(SRC / "adapters") <= folders(tests / "adapters"), \
+        folders(SRC / "adapters") - folders(tests / "adapters")
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -151,10 +151,10 @@ def test_a_vocabulary_split_over_ranks_gives_the_whole_heads_values_and_gradient
     vocabulary; the max, sum, picked logit and entropy all-reduced give the whole head's
     log-probs and entropies, and each rank its share's gradients (float64: FLOAT64_OP of
     each one's size)."""
-    import dist_workers
+    import softmax_workers
     from launch import spawn
 
-    spawn(dist_workers.vocab_parallel_worker, str(tmp_path), world=world)
+    spawn(softmax_workers.vocab_parallel_worker, str(tmp_path), world=world)
     for rank in range(world):
         worst = torch.load(tmp_path / f"rank{rank}.pt")
         assert all(within(v, FLOAT64_OP) for v in worst.values()), (rank, worst)

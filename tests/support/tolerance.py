@@ -28,8 +28,8 @@ worst case would reach them, the roundings count as a random walk.
 Measuring (opt-in): with ``TREEPACK_TOLERANCE_LOG=<path>`` set, every ``torch.testing.
 assert_close``, ``pytest.approx`` comparison and :func:`within` called from tests/ appends one
 JSON line (its site ``file:line``, the test, the measured error over the allowed one) to the
-file, from spawned ranks too; ``python tests/tolerance.py <path>`` prints the worst ratio per
-site. Unset, nothing is patched and :func:`within` is a plain comparison.
+file, from spawned ranks too; ``python tests/support/tolerance.py <path>`` prints the worst
+ratio per site. Unset, nothing is patched and :func:`within` is a plain comparison.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 ENV = "TREEPACK_TOLERANCE_LOG"
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: this file is in tests/support/
 
 
 def eps(dtype: torch.dtype) -> float:

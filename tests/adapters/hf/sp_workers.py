@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-import dist_workers
+import launch
 
 TEMPERATURES = (0.7, 1.0, 1.3)
 
@@ -322,7 +322,7 @@ def cases_worker(rank: int, world: int, port: int, out: str, cases: dict) -> Non
     """Every case with groups of ``case["group"]`` consecutive ranks (default: all); a
     data-parallel group (ranks with the same place in their groups) gets the batch of its
     seed, and ``average_over="world"`` averages the gradients over every rank, as DDP."""
-    dist_workers.init(rank, world, port)
+    launch.init(rank, world, port)
     try:
         sizes = sorted({case.get("group", world) for case in cases.values()})
         groups = {size: [dist.new_group(list(range(g, g + size)))
@@ -340,14 +340,14 @@ def cases_worker(rank: int, world: int, port: int, out: str, cases: dict) -> Non
                     results[name] = {"error": f"{type(e).__name__}: {e}"}
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
-        dist_workers.shutdown()
+        launch.shutdown()
 
 
 def refusals_worker(rank: int, world: int, port: int, out: str) -> None:
     """What sequence parallelism refuses, on every rank at once (no hang)."""
     from treepack import TreePack, hf, zoo
 
-    dist_workers.init(rank, world, port)
+    launch.init(rank, world, port)
     errors = {}
     try:
         group = dist.new_group(list(range(world)))
@@ -380,7 +380,7 @@ def refusals_worker(rank: int, world: int, port: int, out: str) -> None:
                                                            output_router_logits=True))
         torch.save(errors, f"{out}/rank{rank}.pt")
     finally:
-        dist_workers.shutdown()
+        launch.shutdown()
 
 
 # ----------------------------------------------------------- agreement across the group
@@ -468,7 +468,7 @@ def agreement_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from treepack import TreePack, hf
 
-    dist_workers.init(rank, world, port, timeout=datetime.timedelta(seconds=60))
+    launch.init(rank, world, port, timeout=datetime.timedelta(seconds=60))
     results = {}
     try:
         group = dist.new_group(list(range(world)))
@@ -492,7 +492,7 @@ def agreement_worker(rank: int, world: int, port: int, out: str) -> None:
                 results[name] = (type(e).__name__, str(e))
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
-        dist_workers.shutdown()
+        launch.shutdown()
 
 
 def _collectives_of(fn) -> dict:
@@ -543,7 +543,7 @@ def dropout_worker(rank: int, world: int, port: int, out: str) -> None:
     second pass)."""
     from treepack import TreePack, hf
 
-    dist_workers.init(rank, world, port)
+    launch.init(rank, world, port)
     results = {}
     try:
         group = dist.new_group(list(range(world)))
@@ -580,4 +580,4 @@ def dropout_worker(rank: int, world: int, port: int, out: str) -> None:
             sequence_parallel=group))
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
-        dist_workers.shutdown()
+        launch.shutdown()

@@ -12,6 +12,9 @@ CUDA in a few places that have nothing to do with what the tests check.
 - a ``TorchFunctionMode`` maps ``device="cuda"`` to the CPU, ``.cuda()`` to nothing and drops
   ``pin_memory`` (the causal and sliding-window masks, the CP rotary slice, the pipeline
   schedule's buffers).
+
+:class:`Norm` is the RMSNorm the tests' layer specs use (torch's refuses Megatron's sequence
+parallelism on a CPU).
 """
 
 from __future__ import annotations
@@ -123,3 +126,19 @@ def install() -> None:
     random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None
     _CUDAToCPU().__enter__()  # for the rest of the process
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm for Megatron's sequence parallelism on a CPU: the local spec's torch norm
+    refuses ``sequence_parallel`` (Apex's and TE's accept it). Its weight is marked as
+    Megatron marks a sequence-parallel norm's, whose gradient each TP rank holds a share of
+    (``finalize_model_grads`` sums them)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight

@@ -9,7 +9,7 @@ megatron-core's code on disk:
   :mod:`megatron_cpu`;
 - mbridge's layer spec built with ``use_transformer_engine=False`` (megatron-core's local
   spec: no TransformerEngine here), its core attention :class:`THDAttention`, its norms
-  :class:`megatron_workers.Norm` (torch's refuses sequence parallelism), and mbridge's
+  :class:`megatron_cpu.Norm` (torch's refuses sequence parallelism), and mbridge's
   Qwen2 name map given the local spec's separate norms (``input_layernorm``,
   ``pre_mlp_layernorm``; TE fuses them into the linear layers);
 - ``Tensor.type()`` names CPU tensors as CUDA ones (megatron-core's optimizer and gradient
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import verl_workers  # noqa: F401  (installs the CPU platform first)
 import megatron_cpu
-from megatron_workers import Norm
+from megatron_cpu import Norm
 
 megatron_cpu.install()
 

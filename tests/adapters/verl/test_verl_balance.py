@@ -29,7 +29,7 @@ from treepack.sharing import report  # noqa: E402
 
 from tolerance import FLOAT64_OP  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("verl_balance", ROOT / "bench" / "verl_balance.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)  # the benchmark's batches, trainer and counting, one copy

@@ -37,7 +37,7 @@ import torch
 
 from verl_workers import EOS, VOCAB, init
 
-DOCS = Path(__file__).parents[1] / "docs" / "integrations.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "integrations.md"
 N = 4  # rollout.n
 MINI_BATCH_PROMPTS = 2  # actor.ppo_mini_batch_size
 BUDGET = 192  # every token budget (ppo_max_token_len_per_gpu, log_prob_max_token_len_per_gpu)

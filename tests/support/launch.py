@@ -1,9 +1,13 @@
-"""Spawning the ranks of a multi-process test (imported by the tests of every folder)."""
+"""Spawning the ranks of a multi-process test, and each rank's process group (imported by
+the tests and workers of every folder)."""
 
+import os
 import socket
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -29,3 +33,22 @@ def spawn(fn, *args, world: int = 2, timeout: float | None = None) -> None:
                 p.kill()
             pytest.fail(f"{fn.__name__}: ranks {alive} still running after {timeout:g} s "
                         "(a hang)")
+
+
+def shutdown() -> None:
+    """Tear down in order: every rank done, wrappers (and their gloo threads) collected, then
+    the process group; exiting with a live group can abort a gloo thread."""
+    import gc
+
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def init(rank: int, world: int, port: int, timeout=None) -> None:
+    """The gloo group of a spawned test (``timeout``: how long a collective waits before it
+    raises, for tests where a hang is the failure)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, **({} if timeout is None else {"timeout": timeout}))

@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from megatron_cpu import Norm
 
 VOCAB = 128
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -70,22 +71,6 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                       moe_token_dispatcher_type="alltoall")
     fields.update(case.get("config", {}))
     return TransformerConfig(**fields)
-
-
-class Norm(torch.nn.Module):
-    """RMSNorm for Megatron's sequence parallelism on a CPU: the local spec's torch norm
-    refuses ``sequence_parallel`` (Apex's and TE's accept it). Its weight is marked as
-    Megatron marks a sequence-parallel norm's, whose gradient each TP rank holds a share of
-    (``finalize_model_grads`` sums them)."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 def spec(case: dict, tree: bool = True, pp: int = 1):

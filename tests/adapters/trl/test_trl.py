@@ -671,7 +671,7 @@ def launch(mode, model_dir, out, per_device, accumulation, config=None):
 
     from launch import free_port
 
-    script = Path(__file__).resolve().parents[1] / "trl_ranks.py"
+    script = Path(__file__).resolve().with_name("trl_ranks.py")
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
          "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
