@@ -97,9 +97,10 @@ FLOAT32_RELATIVE = rounding(torch.float32, steps=MODEL_STEPS_F32)
 LOW_PRECISION_FACTOR = 2.0
 
 
-# float32 ops that sum across rows: a chunked scan's matrix products and cumulative sums
-# (Mamba2's SSD, Kimi-Linear's chunks, transformers' Gated DeltaNet kernel)
-ROW_SUMS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "cumsum"}
+# float32 ops that sum across rows: a chunked scan's batched matrix products and cumulative sums
+# (Mamba2's SSD, transformers' Gated DeltaNet and Kimi Delta kernels); a plain matrix product
+# (a linear layer, a router) works row by row
+ROW_SUMS = {"bmm", "baddbmm", "cumsum"}
 
 
 def float_ops(model, **inputs) -> dict[torch.dtype, set[str]]:
