@@ -10,7 +10,7 @@ from treepack import TreePack
 from treepack.attention import BACKENDS, TreeAttention, segment
 
 from strategies import forests
-from tolerance import FLOAT32_OP, FLOAT64_OP, LOW_PRECISION_FACTOR, assert_within, scale, within
+from tolerance import FLOAT32_OP, FLOAT64_OP, assert_within, low_precision, scale
 
 # One float64 attention computed two ways (a backend and the reference): a softmax and a
 # weighted sum over a sequence's rows (at most 80 here), scores over 8 dims: FLOAT64_OP of the
@@ -524,4 +524,4 @@ def test_mixed_dtypes_under_cpu_autocast_attend_as_autocast_casts(backend):
     # itself in bfloat16) against float64 on the same bfloat16 inputs
     own = float((reference_attention(*inputs, pack, scale=0.3).double() - want).abs().max())
     error = float((out.double() - want).abs().max())
-    assert within(error, LOW_PRECISION_FACTOR * own, rule=True), (error, own)
+    assert low_precision(error, own), (error, own)

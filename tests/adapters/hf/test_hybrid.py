@@ -15,9 +15,9 @@ from tolerance import (
     FLOAT32_OP,
     FLOAT32_RELATIVE,
     FLOAT64_EXACT,
-    LOW_PRECISION_FACTOR,
     assert_within,
     inside,
+    low_precision,
     negative_control,
     scale,
     within,
@@ -128,7 +128,7 @@ def test_hybrid_float32_with_transformers_own_kernels_is_within_the_unpacked_err
     # FLOAT32_INSIDE of the log-probs' size an error counts as rounding: a float32 log-prob is
     # that far from float64 at best (the last norm, the head's sums, the log-softmax)
     floor = FLOAT32_INSIDE * max(scale(r) for r in ref)
-    assert within(packed, LOW_PRECISION_FACTOR * max(own, floor)), (packed, own)
+    assert low_precision(packed, max(own, floor)), (packed, own)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])

@@ -17,9 +17,9 @@ from tolerance import (
     FLOAT32_OP,
     FLOAT32_RELATIVE,
     FLOAT64_EXACT,
-    LOW_PRECISION_FACTOR,
     assert_within,
     inside,
+    low_precision,
     within,
 )
 
@@ -161,7 +161,7 @@ def test_parts_under_cpu_autocast_match_one_forward_under_it():
     whole_err = float((whole - reference).abs().max())
     # the rule for low precision: within twice one forward's own bfloat16 error
     error = float((got - reference).abs().max())
-    assert 0 < error and within(error, LOW_PRECISION_FACTOR * whole_err, rule=True)
+    assert 0 < error and low_precision(error, whole_err), (error, whole_err)
     torch.testing.assert_close(step.logprobs, got, rtol=0, atol=0)
 
 
