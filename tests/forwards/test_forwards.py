@@ -10,13 +10,12 @@ from hypothesis import strategies as st
 from strategies import forests
 from treepack import TreePack
 from treepack.forwards import Carried, PackForward, PartForward, TreeForward, Walk
+from tolerance import FLOAT64_OP, assert_within
 from treepack.planning.parts import split
 
-# float64 against float64: both sides sum the same products over at most a few dozen keys in
-# a different order, so they agree to a few units of rounding of values of size ~1
-# (2.2e-16 each); 1e-12 leaves three orders of magnitude above that and far below any
-# error of reading a wrong key (~1e-1).
-EXACT = 1e-12
+# float64 against float64, no float32 step: each side is one softmax-weighted sum (or one
+# convolution) over the same few dozen keys in another order, one operation done two ways
+# (FLOAT64_OP of the values' size), far below the error of reading a wrong key (~1e-1).
 
 
 def parts_and_whole(seqs, budget: int, window=None, broken=None):
@@ -66,8 +65,8 @@ def test_every_forward_speaks_the_protocol():
        window=st.sampled_from([None, 2, 4]))
 def test_parts_attend_and_convolve_as_the_whole_pack(seqs, budget, window):
     (att, want_att), (conv, want_conv), _ = parts_and_whole(seqs, budget, window)
-    torch.testing.assert_close(att, want_att, rtol=0, atol=EXACT)
-    torch.testing.assert_close(conv, want_conv, rtol=0, atol=EXACT)
+    assert_within(att, want_att, FLOAT64_OP)
+    assert_within(conv, want_conv, FLOAT64_OP)
 
 
 def test_parts_without_their_context_are_caught():
