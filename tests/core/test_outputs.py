@@ -1,7 +1,6 @@
 """treepack.core.outputs: a pack's log-probs in the label- and prediction-aligned layouts,
 against references that read each sequence's rows one at a time."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from treepack.core.softmax import Logits, log_softmax_rows, normalise
 
-from tolerance import FLOAT32_OP, FLOAT64_OP, assert_within, scale, within
+from tolerance import FLOAT32_OP, FLOAT64_OP, assert_within, within
 
 # float64 logits: a log-softmax, an entropy and their gradients over rows of at most 64, two
 # ways (chunked, and torch's own): FLOAT64_OP of the values' size, which for a log-prob and an

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from treepack import TreePack, logprobs_and_entropy_from_hidden
 
-from reference import NaiveTrie, naive_entropy, naive_token_logprobs
+from reference import naive_entropy, naive_token_logprobs
 from strategies import forests
 from tolerance import FLOAT32_OP, FLOAT64_OP, assert_within, scale
 

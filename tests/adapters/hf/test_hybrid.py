@@ -9,7 +9,7 @@ import torch
 
 from treepack import TreePack, hf, zoo
 
-from reference import exact_kernel, naive_gated_delta_rule
+from reference import exact_kernel
 from tolerance import (
     FLOAT32_INSIDE,
     FLOAT32_OP,
