@@ -260,13 +260,22 @@ MOE_CASES = {
         {"config": megatron_workers.MOE, "broken": "unweighted router"},
 }
 
+# what an MoE model cannot run on a tree: refused by name at prepare, on every EP rank (the
+# reference runs it unpacked, as Megatron does)
+MOE_REFUSED = {
+    "MoE: token dropping": (
+        {"config": {**megatron_workers.MOE, "moe_expert_capacity_factor": 1.0}},
+        "UnsupportedMegatron: moe_expert_capacity_factor=1.0 (token dropping) on a tree"),
+}
+
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["EP=1", "EP=2"])
 def moe(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"moe{request.param}")
-    spawn(megatron_workers.moe_reference_worker, str(out), MOE_CASES, request.param, world=1,
+    cases = {**MOE_CASES, **{n: c for n, (c, _) in MOE_REFUSED.items()}}
+    spawn(megatron_workers.moe_reference_worker, str(out), cases, request.param, world=1,
           timeout=900)
-    spawn(megatron_workers.moe_worker, str(out), MOE_CASES, world=request.param, timeout=900)
+    spawn(megatron_workers.moe_worker, str(out), cases, world=request.param, timeout=900)
     return (request.param, [torch.load(out / f"moe-rank{r}.pt") for r in range(request.param)],
             torch.load(out / "moe-reference.pt"))
 
@@ -304,8 +313,17 @@ def test_moe_routers_weight_each_row_by_the_tokens_it_stands_for(moe, case):
 
 
 
+@pytest.mark.parametrize("case", list(MOE_REFUSED))
+def test_moe_settings_a_tree_cannot_run_are_refused_on_every_rank(moe, case):
+    ranks, results, _ = moe
+    for rank, per_case in enumerate(results):
+        got = per_case[case]
+        assert got.get("error", "").startswith(MOE_REFUSED[case][1]), (ranks, rank, got)
+
+
 @pytest.mark.parametrize("fields,words", [
     ({"moe_enable_routing_replay": True}, "moe_enable_routing_replay"),
+    ({"moe_expert_capacity_factor": 1.25}, "moe_expert_capacity_factor=1.25"),
     ({"recompute_granularity": "full"}, "recomputing MoE layers"),
     ({"recompute_granularity": "selective", "recompute_modules": ["moe"]},
      "recomputing MoE layers"),

@@ -13,8 +13,10 @@ that weight the rows during a tree forward (:func:`active`: the forward's weight
 router's tokens, this TP rank's share under sequence parallelism); outside one they are
 Megatron's own. Refused on a tree, by name: ``seq_aux_loss`` (per sequence of the batch
 dimension; a pack is one), recomputing MoE layers (the router would run again after the tree
-forward, without its weights) and routing replay (recorded routes are per token of a batch;
-a packed row is several tokens, whose recorded routes may differ).
+forward, without its weights), routing replay (recorded routes are per token of a batch;
+a packed row is several tokens, whose recorded routes may differ) and token dropping (an
+expert's capacity counts the forward's rows, and a shared row is kept or dropped for every
+sequence it stands for).
 """
 
 from __future__ import annotations
@@ -210,8 +212,17 @@ def check(config) -> None:
 
     Raises:
         UnsupportedMegatron: ``moe_enable_routing_replay``; ``recompute_granularity="full"``
-            or ``"moe"`` among the selective ``recompute_modules``.
+            or ``"moe"`` among the selective ``recompute_modules``; an
+            ``moe_expert_capacity_factor`` (token dropping).
     """
+    capacity = getattr(config, "moe_expert_capacity_factor", None)
+    if capacity is not None:
+        raise UnsupportedMegatron(
+            f"moe_expert_capacity_factor={capacity} (token dropping) on a tree: an expert's "
+            "capacity is counted over the forward's packed rows, not the unpacked batch's "
+            "tokens, and a shared row is kept or dropped for every sequence it stands for, so "
+            "which tokens drop differs from the unpacked run. Set "
+            "moe_expert_capacity_factor=None (dropless) for tree forwards (or run unpacked)")
     if getattr(config, "moe_enable_routing_replay", False):
         raise UnsupportedMegatron(
             "moe_enable_routing_replay on a tree: replayed routes are recorded per token of "
