@@ -1,6 +1,7 @@
 """Bad input gets an error that names the value, the rule and the fix (issue 18's list of
 inputs that raised raw torch / Python errors, or passed and gave NaN)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,3 +61,11 @@ def test_temperatures_that_would_give_nan_are_refused_and_tensors_taken():
     # a tensor and a float of one value: the same computation
     torch.testing.assert_close(pack.token_logprobs(logits, temperature=torch.tensor(0.5)),
                                pack.token_logprobs(logits, temperature=0.5), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", [hf.forward, hf.logprobs])
+def test_a_pack_with_routes_is_refused_by_transformers(model, call):
+    """transformers' routers route every row themselves: routes would be dropped."""
+    routes = [np.zeros((3, 1, 2), dtype=np.int16)] * 2
+    with pytest.raises(ValueError, match="the pack carries routes.*does not replay"):
+        call(model, TreePack.from_sequences(SEQS, routes=routes))

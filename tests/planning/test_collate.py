@@ -122,6 +122,23 @@ def test_agent_steps_share_their_history_across_rollouts():
     assert collated.denominators(0).tokens == 4 * len(steps)
 
 
+@pytest.mark.parametrize("parts", [False, True])
+def test_rollouts_routed_differently_fork_where_their_routes_differ(parts):
+    """A GRPO group whose prompt the rollout engine routed one way for two rollouts and
+    another way (from its third token on) for the third: planned and packed on routes."""
+    prompt, layers, topk = [3, 4, 5, 6], 2, 2
+    rollouts = [dict(prompt=prompt, completion=[7 + i, 8]) for i in range(3)]
+    routes = [np.zeros((6, layers, topk), np.int16) for _ in rollouts]
+    routes[2][2:] = 1
+    collated = treepack.collate(rollouts, max_tokens=16, routes=routes, parts=parts)
+    (batch,) = collated.batches(0)
+    assert batch.pack.num_packed_rows == 4 + 2 + 2 + 4  # the prompt forks at its third token
+    for k, s in enumerate(batch.pack.seq_ids.tolist()):
+        rows = batch.pack.host.rows[k, :5]  # every token but the last replays its route
+        np.testing.assert_array_equal(batch.pack.host.row_routes[rows], routes[s][:5])
+    assert batch.mask.sum() == 2 * 3  # every completion token is still predicted
+
+
 @pytest.mark.parametrize(
     "rollouts, words",
     [

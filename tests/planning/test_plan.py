@@ -49,6 +49,33 @@ def test_random_plans_keep_every_promise(seqs, extra, world):
         assert p.efficiency == 1.0  # whole trees: no prefix is ever computed twice
 
 
+@settings(max_examples=80, deadline=None)
+@given(forests(vocab=2, max_sequences=12, max_len=15), st.integers(0, 40), st.integers(1, 4),
+       st.data())
+def test_plans_with_routes_keep_every_pack_within_the_budget(seqs, extra, world, data):
+    """Routes fork rows, and each pack keeps its rows' routes: a pack is the forest of its
+    sequences and their routes, never more rows than planned (a last token whose longer
+    sequence went to another pack may join a row of its own pack instead)."""
+    routes = [np.array(data.draw(st.lists(st.integers(0, 1), min_size=len(s),
+                                          max_size=len(s))))[:, None, None] for s in seqs]
+    budget = max(map(len, seqs)) + extra
+    p = plan(seqs, max_tokens=budget, world_size=world, routes=routes)
+    seen = []
+    for r in range(world):
+        for spec, pack in zip(p.specs[r], p.packs(r)):
+            ids = pack.seq_ids.tolist()
+            seen += ids
+            if not ids:
+                continue
+            alone = TreePack.from_sequences([seqs[i] for i in ids],
+                                            routes=[routes[i] for i in ids])
+            assert pack.num_packed_rows == alone.num_packed_rows <= spec.packed_rows <= budget
+            np.testing.assert_array_equal(pack.host.row_routes, alone.host.row_routes)
+    assert sorted(seen) == list(range(len(seqs)))
+    whole = TreePack.from_sequences(seqs, routes=routes).num_packed_rows
+    assert p.min_rows == whole >= treepack.forest_stats(seqs).packed_rows
+
+
 def test_a_tree_bigger_than_the_budget_repeats_only_its_prompt():
     seqs = grpo_batch(groups=1, rollouts=8, prompt_len=100, response_len=50)  # 500 rows
     p = plan(seqs, max_tokens=260, world_size=1)

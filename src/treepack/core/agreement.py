@@ -142,12 +142,11 @@ class PackIdentity(NamedTuple):
 
 @derived_from_pack
 def pack_identity(pack) -> PackIdentity:
-    """The pack's rows and a digest of its ids, structure, layout and content keys (once per
-    pack)."""
+    """The pack's rows and a digest of its ids, structure, layout, content keys and routes
+    (once per pack)."""
     h = pack.host
-    keys = () if h.row_keys is None else (h.row_keys,)
     return PackIdentity(pack.num_rows, fingerprint(
-        [h.input_ids, h.parent_row, h.position_ids, h.rows, *keys]))
+        [h.input_ids, h.parent_row, h.position_ids, h.rows, h.row_keys, h.row_routes]))
 
 
 def collective_device(group) -> torch.device:

@@ -101,6 +101,43 @@ def validate_keys(keys, ids: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
+def validate_routes(routes, ids: list[np.ndarray]) -> list[np.ndarray]:
+    """Per-token routed experts as integer arrays, one ``[len, layers, topk]`` per sequence of
+    its length, every one of the same ``[layers, topk]`` (raises naming the sequence, the
+    value and the fix). Each sequence's last route is a placeholder and may hold anything."""
+    if isinstance(routes, (Tensor, np.ndarray)):
+        raise TypeError("routes must be a list with one [len, layers, topk] array per sequence "
+                        f"(a {type(routes).__name__} was given: split a padded batch per "
+                        "sequence, e.g. [r[:n] for r, n in zip(routes, lengths)])")
+    routes = list(routes)
+    if len(routes) != len(ids):
+        raise ValueError(f"routes has {len(routes)} entries for {len(ids)} sequences: give one "
+                         "[len, layers, topk] array per sequence")
+    out, shape = [], None
+    for i, (r, seq) in enumerate(zip(routes, ids)):
+        arr = r.detach().cpu().numpy() if isinstance(r, Tensor) else np.asarray(r)
+        if arr.ndim != 3 or arr.shape[0] != seq.shape[0]:
+            raise ValueError(f"routes[{i}] has shape {tuple(arr.shape)} but sequence {i} has "
+                             f"{seq.shape[0]} tokens: one [layers, topk] route per token, "
+                             "[len, layers, topk] (the last token's a placeholder)")
+        if shape is None:
+            shape = arr.shape[1:]
+        elif arr.shape[1:] != shape:
+            raise ValueError(f"routes[{i}] has [layers, topk] = {list(arr.shape[1:])} but "
+                             f"routes[0] has {list(shape)}: every token is routed by the same "
+                             "MoE layers to the same number of experts")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"routes[{i}] has dtype {arr.dtype}; routes are expert indices "
+                            "(integers, e.g. verl's int16 routed_experts)")
+        if arr.shape[0] > 1 and arr[:-1].min(initial=0) < 0:
+            raise ValueError(f"routes[{i}] holds a negative expert index "
+                             f"({int(arr[:-1].min())}) before its last token: only the last "
+                             "token's route is a placeholder")
+        out.append(arr)
+    dtype = np.result_type(*(a.dtype for a in out)) if out else np.int64
+    return [a.astype(dtype, copy=False) for a in out]
+
+
 def validate_sequences(sequences) -> list[np.ndarray]:
     """The input sequences as 1-D int64 numpy arrays, after the checks of
     :meth:`TreePack.from_sequences` (raises naming the sequence, the value and the fix)."""

@@ -26,7 +26,7 @@ import numpy as np
 from treepack.core import deprecation
 
 __all__ = ["sort_and_lcp", "previous_smaller", "causal_pairs", "ragged_arange", "build_layout",
-           "HostLayout",
+           "route_keys", "HostLayout",
            "stats_of_arrays", "ForestStats"]
 
 
@@ -126,6 +126,7 @@ class HostLayout(NamedTuple):
     num_packed_rows: int  # T: distinct rows, padding excluded
     num_prediction_rows: int  # packed rows with at least one child
     row_keys: np.ndarray | None = None  # [T'] each row's content key (0: none), or None
+    row_routes: np.ndarray | None = None  # [T', layers, topk] each row's routed experts
 
     @classmethod
     def empty(cls, num_rows: int) -> HostLayout:
@@ -151,7 +152,9 @@ class HostLayout(NamedTuple):
 
 
 def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True,
-                 flat: bool = False, keys: list[np.ndarray] | None = None) -> HostLayout:
+                 flat: bool = False, keys: list[np.ndarray] | None = None,
+                 routes: list[np.ndarray] | None = None,
+                 match: list[np.ndarray] | None = None) -> HostLayout:
     """The whole layout from validated 1-D int64 id arrays (see the module doc).
 
     With ``share=False`` nothing is merged: the sequences are laid out back to back in input
@@ -160,12 +163,17 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
     are [total tokens], sequence after sequence (``offsets``), instead of [N, L]: nothing
     costs N x the longest length. Rows are padded to a multiple of ``multiple``. With
     ``keys`` (one int64 array per sequence, its tokens' content keys) two tokens are the same
-    only if their ids and keys both are: the tree is built over (id, key) pairs.
+    only if their ids and keys both are: the tree is built over (id, key) pairs. With
+    ``routes`` (one ``[len, layers, topk]`` array per sequence, equal wherever the tree merges
+    two tokens) each row keeps its tokens'. ``match`` (default: ``keys``) is what tokens are
+    compared by beyond their ids, where that is more than their content keys
+    (:func:`route_keys`: the keys and the routes).
     """
+    match = keys if match is None else match
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
     if share:
-        order, lcp = sort_and_lcp(ids if keys is None else identities(ids, keys))
+        order, lcp = sort_and_lcp(ids if match is None else identities(ids, match))
     else:
         order, lcp = np.arange(n), np.zeros(n, dtype=np.int64)
     new = lengths[order] - lcp  # rows each sorted sequence adds; 0 only for a duplicate
@@ -183,6 +191,11 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
     if keys is not None:
         row_keys = np.concatenate([keys[i][c:] for i, c in zip(order, lcp)]
                                   + [np.zeros_like(pad)])
+    row_routes = None
+    if routes is not None:
+        row_routes = np.concatenate([routes[i][c:] for i, c in zip(order, lcp)]
+                                    + [np.zeros((len(pad), *routes[0].shape[1:]),
+                                                dtype=routes[0].dtype)])
     return HostLayout(
         input_ids=np.concatenate((input_ids, np.zeros_like(pad))),
         position_ids=np.concatenate((position_ids, np.zeros_like(pad))),
@@ -197,6 +210,7 @@ def build_layout(ids: list[np.ndarray], multiple: int = 1, *, share: bool = True
         num_packed_rows=T,
         num_prediction_rows=seg.rows_with_children,
         row_keys=row_keys,
+        row_routes=row_routes,
     )
 
 
@@ -208,6 +222,96 @@ def identities(ids: list[np.ndarray], keys: list[np.ndarray]) -> list[np.ndarray
     pairs = np.stack((np.concatenate(ids), np.concatenate(keys)))
     _, inverse = np.unique(pairs, axis=1, return_inverse=True)
     return np.split(inverse.reshape(-1).astype(np.int64), np.cumsum(lengths)[:-1])
+
+
+def route_keys(ids: list[np.ndarray], keys: list[np.ndarray] | None,
+               routes: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Content keys that make two tokens one row only where their routes agree too, and the
+    routes each row then keeps.
+
+    A token's route (the experts each MoE layer sent it to) is part of what it computes, so
+    two tokens merge only where their ids, keys and routes, and everything before them, are
+    equal. The one exception is each sequence's last token: it predicts nothing of its
+    sequence, and a rollout engine records no route for it (verl stores a placeholder there),
+    so its route is not compared. It joins the row of a longer sequence's token with the same
+    context, id and key (taking that token's route, which is what the longer sequence
+    replays), or, where there is none, the row of the other last tokens ending there.
+
+    Args:
+        ids: the validated sequences.
+        keys: their content keys, or None.
+        routes: one ``[len, layers, topk]`` integer array per sequence.
+
+    Returns:
+        ``(match, routes)`` for :func:`build_layout`: keys combining the content keys and the
+        routes, and the routes with each last token's placeholder replaced by the route of
+        the row it joins.
+    """
+    lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
+    last = np.cumsum(lengths) - 1  # each sequence's last token in the flat order
+    flat_keys = np.zeros(int(lengths.sum()), np.int64) if keys is None else np.concatenate(keys)
+    flat_routes = np.concatenate(routes)  # a new array: last tokens' routes are set below
+    _, route_id = np.unique(flat_routes.reshape(len(flat_routes), -1), axis=0,
+                            return_inverse=True)
+    route_id = route_id.reshape(-1).astype(np.int64)
+    # the tree over every token but the last, where routes always count
+    inner = np.flatnonzero(lengths > 1)
+    content = _pair_ids(flat_keys, route_id)
+    split = np.split(content, np.cumsum(lengths)[:-1])
+    rows_of = np.full(len(ids), -1, dtype=np.int64)  # the row before each last token (-1: root)
+    if inner.size:
+        before = build_layout([ids[k][:-1] for k in inner], keys=[split[k][:-1] for k in inner],
+                              flat=True)  # its row keys: the combined ones
+        rows_of[inner] = before.rows[before.offsets[1:] - 1]
+        # a longer sequence's token whose context, id and key a last token shares: its row
+        ref = np.stack((before.parent_row[:before.num_packed_rows],
+                        before.input_ids[:before.num_packed_rows],
+                        _key_of_content(flat_keys, content, before.row_keys)))
+        query = np.stack((rows_of, np.concatenate(ids)[last], flat_keys[last]))
+        _, code = np.unique(np.concatenate((ref, query), axis=1), axis=1, return_inverse=True)
+        code = code.reshape(-1)
+        ref_code, query_code = code[:ref.shape[1]], code[ref.shape[1]:]
+        sort = np.argsort(ref_code, kind="stable")
+        at = np.minimum(np.searchsorted(ref_code[sort], query_code), len(sort) - 1)
+        found = ref_code[sort][at] == query_code
+        joined = sort[at][found]  # the row each matched last token joins (in ``before``)
+        by_row = _first_token_of_rows(inner, before, lengths)
+        route_id[last[found]] = route_id[by_row[joined]]
+        flat_routes[last[found]] = flat_routes[by_row[joined]]
+        unmatched = last[~found]
+    else:
+        unmatched = last
+    route_id[unmatched] = -1  # last tokens that join no longer one: compared without routes
+    content = _pair_ids(flat_keys, route_id)
+    cuts = np.cumsum(lengths)[:-1]
+    return np.split(content, cuts), np.split(flat_routes, cuts)
+
+
+def _pair_ids(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One int64 per (a, b) pair, equal exactly where both are."""
+    _, inverse = np.unique(np.stack((a, b)), axis=1, return_inverse=True)
+    return inverse.reshape(-1).astype(np.int64)
+
+
+def _key_of_content(flat_keys, content, row_content) -> np.ndarray:
+    """The content key of each row whose combined key is ``row_content``."""
+    table = np.zeros(int(content.max()) + 1, dtype=np.int64)
+    table[content] = flat_keys
+    return table[row_content]
+
+
+def _first_token_of_rows(inner, before: HostLayout, lengths) -> np.ndarray:
+    """For each row of ``before`` (the tree over the sequences ``inner`` without their last
+    tokens), a token in the whole batch's flat order that the row stands for."""
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[inner]  # flat start of each
+    # before.rows is flat over the truncated sequences: token j of truncated sequence i
+    # is token j of sequence inner[i]
+    trunc = lengths[inner] - 1
+    flat = np.repeat(starts - np.concatenate(([0], np.cumsum(trunc)[:-1])), trunc) \
+        + np.arange(int(trunc.sum()))
+    out = np.zeros(before.num_packed_rows, dtype=np.int64)
+    out[before.rows] = flat
+    return out
 
 
 class _Segments(NamedTuple):

@@ -27,11 +27,11 @@ from treepack.core import deprecation
 from treepack.core import mask as _mask
 from treepack.core import outputs
 from treepack.core.checks import (pack_device, positive_int, sequence_indices,
-                                  validate_keys, validate_sequences)
+                                  validate_keys, validate_routes, validate_sequences)
 from treepack.core import derived as _derived
 from treepack.core.derived import derived_from_pack
 from treepack.core.forest import (ForestStats, HostLayout, build_layout, identities,
-                                  stats_of_arrays)
+                                  route_keys, stats_of_arrays)
 
 __all__ = ["TreePack", "Segments", "Predictions", "HostLayout", "forest_stats",
            "validate_sequences", "derived_from_pack", "MAX_PAD_MULTIPLE"]
@@ -160,6 +160,7 @@ class TreePack:
         share_prefixes: bool = True,
         layout: str = "dense",
         keys=None,
+        routes=None,
     ) -> TreePack:
         """Merge token sequences into one prefix forest.
 
@@ -191,6 +192,15 @@ class TreePack:
                 row only where their ids, their keys and everything before them are equal:
                 the same text with different images never merges, the same image in two
                 prompts does. The rows' keys are ``pack.host.row_keys``.
+            routes: the experts each token was routed to, one integer array
+                ``[len(seq), moe_layers, topk]`` per sequence, as rollout engines record them
+                for routing replay (verl's ``routed_experts``, slime's): two tokens are then
+                one row only where their routes agree too, so a prompt the engine routed once
+                stays shared and one routed differently forks where its routes differ. Each
+                sequence's last route is a placeholder (the rollout has no route for the
+                last token, which predicts nothing of its sequence; verl pads it): it is not
+                compared, and the last token takes the route of the row it joins. The rows'
+                routes are ``pack.host.row_routes`` (``[T', moe_layers, topk]``).
 
         Returns:
             The :class:`TreePack` (immutable).
@@ -198,7 +208,7 @@ class TreePack:
         Raises:
             TypeError / ValueError: a sequence that is empty, not 1-D, not integer, or holds a
                 negative id (the message names it); a bad ``pad_to_multiple_of``, ``seq_ids``,
-                ``share_prefixes`` or ``layout``.
+                ``share_prefixes``, ``layout``, ``keys`` or ``routes``.
         """
         ids = validate_sequences(sequences)
         seq_ids = sequence_indices(seq_ids, len(ids))
@@ -212,8 +222,13 @@ class TreePack:
         if layout not in ("dense", "flat"):
             raise ValueError(f"layout={layout!r}: choose 'dense' ([N, L] outputs) or 'flat' "
                              "([total tokens] outputs, sequence after sequence)")
+        match = None
+        if routes is not None:
+            routes = validate_routes(routes, ids)
+            if share_prefixes:
+                match, routes = route_keys(ids, keys, routes)
         tables = build_layout(ids, pad_to_multiple_of or 1, share=share_prefixes,
-                              flat=layout == "flat", keys=keys)
+                              flat=layout == "flat", keys=keys, routes=routes, match=match)
         pack = cls._from_host(tables, seq_ids)
         return pack if device is None else pack.to(device)
 

@@ -141,7 +141,7 @@ def _ids(x, what: str) -> np.ndarray:
 def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1,
             pad_to_multiple_of: int | None = None,
             device: torch.device | str | None = None, parts: bool = False,
-            keys=None) -> Collated:
+            keys=None, routes=None) -> Collated:
     """Plan ``rollouts`` (see the module doc) into packs over ranks.
 
     Args:
@@ -161,6 +161,9 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
             :meth:`TreePack.from_sequences` (``treepack.hf.Images(model, sequences, ...).keys``
             for rollouts with images): planned and packed over (id, key) pairs. Each batch's
             images are then ``images.select(batch.pack.seq_ids)``.
+        routes: per-token routed experts of each rollout's prompt + completion
+            (``[len, moe_layers, topk]``, the last a placeholder), as for
+            :meth:`TreePack.from_sequences`: planned and packed where routes agree too.
 
     Returns:
         :class:`Collated`: ``batches(rank)`` gives each rank its :class:`Batch` list and
@@ -217,18 +220,19 @@ def collate(rollouts: Sequence[Mapping], *, max_tokens: int, world_size: int = 1
         if pad_to_multiple_of:
             raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} with parts=True: parts "
                              "build their own forwards from the whole tree; leave it unset")
-        max_tokens = max(max_tokens, _largest_tree(sequences, keys))
+        max_tokens = max(max_tokens, _largest_tree(sequences, keys, routes))
     p = plan(sequences, max_tokens=max_tokens, world_size=world_size,
-             pad_to_multiple_of=pad_to_multiple_of, device=device, keys=keys)
+             pad_to_multiple_of=pad_to_multiple_of, device=device, keys=keys, routes=routes)
     dtypes = {k: np.result_type(*v) for k, v in per_token.items()}
     return Collated(p, np.array(plen, dtype=np.int64), np.array(clen, dtype=np.int64),
                     per_token, {k: np.stack(v) for k, v in per_sequence.items()}, dtypes,
                     groups, device)
 
 
-def _largest_tree(sequences, keys=None) -> int:
-    """Rows of the largest tree of the forest ``sequences`` (keyed by ``keys``) make."""
-    forest = TreePack.from_sequences(sequences, keys=keys)
+def _largest_tree(sequences, keys=None, routes=None) -> int:
+    """Rows of the largest tree of the forest ``sequences`` (keyed by ``keys`` and
+    ``routes``) make."""
+    forest = TreePack.from_sequences(sequences, keys=keys, routes=routes)
     h, n = forest.host, forest.num_packed_rows
     roots = np.flatnonzero(h.parent_row[:n] < 0)
     return int((h.subtree_end[roots] - roots).max())

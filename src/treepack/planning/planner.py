@@ -35,8 +35,10 @@ import numpy as np
 import torch
 
 from treepack.core import deprecation
-from treepack.core.checks import positive_int, validate_keys, validate_sequences
-from treepack.core.forest import causal_pairs, identities, ragged_arange, sort_and_lcp
+from treepack.core.checks import (positive_int, validate_keys, validate_routes,
+                                  validate_sequences)
+from treepack.core.forest import (causal_pairs, identities, ragged_arange, route_keys,
+                                  sort_and_lcp)
 from treepack.core.tree import MAX_PAD_MULTIPLE, TreePack
 
 __all__ = ["plan", "Plan", "PackSpec", "PAIR_COST"]
@@ -70,6 +72,7 @@ class Plan:
     _sequences: list[np.ndarray] = dataclasses.field(repr=False)
     _device: torch.device | str | None = dataclasses.field(default=None, repr=False)
     _keys: list[np.ndarray] | None = dataclasses.field(default=None, repr=False)
+    _routes: list[np.ndarray] | None = dataclasses.field(default=None, repr=False)
     _built: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -136,7 +139,9 @@ class Plan:
                 TreePack.from_sequences(
                     [self._sequences[i] for i in spec.seq_ids], seq_ids=spec.seq_ids,
                     pad_to_multiple_of=pad, device=self._device,
-                    keys=None if self._keys is None else [self._keys[i] for i in spec.seq_ids])
+                    keys=None if self._keys is None else [self._keys[i] for i in spec.seq_ids],
+                    routes=(None if self._routes is None
+                            else [self._routes[i] for i in spec.seq_ids]))
                 if len(spec.seq_ids) else TreePack.empty(pad or 1, device=self._device)
                 for spec in self.specs[rank]
             ]
@@ -252,7 +257,8 @@ class _Sorted(NamedTuple):
 
 def plan(sequences, *, max_tokens: int, world_size: int = 1,
          pad_to_multiple_of: int | None = None, pair_cost: float = PAIR_COST,
-         min_packs: int = 1, device: torch.device | str | None = None, keys=None) -> Plan:
+         min_packs: int = 1, device: torch.device | str | None = None, keys=None,
+         routes=None) -> Plan:
     """Split ``sequences`` into packs of at most ``max_tokens`` packed rows over
     ``world_size`` ranks, keeping shared prefixes together and costs balanced.
 
@@ -272,6 +278,10 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
         keys: per-token content keys, as for :meth:`TreePack.from_sequences` (an image
             placeholder's image, ``treepack.hf.Images.keys``): sharing is planned, and the
             packs built, over (id, key) pairs.
+        routes: per-token routed experts, as for :meth:`TreePack.from_sequences`: sharing is
+            planned where routes agree too, and every pack keeps its rows' routes (a last
+            token whose longer sequence went to another pack keeps its own row, so a pack
+            never has more rows than planned).
 
     Returns:
         A :class:`Plan`: ``plan.packs(r)`` is rank r's list of :class:`TreePack` (built on
@@ -291,7 +301,11 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
     _check_lengths(lengths, max_tokens)
     if keys is not None:
         keys = validate_keys(keys, ids)
-    order, lcp = sort_and_lcp(ids if keys is None else identities(ids, keys))
+    match = keys
+    if routes is not None:
+        routes = validate_routes(routes, ids)
+        match, _ = route_keys(ids, keys, routes)
+    order, lcp = sort_and_lcp(ids if match is None else identities(ids, match))
     srt = _Sorted(order, lcp, lengths[order], lengths[order] - lcp)
     pieces = _pieces(srt, max_tokens)
     bins = _spread_and_pack(pieces, pieces.rows + pair_cost * pieces.pairs, world_size,
@@ -304,7 +318,7 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
         specs = _at_least(specs, min_packs, srt, pair_cost)
     return Plan(specs=specs, min_rows=int(srt.new.sum()), max_tokens=max_tokens,
                 pad_to_multiple_of=pad_to_multiple_of, _sequences=ids, _device=device,
-                _keys=keys)
+                _keys=keys, _routes=routes)
 
 
 def _at_least(specs: list[list[PackSpec]], count: int, srt: _Sorted,

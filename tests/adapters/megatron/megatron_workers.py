@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron_cpu import Norm
@@ -339,7 +340,8 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
             p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))
     tm.prepare(model)
     seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
-    pack = treepack.TreePack.from_sequences(seqs)
+    routes = [np.zeros((len(s), 1, 1), np.int16) for s in seqs] if case.get("routes") else None
+    pack = treepack.TreePack.from_sequences(seqs, routes=routes)
     w, v = weights(tuple(pack.rows.shape))
     temps = [TEMPERATURES[s % 3] for s in range(len(seqs))] if case.get("temperatures") \
         else 1.0

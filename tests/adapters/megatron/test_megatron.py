@@ -63,8 +63,10 @@ DROPOUT = {"in parts, dropout: step_in_parts replays its masks": {
     "parts": 6, "dropout_pair": True, "config": {"attention_dropout": 0.2,
                                                  "hidden_dropout": 0.2}}}
 
-# what a tree in parts cannot run: refused by name on every rank (case, words)
+# what a tree (in parts) cannot run: refused by name on every rank (case, words)
 REFUSED = {
+    "a pack with routes, not replayed": (
+        {"routes": True}, "ValueError: the pack carries routes"),
     "in parts, activation recomputation": (
         {"parts": 6, "config": {"recompute_granularity": "full", "recompute_method": "uniform",
                                 "recompute_num_layers": 1}},
@@ -172,7 +174,7 @@ def test_learnable_sinks_checkpoint_split_by_heads_over_tp(layout):
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_what_parts_cannot_run_is_refused_on_every_rank(layout, case):
+def test_what_a_tree_cannot_run_is_refused_on_every_rank(layout, case):
     name, results, _ = layout
     for rank, per_case in enumerate(results):
         got = per_case[case]

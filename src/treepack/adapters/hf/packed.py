@@ -148,10 +148,16 @@ def packed_forward(model, pack: TreePack, kwargs: dict, *, rows: Tensor | None =
 
 
 def check_pack(pack) -> None:
-    """Refuse anything but a TreePack, naming how to build one."""
+    """Refuse anything but a TreePack, naming how to build one, and a pack with routes
+    (transformers' routers route every row themselves: the routes would be dropped)."""
     if not isinstance(pack, TreePack):
         raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}: build one with "
                         "treepack.TreePack.from_sequences(sequences)")
+    if pack.host.row_routes is not None:
+        raise ValueError("the pack carries routes (TreePack.from_sequences(..., routes=...)), "
+                         "and treepack.hf does not replay routes: a transformers model's "
+                         "routers route every row themselves, so they would be dropped. Build "
+                         "the pack without routes= (rows then merge on ids and keys alone)")
 
 
 def check_inputs(model, pack: TreePack, kwargs: dict, images=None):

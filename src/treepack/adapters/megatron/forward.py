@@ -441,6 +441,11 @@ def _check(core, pack, temperature, align) -> np.ndarray:
     if not isinstance(pack, TreePack):
         raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}: build one with "
                         "treepack.TreePack.from_sequences(sequences)")
+    if pack.host.row_routes is not None:
+        raise ValueError("the pack carries routes (TreePack.from_sequences(..., routes=...)), "
+                         "and treepack.megatron does not replay them yet "
+                         "(moe_enable_routing_replay is refused on a tree), so they would be "
+                         "dropped: build the pack without routes=, or replay routes unpacked")
     if core not in _PREPARED:
         raise ValueError(f"{type(core).__name__} is not prepared: call "
                          "treepack.megatron.prepare(model) once first")
