@@ -279,9 +279,9 @@ def plan(sequences, *, max_tokens: int, world_size: int = 1,
             placeholder's image, ``treepack.hf.Images.keys``): sharing is planned, and the
             packs built, over (id, key) pairs.
         routes: per-token routed experts, as for :meth:`TreePack.from_sequences`: sharing is
-            planned where routes agree too, and every pack keeps its rows' routes (a last
-            token whose longer sequence went to another pack keeps its own row, so a pack
-            never has more rows than planned).
+            planned where routes agree too, and every pack keeps its rows' routes. A pack is
+            the forest of its own sequences, whose last tokens join rows of that pack only,
+            so it may have fewer rows than planned, never more.
 
     Returns:
         A :class:`Plan`: ``plan.packs(r)`` is rank r's list of :class:`TreePack` (built on
