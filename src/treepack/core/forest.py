@@ -219,9 +219,8 @@ def identities(ids: list[np.ndarray], keys: list[np.ndarray]) -> list[np.ndarray
     are, so the prefix tree over them merges a row only where its whole context, ids and
     keys, is the same."""
     lengths = [a.shape[0] for a in ids]
-    pairs = np.stack((np.concatenate(ids), np.concatenate(keys)))
-    _, inverse = np.unique(pairs, axis=1, return_inverse=True)
-    return np.split(inverse.reshape(-1).astype(np.int64), np.cumsum(lengths)[:-1])
+    pairs = _pair_ids(np.concatenate(ids), np.concatenate(keys))
+    return np.split(pairs, np.cumsum(lengths)[:-1])
 
 
 def route_keys(ids: list[np.ndarray], keys: list[np.ndarray] | None,
@@ -248,7 +247,8 @@ def route_keys(ids: list[np.ndarray], keys: list[np.ndarray] | None,
         the row it joins.
     """
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=len(ids))
-    last = np.cumsum(lengths) - 1  # each sequence's last token in the flat order
+    ends = np.cumsum(lengths)
+    cuts, last = ends[:-1], ends - 1  # the flat order's cuts; each sequence's last token
     flat_keys = np.zeros(int(lengths.sum()), np.int64) if keys is None else np.concatenate(keys)
     flat_routes = np.concatenate(routes)  # a new array: last tokens' routes are set below
     _, route_id = np.unique(flat_routes.reshape(len(flat_routes), -1), axis=0,
@@ -256,17 +256,16 @@ def route_keys(ids: list[np.ndarray], keys: list[np.ndarray] | None,
     route_id = route_id.reshape(-1).astype(np.int64)
     # the tree over every token but the last, where routes always count
     inner = np.flatnonzero(lengths > 1)
-    content = _pair_ids(flat_keys, route_id)
-    split = np.split(content, np.cumsum(lengths)[:-1])
+    split = np.split(_pair_ids(flat_keys, route_id), cuts)
     rows_of = np.full(len(ids), -1, dtype=np.int64)  # the row before each last token (-1: root)
     if inner.size:
         before = build_layout([ids[k][:-1] for k in inner], keys=[split[k][:-1] for k in inner],
-                              flat=True)  # its row keys: the combined ones
+                              flat=True)
         rows_of[inner] = before.rows[before.offsets[1:] - 1]
+        by_row = _first_token_of_rows(inner, before, lengths)
         # a longer sequence's token whose context, id and key a last token shares: its row
         ref = np.stack((before.parent_row[:before.num_packed_rows],
-                        before.input_ids[:before.num_packed_rows],
-                        _key_of_content(flat_keys, content, before.row_keys)))
+                        before.input_ids[:before.num_packed_rows], flat_keys[by_row]))
         query = np.stack((rows_of, np.concatenate(ids)[last], flat_keys[last]))
         _, code = np.unique(np.concatenate((ref, query), axis=1), axis=1, return_inverse=True)
         code = code.reshape(-1)
@@ -275,16 +274,13 @@ def route_keys(ids: list[np.ndarray], keys: list[np.ndarray] | None,
         at = np.minimum(np.searchsorted(ref_code[sort], query_code), len(sort) - 1)
         found = ref_code[sort][at] == query_code
         joined = sort[at][found]  # the row each matched last token joins (in ``before``)
-        by_row = _first_token_of_rows(inner, before, lengths)
         route_id[last[found]] = route_id[by_row[joined]]
         flat_routes[last[found]] = flat_routes[by_row[joined]]
         unmatched = last[~found]
     else:
         unmatched = last
     route_id[unmatched] = -1  # last tokens that join no longer one: compared without routes
-    content = _pair_ids(flat_keys, route_id)
-    cuts = np.cumsum(lengths)[:-1]
-    return np.split(content, cuts), np.split(flat_routes, cuts)
+    return np.split(_pair_ids(flat_keys, route_id), cuts), np.split(flat_routes, cuts)
 
 
 def _pair_ids(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -293,17 +289,10 @@ def _pair_ids(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return inverse.reshape(-1).astype(np.int64)
 
 
-def _key_of_content(flat_keys, content, row_content) -> np.ndarray:
-    """The content key of each row whose combined key is ``row_content``."""
-    table = np.zeros(int(content.max()) + 1, dtype=np.int64)
-    table[content] = flat_keys
-    return table[row_content]
-
-
 def _first_token_of_rows(inner, before: HostLayout, lengths) -> np.ndarray:
     """For each row of ``before`` (the tree over the sequences ``inner`` without their last
     tokens), a token in the whole batch's flat order that the row stands for."""
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[inner]  # flat start of each
+    starts = (np.cumsum(lengths) - lengths)[inner]  # flat start of each
     # before.rows is flat over the truncated sequences: token j of truncated sequence i
     # is token j of sequence inner[i]
     trunc = lengths[inner] - 1
