@@ -48,6 +48,67 @@ def sequences(kind: str = "forest", seed: int = 0) -> list[list[int]]:
     return out
 
 
+def routes_of(seqs: list[list[int]], case: dict, seed: int = 7) -> list[np.ndarray] | None:
+    """The routes a rollout engine recorded for the case's sequences (``[len, moe_layers,
+    topk]`` each; None unless the case has ``routes``): one random route per distinct context
+    (a naive trie over prefixes: a shared prompt is routed once), except that sequence 1 was
+    routed its own way from its fourth token on, so its rows must fork from its group's
+    there. Each route's top-k experts are distinct, as a router's are."""
+    if not case.get("routes"):
+        return None
+    fields = case.get("config", {})
+    experts, topk = fields.get("num_moe_experts", 4), fields.get("moe_router_topk", 2)
+    g = np.random.default_rng(seed)
+    trie: dict = {}
+    layers = case.get("layers", 2)  # one route per layer (vLLM's), or per MoE layer
+    width = {"all": layers, None: sum(moe_pattern(case))}.get(case.get("route_layers"),
+                                                              case.get("route_layers"))
+
+    def route():
+        return np.stack([g.permutation(experts)[:topk] for _ in range(width)])
+
+    out = []
+    for s, seq in enumerate(seqs):
+        out.append(np.stack([route() if s == 1 and i >= 3 else
+                             trie.setdefault(tuple(seq[:i + 1]), route())
+                             for i in range(len(seq))]).astype(np.int16))
+    return out
+
+
+def moe_pattern(case: dict) -> list[int]:
+    """Which of the case's layers are MoE layers (1), as ``moe_layer_freq`` says."""
+    layers = case.get("layers", 2)
+    freq = case.get("config", {}).get("moe_layer_freq", 1)
+    return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(layers)]
+
+
+@contextlib.contextmanager
+def replaying(model, routes: np.ndarray | None):
+    """Megatron's own routing replay for one forward of ``model`` (PP = 1): each router
+    replays ``routes[..., its MoE layer, :]`` (``[tokens, moe_layers, topk]`` in the order
+    its router sees the tokens); nothing where ``routes`` is None."""
+    if routes is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    replays = [m.router_replay for m in routers]
+    every = routes.shape[1] == model.config.num_layers  # one route per layer, or per MoE one
+    assert every or len(replays) == routes.shape[1]
+    for i, (router, replay) in enumerate(zip(routers, replays)):
+        column = router.layer_number - 1 if every else i
+        replay.set_target_indices(torch.from_numpy(routes[:, column].astype(np.int64)))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+
 def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
     from megatron.core import parallel_state as ps
 
@@ -66,7 +127,10 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                   tensor_model_parallel_size=tp, context_parallel_size=cp,
                   pipeline_model_parallel_size=pp,
                   expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                  sequence_parallel=bool(case.get("sequence_parallel")) and tp > 1)
+                  # Megatron trains MoE under TP only with sequence parallelism
+                  sequence_parallel=tp > 1 and bool(
+                      case.get("sequence_parallel")
+                      or case.get("config", {}).get("num_moe_experts")))
     if pp > 1:  # packs differ in rows: the stages exchange their shapes
         fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
                       moe_token_dispatcher_type="alltoall")
@@ -83,11 +147,20 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
 
     import treepack.megatron as tm
 
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm",
-                                     num_experts=case.get("config", {}).get("num_moe_experts"))
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = Norm
-    block = TransformerBlockSubmodules(layer_specs=[layer] * (case.get("layers", 2) // pp),
-                                       layer_norm=Norm)
+    experts = case.get("config", {}).get("num_moe_experts")
+    kinds = {}
+    for moe in (0, 1):
+        kinds[moe] = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                              num_experts=experts if moe else None)
+        kinds[moe].submodules.input_layernorm = kinds[moe].submodules.pre_mlp_layernorm = Norm
+    pattern = moe_pattern(case) if experts else [0] * case.get("layers", 2)
+    per_stage = len(pattern) // pp
+    from megatron.core import parallel_state as ps
+
+    stage = ps.get_pipeline_model_parallel_rank() if pp > 1 else 0
+    block = TransformerBlockSubmodules(
+        layer_specs=[kinds[m] for m in pattern[stage * per_stage:(stage + 1) * per_stage]],
+        layer_norm=Norm)
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
 
 
@@ -196,8 +269,12 @@ def causal(n: int, window: int | None = None) -> torch.Tensor:
 
 def canonical(case: dict):
     """The case's model at TP = 1 from its seed (Megatron's own attention), and its weights:
-    what every layout loads its shard of."""
+    what every layout loads its shard of. Without activation recomputation, which changes
+    no value: the reference cannot share a recomputation's mistake (Megatron's own routing
+    replay, for one, routes the recomputed forward natively unless told otherwise)."""
     torch.manual_seed(case.get("seed", 0))
+    case = {**case, "config": {k: v for k, v in case.get("config", {}).items()
+                               if not k.startswith("recompute")}}
     model = build(case, tree=False)
     return model, {k: v.detach().clone() for k, v in model.state_dict().items()
                    if isinstance(v, torch.Tensor)}
@@ -217,6 +294,17 @@ def reference_worker(rank: int, world: int, port: int, out: str, cases: dict) ->
         shutdown()
 
 
+def replays(model, routes) -> bool:
+    """Whether the reference replays ``routes``: a replaying model, routes that fit it (a
+    case whose routes do not is refused on the tree, and runs natively here)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if routes is None or not getattr(model.config, "moe_enable_routing_replay", False):
+        return False
+    routers = sum(isinstance(m, TopKRouter) for m in model.modules())
+    return routes[0].shape[1] in (routers, model.config.num_layers)
+
+
 def alone(model, case: dict) -> dict:
     """Every sequence run alone, [N, L] log-probs and entropies, and the loss's gradients."""
     seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
@@ -225,13 +313,15 @@ def alone(model, case: dict) -> dict:
     logps = torch.zeros(len(seqs), width, dtype=torch.float64)
     ents = torch.zeros_like(logps)
     window = case.get("window")
+    routes = routes_of(seqs, case)
     model.zero_grad(set_to_none=True)
     for s, seq in enumerate(seqs):
         ids = torch.tensor(seq)[None]
         positions = torch.arange(len(seq))[None]
         if case.get("positions") == "mrope":
             positions = positions[None].expand(3, 1, -1)
-        logits = model(ids, positions, causal(len(seq), window))[0]  # [L, V]
+        with replaying(model, routes[s] if replays(model, routes) else None):
+            logits = model(ids, positions, causal(len(seq), window))[0]  # [L, V]
         t = TEMPERATURES[s % 3] if case.get("temperatures") else 1.0
         logp = (logits / t).log_softmax(-1)
         ent = -(logp.exp() * logp).sum(-1)
@@ -255,12 +345,38 @@ def broken(how: str | None):
     from treepack.adapters.megatron import moe
 
     saved = (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
-             forward.Head, moe.install, carried.Carried.backward_inputs)
+             forward.Head, moe.install, carried.Carried.backward_inputs, moe.Routing.replaying,
+             moe.resume)
     try:
         if how == "positions":  # the rotary embedding at each row's packed index
             rotary.install = lambda model: None
         elif how == "unweighted router":  # the router's losses over packed rows as they are
             moe.install = lambda model: None
+        elif how == "no routing in recomputation":  # a recomputed router routes natively
+            moe.resume = lambda attention, routing: None
+        elif how == "routes not replayed":  # the tree's routers route natively
+            @contextlib.contextmanager
+            def native(self, router):
+                def topk(scores, topk, num_groups=None, group_topk=None,
+                         default_compute_topk=None):
+                    self.replayed[router.layer_number] = 1
+                    return default_compute_topk(scores, topk, num_groups, group_topk)
+                object.__setattr__(router.router_replay, "get_replay_topk", topk)
+                try:
+                    yield
+                finally:
+                    vars(router.router_replay).pop("get_replay_topk")
+            moe.Routing.replaying = native
+        elif how == "each row replays its neighbour's route":
+            @contextlib.contextmanager
+            def rolled(self, router):
+                routes, self.routes = self.routes, self.routes.roll(1, 0)
+                try:
+                    with saved[6](self, router):
+                        yield
+                finally:
+                    self.routes = routes
+            moe.Routing.replaying = rolled
         elif how == "exchange gradient":  # no gradient back through rows -> heads
             def backward(ctx, grad):
                 scatter, gather = ctx.dims
@@ -292,7 +408,8 @@ def broken(how: str | None):
         yield
     finally:
         (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
-         forward.Head, moe.install, carried.Carried.backward_inputs) = saved
+         forward.Head, moe.install, carried.Carried.backward_inputs, moe.Routing.replaying,
+         moe.resume) = saved
 
 
 def each_case(cases: dict, path: str, run) -> None:
@@ -340,8 +457,10 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
             p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))
     tm.prepare(model)
     seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
-    routes = [np.zeros((len(s), 1, 1), np.int16) for s in seqs] if case.get("routes") else None
+    routes = routes_of(seqs, case)
     pack = treepack.TreePack.from_sequences(seqs, routes=routes)
+    if routes is not None:  # the forked sequence forks: more rows than on ids alone
+        assert pack.num_rows > treepack.TreePack.from_sequences(seqs).num_rows
     w, v = weights(tuple(pack.rows.shape))
     temps = [TEMPERATURES[s % 3] for s in range(len(seqs))] if case.get("temperatures") \
         else 1.0
@@ -359,8 +478,9 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         assert got.parts > 2 and got.rows == pack.num_rows, (got.parts, got.rows)
         loss = got.loss
     else:
-        got = tm.logprobs(model, pack, temperature=temps, entropy=True,
-                          backend=case.get("backend", "auto"))
+        with replay_state_kept(model):
+            got = tm.logprobs(model, pack, temperature=temps, entropy=True,
+                              backend=case.get("backend", "auto"))
         loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
         loss.backward()
     grads = {}
@@ -380,6 +500,27 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         out["offset_shard"] = (tuple(sharded[key].global_shape),
                                tuple(sharded[key].global_offset))
     return out
+
+
+@contextlib.contextmanager
+def replay_state_kept(model):
+    """Around a tree forward of a replaying model: a caller's replay state for unpacked
+    forwards (a target, its action, the backward list) is neither read nor changed."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = [m.router_replay for m in model.modules()
+               if isinstance(m, TopKRouter) and m.router_replay is not None]
+    stale = torch.zeros(1, 1, dtype=torch.long)  # a caller's target for another batch
+    for replay in replays:
+        replay.set_target_indices(stale)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    yield
+    for replay in replays:
+        assert replay.target_topk_idx is stale and replay.replay_backward_list == [stale]
+        assert replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+        replay.clear_indices()
+        replay.clear_router_replay_action()
 
 
 def dropout_pair(model, pack, w, v, budget: int, tp_group, tp: int, cp: int) -> dict:
@@ -454,7 +595,10 @@ def pipeline_worker(rank: int, world: int, port: int, out: str, cases: dict,
             w, v = weights((len(seqs), max(map(len, seqs))))
             count = layout["micro_batches"]
             groups = [list(range(i, len(seqs), count)) for i in range(count)]
-            packs = [treepack.TreePack.from_sequences([seqs[i] for i in g]) for g in groups]
+            routes = routes_of(seqs, case)
+            packs = [treepack.TreePack.from_sequences(
+                [seqs[i] for i in g], routes=None if routes is None else [routes[i] for i in g])
+                for g in groups]
             temps = [TEMPERATURES[i % 3] if case.get("temperatures") else 1.0
                      for i in range(len(seqs))]
             group_of = {id(p): g for p, g in zip(packs, groups)}
@@ -475,8 +619,12 @@ def pipeline_worker(rank: int, world: int, port: int, out: str, cases: dict,
                 forward_step_func=step, data_iterator=iter(packs), model=[model],
                 num_microbatches=len(packs), seq_length=1, micro_batch_size=1,
                 forward_only=False)
-            grads = {names[k]: full_of(p, p.grad * len(packs), tp_group, tp)  # the schedule
-                     for k, p in model.named_parameters()}  # divided each loss by the packs
+            grads = {}
+            for k, p in model.named_parameters():  # the schedule divided each loss by the
+                g = p.grad * len(packs)  # packs
+                if getattr(p, "sequence_parallel", False) and tp > 1:  # as Megatron's
+                    dist.all_reduce(g, group=tp_group)  # finalize_model_grads does
+                grads[names[k]] = full_of(p, g, tp_group, tp)
             logprobs = torch.zeros_like(reference[name]["logprobs"])
             entropy = torch.zeros_like(logprobs)
             for g, r in zip(groups, reduced or []):
@@ -519,7 +667,9 @@ def moe_reference_worker(rank: int, world: int, port: int, out: str, cases: dict
             per_rank = []
             for subset in moe_subsets(case, ranks):
                 model.zero_grad(set_to_none=True)
-                logps, loss = batched(model, [seqs[i] for i in subset], w[subset])
+                routes = routes_of(seqs, case)
+                logps, loss = batched(model, [seqs[i] for i in subset], w[subset],
+                                      None if routes is None else [routes[i] for i in subset])
                 loss.backward()
                 per_rank.append({"logprobs": logps.detach(), "grads": {
                     k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}})
@@ -529,14 +679,24 @@ def moe_reference_worker(rank: int, world: int, port: int, out: str, cases: dict
         shutdown()
 
 
-def batched(model, seqs: list, w: torch.Tensor):
-    """``seqs`` as one right-padded batch: ``[n, L]`` log-probs and the fixed loss."""
+def batched(model, seqs: list, w: torch.Tensor, routes: list | None = None):
+    """``seqs`` as one right-padded batch (replaying ``routes``, one per sequence, if given):
+    ``[n, L]`` log-probs and the fixed loss."""
     n, width = len(seqs), max(map(len, seqs))
     ids = torch.zeros(n, width, dtype=torch.long)
     pad = torch.ones(n, width, dtype=torch.bool)
     for b, seq in enumerate(seqs):
         ids[b, :len(seq)], pad[b, :len(seq)] = torch.tensor(seq), False
-    logits = model(ids, torch.arange(width).expand(n, -1), causal(width), padding_mask=pad)
+    flat = None
+    if routes is not None:  # the router sees the tokens [width, n]-major; padding: any route
+        every = np.broadcast_to(np.arange(routes[0].shape[2], dtype=np.int16),
+                                (width, n, *routes[0].shape[1:])).copy()
+        for b, r in enumerate(routes):
+            every[:len(r), b] = r
+        flat = every.reshape(width * n, *routes[0].shape[1:])
+    with replaying(model, flat):
+        logits = model(ids, torch.arange(width).expand(n, -1), causal(width),
+                       padding_mask=pad)
     logp = logits.log_softmax(-1)
     picked = logp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].where(~pad[:, 1:], 0)
     logps = torch.cat([torch.zeros(n, 1, dtype=picked.dtype), picked], 1)
@@ -559,11 +719,6 @@ def moe_worker(rank: int, world: int, port: int, out: str, cases: dict) -> None:
     """Every MoE case at EP = ``world``: each rank its subset's pack, in train mode; the
     log-probs, and every parameter's gradient summed over the ranks (each expert's from the
     rank that holds it, which saw every rank's tokens routed to it)."""
-    from megatron.core import parallel_state as ps
-
-    import treepack
-    import treepack.megatron as tm
-
     init(rank, world, port, ep=world)
     try:
         reference = torch.load(f"{out}/moe-reference.pt")
@@ -586,7 +741,9 @@ def run_moe_case(case: dict, reference: dict, rank: int, world: int) -> dict:
     seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
     w, _ = weights((len(seqs), max(map(len, seqs))))
     subset = moe_subsets(case, world)[rank]
-    pack = treepack.TreePack.from_sequences([seqs[i] for i in subset])
+    routes = routes_of(seqs, case)
+    pack = treepack.TreePack.from_sequences(
+        [seqs[i] for i in subset], routes=None if routes is None else [routes[i] for i in subset])
     got = tm.logprobs(model, pack)
     width = got.logprobs.shape[1]
     (got.logprobs * w[subset, :width]).sum().backward()

@@ -16,6 +16,12 @@ Replaced on each instance of the model being prepared (never on the classes):
   router's ``tp_cp_group``, ``tp_dp_cp_group``, ``layer_number``, ``topk``,
   ``enable_expert_bias``, ``global_tokens_per_expert``, ``ga_steps`` and
   ``local_tokens_per_expert``.
+- ``RouterReplay.get_replay_topk`` (routing replay, ``router.router_replay``): for one
+  router call of a tree forward, a function returning the rows' routes and the router's
+  scores at them (:mod:`.moe`); its signature ``scores, topk, num_groups, group_topk,
+  default_compute_topk`` is what ``moe_utils.topk_routing_with_score_function`` calls.
+  Under full recomputation a layer's ``self_attention.core_attention`` hands its forward's
+  routing to ``mlp.router`` (both found on ``decoder.layers``).
 - ``GPTModel.rotary_pos_emb.__class__``: swapped for a subclass whose ``get_rotary_seq_len`` /
   ``forward`` give each row its depth (:mod:`.rotary`; ``RotaryEmbedding.get_emb``).
 - ``GPTModel.output_layer.forward``: for one forward, returns its input and records the weight
@@ -39,6 +45,7 @@ try:
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 except ImportError as e:  # pragma: no cover - exercised only without megatron-core
     raise ImportError("treepack.megatron needs megatron-core >= 0.16: pip install "
                       "'treepack[megatron]'") from e
@@ -61,6 +68,7 @@ SYMBOLS = (  # (name, owner, attribute path)
     ("moe_utils.MoEAuxLossAutoScaler", moe_utils, "MoEAuxLossAutoScaler"),
     ("moe_utils.save_to_aux_losses_tracker", moe_utils, "save_to_aux_losses_tracker"),
     ("moe_utils.switch_load_balancing_loss_func", moe_utils, "switch_load_balancing_loss_func"),
+    ("RouterReplay.get_replay_topk", RouterReplay, "get_replay_topk"),
     ("RotaryEmbedding.get_rotary_seq_len", RotaryEmbedding, "get_rotary_seq_len"),
     ("RotaryEmbedding.get_emb", RotaryEmbedding, "get_emb"),
     # the fields Megatron reads of the packed_seq_params a tree forward passes (all default)

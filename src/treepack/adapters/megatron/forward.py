@@ -86,7 +86,8 @@ def prepare(model):
     Raises:
         UnsupportedMegatron: multi-token prediction, CUDA graphs, YaRN or multi-latent
             attention, a layer without a core attention (a Mamba hybrid), or an MoE model
-            with recomputed MoE layers or routing replay (:func:`.moe.check`).
+            with recomputed MoE layers, token dropping or a fused router under routing
+            replay (:func:`.moe.check`).
         TypeError: not a ``GPTModel``.
     """
     compat.check()
@@ -161,6 +162,7 @@ class MegatronForward:
                                            >= self.stop - self.start, 0)
         self.exchange = None if cp is None else HeadExchange(
             cp, cp_rank, cp_size, total, width, error=UnsupportedMegatron)
+        self.routing: moe.Routing | None = None  # what its MoE routers read (run_forward)
         self.calls = 0
 
     @property
@@ -175,6 +177,7 @@ class MegatronForward:
         ``[width, 1, g, d]`` (TP-local heads) in, ``[width, 1, h * d]`` out; ``sinks``
         ``[h]``, a sink logit per head (attention sinks), or None."""
         self.calls += 1
+        moe.resume(module, self.routing)  # a recomputed layer's router reads the forward's
         if query.shape[0] != self.width or query.shape[1] != 1:
             raise UnsupportedMegatron(
                 f"the core attention got q of shape {tuple(query.shape)} where the tree "
@@ -359,7 +362,12 @@ def run_forward(model, forward: MegatronForward, tp: dict) -> tuple[Tensor, dict
     stage the output layer's weight (``head``; the output is the final norm's)."""
     core = unwrap(model)
     kind = rotary.position_kind(core)
-    routed = moe.active(forward.weights, tp["rank"], tp["size"], core.config.sequence_parallel)
+    routes = forward.pack.host.row_routes
+    if routes is not None:  # the forward's rows' routes, replayed (.moe)
+        routes = torch.from_numpy(routes)[forward.rows.cpu()].to(forward.pack.device)
+    forward.routing = moe.Routing(core, forward.weights, routes, tp["rank"], tp["size"],
+                                  core.config.sequence_parallel)
+    routed = moe.active(core, forward.routing)
     with _hidden_out(core) if core.post_process else contextlib.nullcontext({}) as head, \
             routed:
         output = model(input_ids=forward.pack.input_ids[forward.rows][None],
@@ -441,11 +449,6 @@ def _check(core, pack, temperature, align) -> np.ndarray:
     if not isinstance(pack, TreePack):
         raise TypeError(f"pack must be a TreePack, got {type(pack).__name__}: build one with "
                         "treepack.TreePack.from_sequences(sequences)")
-    if pack.host.row_routes is not None:
-        raise ValueError("the pack carries routes (TreePack.from_sequences(..., routes=...)), "
-                         "and treepack.megatron does not replay them yet "
-                         "(moe_enable_routing_replay is refused on a tree), so they would be "
-                         "dropped: build the pack without routes=, or replay routes unpacked")
     if core not in _PREPARED:
         raise ValueError(f"{type(core).__name__} is not prepared: call "
                          "treepack.megatron.prepare(model) once first")
@@ -453,6 +456,7 @@ def _check(core, pack, temperature, align) -> np.ndarray:
     temps = per_sequence_temperature(temperature, pack.num_sequences)
     if moe.has_moe(core):
         moe.check(core.config)
+    moe.check_routes(core, pack.host.row_routes)
     device = next(core.parameters()).device
     if pack.device != device:
         raise ValueError(f"the model computes on {device} but the pack is on {pack.device}; "

@@ -1,4 +1,5 @@
-"""MoE routers on a tree: each packed row weighted by the original tokens it stands for.
+"""MoE routers on a tree: each packed row weighted by the original tokens it stands for, and
+the rollout's routes replayed row by row.
 
 Megatron's router averages over the tokens of a batch twice: the load-balancing losses count
 tokens per expert and sum router probabilities, and the z-loss takes the mean of each token's
@@ -11,12 +12,27 @@ nothing.
 :func:`install` gives each ``TopKRouter`` instance aux-loss, z-loss and expert-bias steps
 that weight the rows during a tree forward (:func:`active`: the forward's weights for the
 router's tokens, this TP rank's share under sequence parallelism); outside one they are
-Megatron's own. Refused on a tree, by name: ``seq_aux_loss`` (per sequence of the batch
-dimension; a pack is one), recomputing MoE layers (the router would run again after the tree
-forward, without its weights), routing replay (recorded routes are per token of a batch;
-a packed row is several tokens, whose recorded routes may differ) and token dropping (an
-expert's capacity counts the forward's rows, and a shared row is kept or dropped for every
-sequence it stands for).
+Megatron's own.
+
+**Routing replay** (R3: ``moe_enable_routing_replay=True``, each router holding a
+``RouterReplay``): a pack built with ``routes=`` keeps one route per row
+(``pack.host.row_routes``, ``[rows, moe_layers, topk]``), and rows merge only where routes
+agree, so replaying a row's route is replaying the route of every token it stands for.
+During a tree forward (:func:`active` with ``routes``: the forward's rows, this TP rank's
+share under sequence parallelism), each replaying router's top-k is its MoE layer's slice of
+them (the layer counted over the whole model by ``moe_layer_freq``, as rollout engines record
+routes, so a pipeline stage reads its own layers), through the one seam every
+``RouterReplay`` has (``get_replay_topk``, overridden on the instance for that forward only):
+the replay state a caller set for unpacked forwards (its targets, action and backward list)
+is neither read nor changed. The probabilities are the router's scores at the replayed
+experts, as Megatron's replay gathers them.
+
+Refused on a tree, by name: ``seq_aux_loss`` (per sequence of the batch dimension; a pack is
+one), recomputing MoE layers (the router would run again after the tree forward, without its
+weights and routes), token dropping (an expert's capacity counts the forward's rows, and a
+shared row is kept or dropped for every sequence it stands for), a fused router
+(``moe_router_fusion`` routes in TransformerEngine, past the replay seam), and a pack whose
+routes and model disagree (routes for a model that does not replay, or the other way round).
 """
 
 from __future__ import annotations
@@ -32,51 +48,117 @@ from torch import Tensor
 from treepack.adapters.megatron import compat
 from treepack.adapters.megatron.attention import UnsupportedMegatron
 
-__all__ = ["install", "active", "has_moe", "check"]
+__all__ = ["Routing", "install", "active", "resume", "has_moe", "replays", "check",
+           "check_routes"]
 
 _STATE = threading.local()
 
 
+class Routing:
+    """What the routers of one tree forward on this rank read: each router token's weight
+    (the forward's rows; this TP rank's ``1 / tp_size`` of them where ``split``, Megatron's
+    sequence parallelism) and, for a replaying model, each one's route (``[rows,
+    moe_layers, topk]``, split alike; None: a model that does not replay)."""
+
+    def __init__(self, model, weights: Tensor, routes: Tensor | None, tp_rank: int,
+                 tp_size: int, split: bool):
+        def share(rows):
+            return rows.chunk(tp_size)[tp_rank] if split and tp_size > 1 else rows
+
+        self.weights = share(weights)
+        self.routes = None if routes is None else share(routes)
+        self.column = {} if routes is None else route_columns(model.config, routes.shape[1])
+        self.replayed: dict[int, int] = {}  # layer number -> replays in the forward
+
+    def weights_for(self, tokens: int) -> Tensor:
+        if self.weights.shape[0] != tokens:
+            raise UnsupportedMegatron(
+                f"an MoE router saw {tokens} tokens where the tree forward has "
+                f"{self.weights.shape[0]} rows on this rank: a router over another split of "
+                "the rows is not supported")
+        return self.weights
+
+    @contextlib.contextmanager
+    def replaying(self, router):
+        """During the block, ``router`` (if it replays) takes its top-k from its MoE layer's
+        routes, through the instance's ``get_replay_topk`` (module doc)."""
+        replay = getattr(router, "router_replay", None)
+        if replay is None or self.routes is None:
+            yield
+            return
+        layer = router.layer_number
+        target = self.routes[:, self.column[layer]].long()
+
+        def get_replay_topk(scores: Tensor, topk: int, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            self.replayed[layer] = self.replayed.get(layer, 0) + 1
+            if scores.shape[0] != target.shape[0] or topk != target.shape[1]:
+                raise UnsupportedMegatron(
+                    f"the router of layer {layer} scored {scores.shape[0]} tokens for top-"
+                    f"{topk} where the tree forward replays {tuple(target.shape)} routes on "
+                    "this rank: a router over another split of the rows is not supported")
+            index = target.to(scores.device)
+            return scores.gather(1, index), index
+
+        object.__setattr__(replay, "get_replay_topk", get_replay_topk)
+        try:
+            yield
+        finally:
+            vars(replay).pop("get_replay_topk", None)
+
+
 @contextlib.contextmanager
-def active(weights: Tensor, tp_rank: int, tp_size: int, split: bool):
-    """During the block, routers weight their tokens by ``weights`` (the forward's rows; this
-    TP rank's ``1 / tp_size`` of them where ``split``, Megatron's sequence parallelism)."""
-    saved = getattr(_STATE, "weights", None)
-    _STATE.weights = weights.chunk(tp_size)[tp_rank] if split and tp_size > 1 else weights
+def active(model, routing: Routing):
+    """During the block (a tree forward), ``model``'s routers weight and replay by
+    ``routing``; after it, every replaying router must have replayed once."""
+    saved = getattr(_STATE, "routing", None)
+    _STATE.routing = routing
     try:
         yield
     finally:
-        _STATE.weights = saved
+        _STATE.routing = saved
+    if routing.routes is not None:
+        layers = [r.layer_number for r in routers(model)
+                  if getattr(r, "router_replay", None) is not None]
+        missed = sorted(n for n in layers if routing.replayed.get(n) != 1)
+        if missed:
+            raise UnsupportedMegatron(
+                f"the routers of layers {missed} did not replay their routes once in the tree "
+                "forward (another routing_type than top-k routes past RouterReplay): route "
+                "with top-k for tree forwards")
 
 
-def _weights(tokens: int) -> Tensor | None:
-    w = getattr(_STATE, "weights", None)
-    if w is None:
-        return None
-    if w.shape[0] != tokens:
-        raise UnsupportedMegatron(
-            f"an MoE router saw {tokens} tokens where the tree forward has {w.shape[0]} rows "
-            "on this rank: a router over another split of the rows is not supported")
-    return w
+def resume(attention, routing: Routing | None) -> None:
+    """A recomputed layer's tree attention (Megatron's activation recomputation runs the
+    layer's forward again in the backward, after the tree forward) hands its forward's
+    ``routing`` to the router of its layer, which runs next and takes it (module doc)."""
+    if routing is not None and getattr(_STATE, "routing", None) is None and getattr(
+            attention, "_tree_router", False):
+        attention._tree_resumed = routing
 
 
 class _TreeRouter:
-    """The steps of a router that a tree forward weights (module doc; :data:`.compat.
-    ROUTER_STEPS`), bound to each router instance of a prepared model by :func:`install`, so
-    every other model keeps Megatron's own; each calls the router's own step,
-    ``self._stock<name>``, outside a tree forward."""
+    """The steps of a router that a tree forward weights and replays (module doc;
+    :data:`.compat.ROUTER_STEPS`), bound to each router instance of a prepared model by
+    :func:`install`, so every other model keeps Megatron's own; each calls the router's own
+    step, ``self._stock<name>``, outside a tree forward."""
 
     def routing(self, logits: Tensor, padding_mask: Tensor | None = None):
-        w = _weights(logits.shape[0] * logits.shape[1]) if logits.dim() == 3 else \
-            _weights(logits.shape[0])
-        if w is None:
+        routing = getattr(_STATE, "routing", None)
+        if routing is None:  # a recomputation's, handed on by its layer's tree attention
+            attention = getattr(self, "_tree_attention", None)
+            routing = None if attention is None else vars(attention).pop("_tree_resumed", None)
+        if routing is None:
             return self._stock_routing(logits, padding_mask=padding_mask)
+        tokens = logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
+        w = routing.weights_for(tokens)
         if padding_mask is not None:
             raise UnsupportedMegatron("a padding_mask on a tree forward: a pack has no padding "
                                       "the router should skip (its padding rows weigh 0)")
         self._tree_weights = w.to(logits.dtype)
         try:
-            return self._stock_routing(logits, padding_mask=None)
+            with routing.replaying(self):
+                return self._stock_routing(logits, padding_mask=None)
         finally:
             self._tree_weights = None
 
@@ -180,6 +262,80 @@ def _summed(x: Tensor, group) -> Tensor:
     return out
 
 
+def replays(model) -> bool:
+    """Whether ``model`` replays routes: built with ``moe_enable_routing_replay`` (verl's
+    patched config: ``enable_routing_replay``), or routers that hold a ``RouterReplay``. A
+    pipeline stage without MoE layers says what its model does."""
+    config = model.config
+    return bool(getattr(config, "moe_enable_routing_replay", False)
+                or getattr(config, "enable_routing_replay", False)) or any(
+        getattr(r, "router_replay", None) is not None for r in routers(model))
+
+
+def moe_layers(config) -> list[int]:
+    """The layer numbers (1-based, over the whole model) of the MoE layers, in order: the
+    pattern of ``config.moe_layer_freq``, as Megatron's layer specs build them and a rollout
+    engine records one route per MoE layer."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    pattern = ([int(i % freq == 0) for i in range(config.num_layers)] if isinstance(freq, int)
+               else list(freq))
+    return [i + 1 for i, moe in enumerate(pattern) if moe]
+
+
+def route_columns(config, width: int) -> dict[int, int]:
+    """Each MoE layer's column of routes ``width`` layers wide (layer number -> column): one
+    column per MoE layer (slime's, verl's R2), or one per layer of the model, a dense
+    layer's unread (vLLM's ``routed_experts`` as verl's R3 replays them)."""
+    layers = moe_layers(config)
+    if width == config.num_layers:
+        return {n: n - 1 for n in layers}
+    return {n: i for i, n in enumerate(layers)}
+
+
+def check_routes(model, routes) -> None:
+    """Refuse a pack whose routes (``pack.host.row_routes``, or None) and ``model`` disagree:
+    routes for a model that does not replay them, a replaying model without routes, or routes
+    of another shape than the model's (MoE layers, top-k, experts).
+
+    Raises:
+        ValueError: the disagreement, naming both sides and the fix.
+    """
+    replaying = replays(model)
+    if routes is None:
+        if replaying:
+            raise ValueError(
+                "the model replays routes (moe_enable_routing_replay=True) but the pack has "
+                "none: build it with TreePack.from_sequences(..., routes=) from the rollout's "
+                "routed experts, or build the model without moe_enable_routing_replay")
+        return
+    if not replaying:
+        raise ValueError(
+            "the pack carries routes (TreePack.from_sequences(..., routes=...)) but the model "
+            "does not replay routes (it was built without moe_enable_routing_replay), so "
+            "they would be dropped: build the model with moe_enable_routing_replay=True, or "
+            "the pack without routes=")
+    config = model.config
+    layers = moe_layers(config)
+    stray = sorted({r.layer_number for r in routers(model)} - set(layers))
+    if stray:
+        raise UnsupportedMegatron(
+            f"routers in layers {stray}, which moe_layer_freq={config.moe_layer_freq!r} does "
+            f"not make MoE layers (those are {layers}): a route's MoE layer is counted by "
+            "moe_layer_freq, so build the layers it names")
+    width, topk = routes.shape[1:]
+    if width not in (len(layers), config.num_layers) or topk != config.moe_router_topk:
+        raise ValueError(
+            f"the pack's routes are [rows, {width}, {topk}] but the model has {len(layers)} "
+            f"MoE layers of {config.num_layers} routing top-{config.moe_router_topk}: give "
+            f"each token's route as [len, {len(layers)}, {config.moe_router_topk}] (one row of "
+            f"experts per MoE layer) or [len, {config.num_layers}, "
+            f"{config.moe_router_topk}] (one per layer)")
+    if routes.size and int(routes.max()) >= config.num_moe_experts:
+        raise ValueError(
+            f"the pack's routes name expert {int(routes.max())} but the model has "
+            f"{config.num_moe_experts} experts: record routes with this model's experts")
+
+
 def routers(model) -> list:
     """The model's ``TopKRouter`` modules."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -205,15 +361,21 @@ def install(model) -> None:
         object.__setattr__(router, "_tree", types.MethodType(_TreeRouter._tree, router))
         object.__setattr__(router, "_weighted_loss",
                            types.MethodType(_TreeRouter._weighted_loss, router))
+    for layer in getattr(getattr(model, "decoder", None), "layers", ()):
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        attention = getattr(getattr(layer, "self_attention", None), "core_attention", None)
+        if router is not None and attention is not None:  # a recomputed layer's (resume)
+            object.__setattr__(router, "_tree_attention", attention)
+            object.__setattr__(attention, "_tree_router", True)
 
 
 def check(config) -> None:
     """Refuse what an MoE model cannot run on a tree (module doc).
 
     Raises:
-        UnsupportedMegatron: ``moe_enable_routing_replay``; ``recompute_granularity="full"``
-            or ``"moe"`` among the selective ``recompute_modules``; an
-            ``moe_expert_capacity_factor`` (token dropping).
+        UnsupportedMegatron: ``"moe"`` among the selective ``recompute_modules``; an
+            ``moe_expert_capacity_factor`` (token dropping); ``moe_router_fusion`` with
+            routing replay.
     """
     capacity = getattr(config, "moe_expert_capacity_factor", None)
     if capacity is not None:
@@ -223,15 +385,17 @@ def check(config) -> None:
             "tokens, and a shared row is kept or dropped for every sequence it stands for, so "
             "which tokens drop differs from the unpacked run. Set "
             "moe_expert_capacity_factor=None (dropless) for tree forwards (or run unpacked)")
-    if getattr(config, "moe_enable_routing_replay", False):
+    if getattr(config, "moe_enable_routing_replay", False) and getattr(
+            config, "moe_router_fusion", False):
         raise UnsupportedMegatron(
-            "moe_enable_routing_replay on a tree: replayed routes are recorded per token of "
-            "the unpacked batch, and a packed row stands for several tokens whose routes may "
-            "differ. Set moe_enable_routing_replay=False for tree forwards (or run unpacked)")
+            "moe_router_fusion=True with moe_enable_routing_replay: the fused router routes "
+            "in TransformerEngine, past RouterReplay, so the pack's routes would not be "
+            "replayed. Set moe_router_fusion=False for tree forwards")
     modules = getattr(config, "recompute_modules", None) or ()
-    if getattr(config, "recompute_granularity", None) == "full" or (
-            getattr(config, "recompute_granularity", None) == "selective" and "moe" in modules):
+    if getattr(config, "recompute_granularity", None) == "selective" and "moe" in modules:
         raise UnsupportedMegatron(
-            "recomputing MoE layers on a tree: the router would run again in the backward, "
-            "after the tree forward, without the rows' weights of its load-balancing losses. "
-            "Recompute other modules (e.g. recompute_modules=['core_attn', 'moe_act']) or none")
+            "recompute_modules with 'moe' on a tree: the MoE layer alone would run again in "
+            "the backward, after the tree forward, without its rows' weights and routes (a "
+            "whole recomputed layer gets them from its attention). Recompute whole layers "
+            "(recompute_granularity='full'), or other modules (e.g. recompute_modules="
+            "['core_attn', 'moe_act'])")
