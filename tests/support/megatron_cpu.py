@@ -118,6 +118,11 @@ def install() -> None:
         return to_host(tensor, as_numpy, record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = host
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # without TransformerEngine,
+        multi_latent_attention.HAVE_TE = False  # 0.16 finds mocks of TE's classes and asks
+        # isinstance of them when it builds MLA
     tracker = _CPUTracker()
     random._CUDA_RNG_STATE_TRACKER = tracker
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

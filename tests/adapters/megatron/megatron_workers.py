@@ -131,6 +131,19 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                   sequence_parallel=tp > 1 and bool(
                       case.get("sequence_parallel")
                       or case.get("config", {}).get("num_moe_experts")))
+    if case.get("mla"):  # DeepSeek's multi-latent attention, small: decoupled rope
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        fields.update(multi_latent_attention=True, q_lora_rank=case.get("q_lora_rank", 24),
+                      kv_lora_rank=20, qk_head_dim=12, qk_pos_emb_head_dim=8, v_head_dim=10,
+                      rope_type=case["mla"], rotary_base=10000, rotary_scaling_factor=4.0,
+                      original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=1.0,
+                      num_query_groups=fields["num_attention_heads"])
+        if pp > 1:
+            fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
+                          moe_token_dispatcher_type="alltoall")
+        fields.update(case.get("config", {}))
+        return MLATransformerConfig(**fields)
     if pp > 1:  # packs differ in rows: the stages exchange their shapes
         fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
                       moe_token_dispatcher_type="alltoall")
@@ -150,9 +163,15 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
     experts = case.get("config", {}).get("num_moe_experts")
     kinds = {}
     for moe in (0, 1):
-        kinds[moe] = get_gpt_layer_local_spec(normalization="RMSNorm",
-                                              num_experts=experts if moe else None)
+        kinds[moe] = get_gpt_layer_local_spec(
+            normalization="RMSNorm", num_experts=experts if moe else None,
+            multi_latent_attention=bool(case.get("mla")), qk_layernorm=bool(case.get("mla")))
         kinds[moe].submodules.input_layernorm = kinds[moe].submodules.pre_mlp_layernorm = Norm
+        if case.get("mla"):  # the latents' norms; the reference's core attention its own
+            attention = kinds[moe].submodules.self_attention.submodules
+            attention.q_layernorm = attention.kv_layernorm = Norm
+            if not tree:
+                attention.core_attention = ReferenceAttention
     pattern = moe_pattern(case) if experts else [0] * case.get("layers", 2)
     per_stage = len(pattern) // pp
     from megatron.core import parallel_state as ps
@@ -162,6 +181,26 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
         layer_specs=[kinds[m] for m in pattern[stage * per_stage:(stage + 1) * per_stage]],
         layer_norm=Norm)
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
+
+
+class ReferenceAttention(torch.nn.Module):
+    """The reference's core attention where Megatron's local one cannot be built: softmax
+    attention over ``[s, b, heads, d]`` with the layer's mask (True: masked), one head
+    width for queries and keys and another for values (multi-latent attention passes
+    ``k_channels`` / ``v_channels``, which megatron-core 0.16's ``DotProductAttention`` does
+    not take). TP = 1 only."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, **kwargs):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        scores = torch.einsum("sbhd,tbhd->bhst", query, key) * self.scale
+        weights = scores.masked_fill(attention_mask, float("-inf")).softmax(-1)
+        out = torch.einsum("bhst,tbhd->sbhd", weights, value)
+        return out.reshape(*out.shape[:2], -1)
 
 
 def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True):
@@ -305,8 +344,13 @@ def replays(model, routes) -> bool:
     return routes[0].shape[1] in (routers, model.config.num_layers)
 
 
-def alone(model, case: dict) -> dict:
-    """Every sequence run alone, [N, L] log-probs and entropies, and the loss's gradients."""
+def alone(model, case: dict, tp: int = 1) -> dict:
+    """Every sequence run alone, [N, L] log-probs and entropies, and the loss's gradients
+    (at ``tp`` > 1: this rank's shard of each; the logits gathered over the vocabulary, each
+    sequence right-padded to a multiple of ``tp`` under sequence parallelism, the padding
+    after every token the loss reads)."""
+    from megatron.core import tensor_parallel
+
     seqs = sequences(case.get("batch", "forest"), case.get("seed", 0))
     width = max(map(len, seqs))
     w, v = weights((len(seqs), width))
@@ -315,13 +359,23 @@ def alone(model, case: dict) -> dict:
     window = case.get("window")
     routes = routes_of(seqs, case)
     model.zero_grad(set_to_none=True)
+    multiple = tp if model.config.sequence_parallel else 1
     for s, seq in enumerate(seqs):
-        ids = torch.tensor(seq)[None]
-        positions = torch.arange(len(seq))[None]
+        n = -(-len(seq) // multiple) * multiple
+        ids = torch.tensor(seq + [0] * (n - len(seq)))[None]
+        positions = torch.arange(n)[None]
         if case.get("positions") == "mrope":
             positions = positions[None].expand(3, 1, -1)
-        with replaying(model, routes[s] if replays(model, routes) else None):
-            logits = model(ids, positions, causal(len(seq), window))[0]  # [L, V]
+        route = routes[s] if replays(model, routes) else None
+        if route is not None and multiple > 1:  # this rank's share of the padded tokens
+            from megatron.core import parallel_state as ps
+
+            route = np.concatenate([route, np.repeat(route[-1:], n - len(seq), 0)])
+            route = np.split(route, tp)[ps.get_tensor_model_parallel_rank()]
+        with replaying(model, route):
+            logits = model(ids, positions, causal(n, window))[0, :len(seq)]  # [L, V]
+        if tp > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         t = TEMPERATURES[s % 3] if case.get("temperatures") else 1.0
         logp = (logits / t).log_softmax(-1)
         ent = -(logp.exp() * logp).sum(-1)
@@ -346,12 +400,16 @@ def broken(how: str | None):
 
     saved = (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
              forward.Head, moe.install, carried.Carried.backward_inputs, moe.Routing.replaying,
-             moe.resume)
+             moe.resume, rotary._TreeRotary._at_depths, rotary._span)
     try:
         if how == "positions":  # the rotary embedding at each row's packed index
             rotary.install = lambda model: None
         elif how == "unweighted router":  # the router's losses over packed rows as they are
             moe.install = lambda model: None
+        elif how == "packed index":  # every row's rotary at its packed index, not its depth
+            rotary._span = lambda rows, offset: (int(rows), offset)
+            rotary._TreeRotary._at_depths = lambda self, emb, depths: saved[8](
+                self, emb, torch.arange(depths.shape[0], device=depths.device))
         elif how == "no routing in recomputation":  # a recomputed router routes natively
             moe.resume = lambda attention, routing: None
         elif how == "routes not replayed":  # the tree's routers route natively
@@ -409,7 +467,7 @@ def broken(how: str | None):
     finally:
         (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
          forward.Head, moe.install, carried.Carried.backward_inputs, moe.Routing.replaying,
-         moe.resume) = saved
+         moe.resume, rotary._TreeRotary._at_depths, rotary._span) = saved
 
 
 def each_case(cases: dict, path: str, run) -> None:
@@ -449,6 +507,10 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
 
     import treepack
     import treepack.megatron as tm
+
+    if case.get("mla") and tp > 1 and cp > 1 and not case.get("broken"):
+        return {"skip": "multi-latent attention at TP > 1 is compared with Megatron's model at "
+                        "that TP (stock_at), which the local spec cannot run under CP"}
 
     model = build(case, tp, cp)
     mark_head_split(model)
@@ -493,6 +555,8 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         grads[k] = full_of(p, g, tp_group, tp)
     out = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
            "loss": loss.detach(), "grads": grads}
+    if case.get("mla") and tp > 1:
+        out["reference"] = stock_at(case, reference, tp, tp_group, tp_rank)
     if case.get("config", {}).get("softmax_type") == "learnable":  # its checkpoint shards
         sharded = model.sharded_state_dict()
         key = next(k for k in sharded if k.endswith("layers.0.self_attention.core_attention"
@@ -500,6 +564,28 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         out["offset_shard"] = (tuple(sharded[key].global_shape),
                                tuple(sharded[key].global_offset))
     return out
+
+
+def stock_at(case: dict, reference: dict, tp: int, tp_group, tp_rank: int) -> dict:
+    """The stock model at this TP size (CP = 1) on every sequence alone, its gradients
+    gathered to full tensors: the reference where Megatron's own model at TP > 1 is not the
+    TP = 1 model's function. Multi-latent attention on the local spec is one: its rope key
+    ``k_pos_emb`` leaves ``linear_kv_down_proj`` (column-parallel) through
+    ``gather_from_tensor_model_parallel_region`` and is used by this rank's heads only, so
+    each rank's share of its gradient is its heads' part (measured: the tree at TP = 2
+    equals this within 1.3e-15 and differs from TP = 1 by up to 5e-2)."""
+    model = build(case, tp, tree=False)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))
+    out = alone(model, case, tp)
+    grads = {}
+    for k, p in model.named_parameters():
+        g = p.grad.clone()
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(g, group=tp_group)
+        grads[k] = full_of(p, g, tp_group, tp)
+    return {**out, "grads": grads}
 
 
 @contextlib.contextmanager

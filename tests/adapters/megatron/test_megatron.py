@@ -55,6 +55,13 @@ CASES = {
     "MoE, routing replay, every layer recomputed": {
         "routes": True, "config": {**REPLAY, **RECOMPUTE}},
     "in parts, MoE routing replay": {"parts": 6, "routes": True, "config": REPLAY},
+    # DeepSeek's multi-latent attention: q and kv low-rank, their norms, a decoupled rope
+    # part of q and k rotated inside each layer (queries and keys 20 wide, values 10)
+    "multi-latent attention, rope": {"mla": "rope"},
+    "multi-latent attention, yarn": {"mla": "yarn"},
+    "multi-latent attention, q not low-rank": {"mla": "rope", "q_lora_rank": None},
+    "multi-latent attention, yarn, MoE routing replay": {
+        "mla": "yarn", "routes": True, "config": REPLAY},
     # a dense layer, then an MoE one; routes one per layer of the model, as vLLM records
     # them for verl's R3 (the dense layer's column unread)
     "MoE in the second layer, a route per layer": {
@@ -66,6 +73,8 @@ CASES = {
 BROKEN = {
     "broken: rotary at each row's packed index":
         ({"broken": "positions"}, lambda layout: layout.get("cp", 1) == 1),
+    "broken: multi-latent attention's rotary at each row's packed index":
+        ({"broken": "packed index", "mla": "yarn"}, lambda layout: layout.get("tp", 1) == 1),
     "broken: no gradient back through the row-to-head exchange":
         ({"broken": "exchange gradient"}, lambda layout: layout.get("cp", 1) > 1),
     "broken: each CP rank attends among its own rows":
@@ -178,8 +187,12 @@ def test_the_tree_equals_every_sequence_alone(layout, case):
     name, results, reference = layout
     for rank, per_case in enumerate(results):
         got = per_case[case]
+        if got.get("skip"):
+            pytest.skip(got["skip"])
         assert "error" not in got, got.get("trace")
-        bad = {k: v for k, v in differences(got, reference[case]).items()
+        # the stock model at this TP where Megatron's is not the TP = 1 model's function
+        expect = got.get("reference", reference[case])
+        bad = {k: v for k, v in differences(got, expect).items()
                if not within(v, tolerance(CASES[case], k))}
         assert not bad, f"{name}, rank {rank}: {bad}"
 
@@ -266,7 +279,7 @@ PIPELINES = {
 }
 PIPELINE_CASES = ["grouped-query attention, rope", "per-sequence temperatures",
                   "sliding window", "MoE, routing replay",
-                  "MoE in the second layer, a route per layer"]
+                  "MoE in the second layer, a route per layer", "multi-latent attention, yarn"]
 
 
 @pytest.fixture(scope="module", params=list(PIPELINES))
@@ -285,6 +298,9 @@ def test_packs_as_micro_batches_through_megatrons_pipeline_schedule(pipeline, ca
     micro-batches, the log-probs come from the last stage, and every stage's gradients
     (times the micro-batches the schedule divides by) are the reference's."""
     name, results, reference = pipeline
+    if CASES[case].get("mla") and PIPELINES[name].get("tp", 1) > 1:
+        pytest.skip("multi-latent attention at TP > 1 is not the TP = 1 model's function in "
+                    "Megatron itself (megatron_workers.stock_at); tested against it at TP = 2")
     expect = reference[case]
     grads = {}
     for rank, per_case in enumerate(results):

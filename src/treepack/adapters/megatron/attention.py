@@ -77,6 +77,13 @@ class TreeCoreAttention(MegatronModule):
                                    softmax_scale=softmax_scale, **kwargs)
             except AssertionError as e:  # the local spec under context parallelism
                 self.stock_refusal = str(e)
+            except TypeError as e:  # multi-latent attention's head widths (k_channels,
+                if not {"k_channels", "v_channels"} & set(kwargs):  # v_channels), which
+                    raise  # megatron-core 0.16's local DotProductAttention does not take
+                self.stock_refusal = (
+                    f"{getattr(stock, '__name__', stock)} takes no k_channels / v_channels "
+                    f"({e}), which multi-latent attention passes: build the layer spec with "
+                    "TransformerEngine's core attention for unpacked batches")
         self._own_sinks(config)
 
     @classmethod

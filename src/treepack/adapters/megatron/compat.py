@@ -22,8 +22,11 @@ Replaced on each instance of the model being prepared (never on the classes):
   default_compute_topk`` is what ``moe_utils.topk_routing_with_score_function`` calls.
   Under full recomputation a layer's ``self_attention.core_attention`` hands its forward's
   routing to ``mlp.router`` (both found on ``decoder.layers``).
-- ``GPTModel.rotary_pos_emb.__class__``: swapped for a subclass whose ``get_rotary_seq_len`` /
-  ``forward`` give each row its depth (:mod:`.rotary`; ``RotaryEmbedding.get_emb``).
+- ``GPTModel.rotary_pos_emb.__class__`` (multi-latent attention: each
+  ``MLASelfAttention.rotary_pos_emb``, a ``RotaryEmbedding`` or ``YarnRotaryEmbedding``):
+  swapped for a subclass whose ``get_rotary_seq_len`` / ``forward`` give each row its depth
+  (:mod:`.rotary`; ``RotaryEmbedding.get_emb``, ``YarnRotaryEmbedding.get_emb`` returning the
+  embedding and its ``mscale``).
 - ``GPTModel.output_layer.forward``: for one forward, returns its input and records the weight
   (:mod:`.forward`), so no ``[T', V]`` logits exist.
 - ``<layer>.self_attention.core_attention``: the tree core attention around the built module
@@ -42,6 +45,8 @@ from __future__ import annotations
 try:
     import megatron.core
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding)
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter
@@ -71,6 +76,7 @@ SYMBOLS = (  # (name, owner, attribute path)
     ("RouterReplay.get_replay_topk", RouterReplay, "get_replay_topk"),
     ("RotaryEmbedding.get_rotary_seq_len", RotaryEmbedding, "get_rotary_seq_len"),
     ("RotaryEmbedding.get_emb", RotaryEmbedding, "get_emb"),
+    ("YarnRotaryEmbedding.get_emb", YarnRotaryEmbedding, "get_emb"),
     # the fields Megatron reads of the packed_seq_params a tree forward passes (all default)
     *((f"PackedSeqParams.{f}", PackedSeqParams, f)
       for f in ("qkv_format", "max_seqlen_q", "max_seqlen_kv", "cp_group")),

@@ -84,8 +84,9 @@ def prepare(model):
         ``model``.
 
     Raises:
-        UnsupportedMegatron: multi-token prediction, CUDA graphs, YaRN or multi-latent
-            attention, a layer without a core attention (a Mamba hybrid), or an MoE model
+        UnsupportedMegatron: multi-token prediction, CUDA graphs, YaRN as the model's
+            position embedding or MLA's fused rope (:func:`.rotary.position_kind`), a layer
+            without a core attention (a Mamba hybrid), or an MoE model
             with recomputed MoE layers, token dropping or a fused router under routing
             replay (:func:`.moe.check`).
         TypeError: not a ``GPTModel``.
@@ -174,10 +175,13 @@ class MegatronForward:
                        scale: float, window: int | None, dropout: float,
                        sinks: Tensor | None = None) -> Tensor:
         """A layer's tree attention: ``query`` ``[width, 1, h, d]``, ``key`` and ``value``
-        ``[width, 1, g, d]`` (TP-local heads) in, ``[width, 1, h * d]`` out; ``sinks``
-        ``[h]``, a sink logit per head (attention sinks), or None."""
+        ``[width, 1, g, d]`` (TP-local heads; ``[width, h, d]`` from multi-latent attention,
+        whose values are narrower than its queries and keys) in, ``[width, 1, h * d_v]`` out;
+        ``sinks`` ``[h]``, a sink logit per head (attention sinks), or None."""
         self.calls += 1
         moe.resume(module, self.routing)  # a recomputed layer's router reads the forward's
+        if query.dim() == 3:  # multi-latent attention drops the batch dimension where
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # packed
         if query.shape[0] != self.width or query.shape[1] != 1:
             raise UnsupportedMegatron(
                 f"the core attention got q of shape {tuple(query.shape)} where the tree "

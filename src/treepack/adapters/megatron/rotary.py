@@ -12,7 +12,16 @@ they are Megatron's own. The tree reaches them through ``packed_seq_params``
 
 ``mrope`` takes per-token position ids (``[3, 1, rows]``: the depth three times for text) and
 ``learned_absolute`` per-token ids too: those need nothing here, only the depths as
-``position_ids``. Others (YaRN) are refused by name.
+``position_ids``.
+
+Multi-latent attention (DeepSeek's MLA, ``config.multi_latent_attention``) has no rotary
+embedding on the model: each ``MLASelfAttention`` holds its own (``rope_type="rope"``: a
+``RotaryEmbedding``; ``"yarn"``: a ``YarnRotaryEmbedding``, whose ``forward`` also returns
+its ``mscale``) and applies it to the decoupled rope part of q and k. It asks that module
+the same two questions with the layer's ``packed_seq_params``, so :func:`install` gives each
+layer's module the same depth subclass (``kind == "mla"``). Others (YaRN on the model) are
+refused by name, and so is MLA's fused rope (``apply_rope_fusion``: TransformerEngine's
+kernel takes positions ``0 .. s - 1`` per ``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -21,12 +30,15 @@ from torch import Tensor
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import (
     MultimodalRotaryEmbedding, RotaryEmbedding)
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    YarnRotaryEmbedding)
 
 from treepack.adapters.megatron.attention import UnsupportedMegatron
 
-__all__ = ["TreeRows", "install", "position_kind", "POSITION_KINDS"]
+__all__ = ["TreeRows", "install", "position_kind", "POSITION_KINDS", "MLA_ROPE_TYPES"]
 
 POSITION_KINDS = ("rope", "mrope", "learned_absolute", "none")
+MLA_ROPE_TYPES = ("rope", "yarn")
 
 
 class TreeRows(int):
@@ -54,15 +66,36 @@ class _TreeRotary:
     def forward(self, max_seq_len, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if not isinstance(max_seq_len, TreeRows):
             return super().forward(max_seq_len, offset, packed_seq, cp_group)
-        depths = max_seq_len.depths
-        top = int(depths.max()) + 1 if depths.numel() else 1
+        return self._at_depths(self.get_emb(*_span(max_seq_len, offset)), max_seq_len.depths)
+
+    # multi-latent attention drops the batch dimension of q and k where packed_seq_params is
+    # given ([rows, heads, dim]): its rows' embeddings are [rows, 1, dim] (install)
+    _squeezed = False
+
+    def _at_depths(self, emb: Tensor, depths: Tensor) -> Tensor:
         # [top, 1, 1, dim] for positions 0 .. top - 1, then each row's at its depth; Megatron
         # slices nothing per CP rank here: the rows are this rank's already
-        emb = self.get_emb(top, offset)
-        return emb.index_select(0, depths.to(emb.device))
+        out = emb.index_select(0, depths.to(emb.device))
+        return out[:, 0] if self._squeezed else out
 
 
-_CLASSES: dict[type, type] = {}
+class _TreeYarn(_TreeRotary):
+    """Mixed into a ``YarnRotaryEmbedding`` class: its ``forward`` (and ``get_emb``) return
+    the embedding and its ``mscale``."""
+
+    def forward(self, max_seq_len, offset: int = 0, packed_seq: bool = False, cp_group=None):
+        if not isinstance(max_seq_len, TreeRows):
+            return super().forward(max_seq_len, offset, packed_seq, cp_group)
+        emb, mscale = self.get_emb(*_span(max_seq_len, offset))
+        return self._at_depths(emb, max_seq_len.depths), mscale
+
+
+def _span(rows: TreeRows, offset: int) -> tuple[int, int]:
+    """The positions ``0 .. top - 1`` the forward's rows' depths lie in."""
+    return (int(rows.depths.max()) + 1 if rows.depths.numel() else 1), offset
+
+
+_CLASSES: dict[tuple[type, bool], type] = {}
 
 
 def install(model) -> None:
@@ -73,29 +106,54 @@ def install(model) -> None:
         UnsupportedMegatron: a position embedding treepack does not place by depth.
     """
     kind = position_kind(model)
-    if kind != "rope":
-        return
-    rotary = model.rotary_pos_emb
+    if kind == "rope":
+        _at_depths(model.rotary_pos_emb, squeezed=False)
+    elif kind == "mla":
+        for module in model.modules():
+            if isinstance(getattr(module, "rotary_pos_emb", None), RotaryEmbedding) \
+                    and module is not model:
+                _at_depths(module.rotary_pos_emb, squeezed=True)
+
+
+def _at_depths(rotary: RotaryEmbedding, squeezed: bool) -> None:
+    """Give ``rotary`` (a ``RotaryEmbedding`` or ``YarnRotaryEmbedding``) the depth
+    subclass of its class (``squeezed``: for multi-latent attention's layout)."""
     cls = type(rotary)
     if issubclass(cls, _TreeRotary):
         return
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeRotary, cls), {})
-    rotary.__class__ = _CLASSES[cls]
+    if (cls, squeezed) not in _CLASSES:
+        mixin = _TreeYarn if issubclass(cls, YarnRotaryEmbedding) else _TreeRotary
+        _CLASSES[cls, squeezed] = type(f"Tree{cls.__name__}", (mixin, cls),
+                                       {"_squeezed": squeezed})
+    rotary.__class__ = _CLASSES[cls, squeezed]
 
 
 def position_kind(model) -> str:
     """``model``'s position embedding (:data:`POSITION_KINDS`), checked.
 
     Raises:
-        UnsupportedMegatron: YaRN or another embedding treepack does not place by depth, or
-            multi-latent attention (which applies its own rotary inside the layer).
+        UnsupportedMegatron: YaRN or another embedding treepack does not place by depth;
+            multi-latent attention with another ``rope_type`` or its fused rope.
     """
     kind = getattr(model, "position_embedding_type", "learned_absolute")
-    if getattr(model.config, "multi_latent_attention", False):
-        raise UnsupportedMegatron(
-            "multi-latent attention (DeepSeek's MLA) applies its own rotary embedding inside "
-            "each layer, at positions 0 .. s - 1: not placed by depth yet")
+    config = model.config
+    if getattr(config, "multi_latent_attention", False):
+        rope = getattr(config, "rope_type", "rope")
+        if rope not in MLA_ROPE_TYPES:
+            raise UnsupportedMegatron(
+                f"multi-latent attention with rope_type={rope!r}: treepack places "
+                f"{MLA_ROPE_TYPES} by depth inside each layer")
+        if kind not in ("rope", "none"):
+            raise UnsupportedMegatron(
+                f"position_embedding_type={kind!r} with multi-latent attention: MLA applies "
+                "its own rotary (config.rope_type) inside each layer; build the GPTModel with "
+                "position_embedding_type='rope'")
+        if getattr(config, "apply_rope_fusion", False):
+            raise UnsupportedMegatron(
+                "apply_rope_fusion=True with multi-latent attention: TransformerEngine's fused "
+                "MLA rope takes positions 0 .. s - 1 per cu_seqlens, not each row's depth. "
+                "Set apply_rope_fusion=False for tree forwards")
+        return "mla"
     if kind not in POSITION_KINDS:
         raise UnsupportedMegatron(
             f"position_embedding_type={kind!r}: treepack places {POSITION_KINDS} by depth; "
