@@ -35,7 +35,9 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              image has none: carry ``.whl``; each wheel for this Python is unzipped into a
              folder of its own; without one, the installed megatron-core):
              the tree on a GPTModel against every sequence alone through Megatron's own
-             attention (float32 flex / segment, bfloat16 varlen / flex in ``Float16Module``),
+             attention (float32 flex / segment, bfloat16 varlen / flex in ``Float16Module``;
+             GQA with rope, a sliding window, MoE replaying the rollout's routes, and
+             multi-latent attention with yarn),
              then tree vs padding-free vs padded training steps on the Qwen2.5-0.5B shape,
              and the tree under a quarter of its rows: in parts against the plan's split.
              Not in the default parts.

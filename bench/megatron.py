@@ -29,11 +29,20 @@ forward hands the all-to-all per rank, against the formula ``(h + 2 k' + h) · d
 (``h`` query heads and ``k' = lcm(k, CP)`` key/value heads of the TP rank, ``w`` rows per CP
 rank).
 
+``--model moe`` makes every MLP an MoE layer (8 experts, top-2, all-to-all dispatch) that
+replays the rollout's routes (``moe_enable_routing_replay``; routes a function of each
+token's context, so a shared prefix has one): the tree and padding-free packs carry them
+(``routes=``), the padded step replays them through Megatron's ``RouterReplay``. Layouts
+TP = 1 and EP = 2 (expert parallelism is data parallelism: each rank half the sequences).
+
 On one device (``--device cuda``, or ``--device cpu`` for a check of the same code): one
 process, TP = 1, and two parts.
 
 - ``verify``: the tree against every sequence alone through Megatron's own attention on the
-  same model (GQA with rope; the same with a 64-position window on every other layer), in
+  same model (GQA with rope; the same with a 64-position window on every other layer; MoE
+  layers replaying the rollout's routes, which the reference replays through
+  ``RouterReplay``; DeepSeek's multi-latent attention with yarn, its reference attention
+  ``megatron_cpu.ReferenceAttention``), in
   float32 (flex and segment: varlen refuses float32) and in bfloat16 inside Megatron's
   ``Float16Module`` (varlen and flex), and in parts under a quarter of the tree's rows
   (``treepack.megatron.backward_in_parts``). Log-probs and every parameter gradient (of a fixed
@@ -70,6 +79,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests", "support")] + [
     p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
+from megatron_cpu import replaying  # noqa: E402  (Megatron's own routing replay)
 from treepack import TreePack  # noqa: E402
 from treepack.face.benchmark.memory import saved_storages  # noqa: E402
 from treepack.face.benchmark.timing import Spread, interleave  # noqa: E402
@@ -80,7 +90,13 @@ from treepack.planning.planner import plan  # noqa: E402
 VOCAB = 4096
 MODEL = dict(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
              kv_channels=32, ffn_hidden_size=512)
-LAYOUTS = {"TP=1": dict(tp=1, cp=1), "TP=2": dict(tp=2, cp=1), "CP=2": dict(tp=1, cp=2)}
+LAYOUTS = {"TP=1": dict(tp=1, cp=1), "TP=2": dict(tp=2, cp=1), "CP=2": dict(tp=1, cp=2),
+           "EP=2": dict(tp=1, cp=1, ep=2)}
+# --model moe: every MLP 8 experts, top-2, all-to-all dispatch, replaying the rollout's
+# routes (R3); the router's losses off (the padded batch's padding would count in them)
+MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True,
+           moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+           moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
 STEPS = ("tree", "padding_free", "padded")
 
 
@@ -104,18 +120,51 @@ def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, devic
 
     shape = dict(shape or SHAPES["tiny"])
     vocab = shape.pop("vocab")
-    config = TransformerConfig(
+    mla = bool(fields.get("multi_latent_attention"))
+    make = TransformerConfig
+    if mla:  # DeepSeek's shape of it, small: q and kv low-rank, a decoupled rope part
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        make = MLATransformerConfig
+        shape.update(num_query_groups=shape["num_attention_heads"])
+    config = make(
         **shape, use_cpu_initialization=True, normalization="RMSNorm", add_bias_linear=False,
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, attention_dropout=0.0,
         hidden_dropout=0.0, params_dtype=torch.float32, tensor_model_parallel_size=tp,
         context_parallel_size=cp, bf16=bf16, **fields)
-    spec = tm.layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm",
+                                    num_experts=fields.get("num_moe_experts"),
+                                    multi_latent_attention=mla, qk_layernorm=mla)
+    if mla:  # the stock path: megatron-core's local attention takes no k_channels
+        from megatron_cpu import ReferenceAttention, mla_without_te
+
+        mla_without_te()
+        spec.submodules.self_attention.submodules.core_attention = ReferenceAttention
+    spec = tm.layer_spec(spec)
     model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=1 << 16,
                      position_embedding_type="rope")
     model.to(device)
     return tm.prepare(Float16Module(config, model) if bf16 else model)
+
+
+def routes_of(sequences: list, layers: int, experts: int) -> list:
+    """Routes as a rollout engine records them for ``--model moe`` (``[len, layers, 2]`` per
+    sequence): a function of each token's whole context (a running hash of the prefix), so a
+    shared prefix has one route, and two distinct experts per layer."""
+    import numpy as np
+
+    out = []
+    for seq in sequences:
+        h, rows = 0, []
+        for token in seq:  # host work before the clock, once per workload
+            h = (h * 1_000_003 + int(token) + 1) % (1 << 61)
+            first = [(h >> (7 * layer)) % experts for layer in range(layers)]
+            rows.append([[e, (e + 1 + (h >> (5 + 7 * layer)) % (experts - 1)) % experts]
+                         for layer, e in enumerate(first)])
+        out.append(np.asarray(rows, dtype=np.int16))
+    return out
 
 
 def tree_step(model, pack: TreePack, backend: str = "auto", count: int | None = None):
@@ -132,12 +181,21 @@ def tree_step(model, pack: TreePack, backend: str = "auto", count: int | None = 
     return forward
 
 
-def padded_step(model, sequences: list, device="cpu", count: int | None = None):
+def padded_step(model, sequences: list, device="cpu", count: int | None = None,
+                routes: list | None = None):
     """Megatron's own step on a right-padded batch: full logits, its loss on a copy (the mean
-    over ``count`` predictions where the batch is a micro-batch of a larger one)."""
+    over ``count`` predictions where the batch is a micro-batch of a larger one); replaying
+    ``routes`` (one per sequence) where given."""
     from megatron.core import tensor_parallel
 
     width = max(map(len, sequences))
+    flat = None
+    if routes is not None:  # the router sees [width, batch] tokens; padding: any route
+        every = torch.zeros(width, len(sequences), *routes[0].shape[1:], dtype=torch.long)
+        every[..., 1] = 1
+        for b, r in enumerate(routes):
+            every[:len(r), b] = torch.from_numpy(r.astype("int64"))
+        flat = every.reshape(width * len(sequences), *routes[0].shape[1:]).to(device)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     real = torch.zeros(len(sequences), width, dtype=torch.bool)
     for b, seq in enumerate(sequences):
@@ -153,7 +211,8 @@ def padded_step(model, sequences: list, device="cpu", count: int | None = None):
         t.to(device) for t in (ids, positions, causal, labels, predicted))
 
     def forward():
-        logits = model(ids, positions, causal)  # [B, L, V / tp]
+        with replaying(model, flat):
+            logits = model(ids, positions, causal)  # [B, L, V / tp]
         nll = tensor_parallel.vocab_parallel_cross_entropy(logits.float().clone(), labels)
         return nll.where(predicted, 0).sum() / count
 
@@ -210,27 +269,41 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
                             world_size=world)
     megatron_cpu.install()
     layout = LAYOUTS[config["layout"]]
+    ep = layout.get("ep", 1)
     ps.initialize_model_parallel(tensor_model_parallel_size=layout["tp"],
-                                 context_parallel_size=layout["cp"])
+                                 context_parallel_size=layout["cp"],
+                                 expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     try:
         torch.manual_seed(0)
-        model = build(layout["tp"], layout["cp"])
+        moe = config["model"] == "moe"
+        model = build(layout["tp"], layout["cp"], **(
+            dict(MOE, expert_model_parallel_size=ep,
+                 sequence_parallel=layout["tp"] > 1) if moe else {}))
         out = {}
         for w in rl_workloads(scale=config["scale"], vocab=VOCAB):
             seqs = [list(map(int, s)) for s in w.sequences]
-            packs = {"tree": TreePack.from_sequences(seqs),
-                     "padding_free": TreePack.from_sequences(seqs, share_prefixes=False)}
+            if ep > 1:  # expert parallelism is data parallelism: each rank half the batch
+                half = -(-len(seqs) // ep)
+                seqs = seqs[rank * half:(rank + 1) * half]
+            routes = (routes_of(seqs, MODEL["num_layers"], MOE["num_moe_experts"]) if moe
+                      else None)
+            packs = {"tree": TreePack.from_sequences(seqs, routes=routes),
+                     "padding_free": TreePack.from_sequences(seqs, share_prefixes=False,
+                                                             routes=routes)}
             steps = {name: tree_step(model, pack) for name, pack in packs.items()}
             if layout["cp"] == 1:
-                steps["padded"] = padded_step(model, seqs)
+                steps["padded"] = padded_step(model, seqs, routes=routes)
             # the tree over a budget of a quarter of its rows: in parts (every row once)
             # against the plan's split, whose packs repeat the prefix above each cut
             budget = max(packs["tree"].num_rows // 4, max(map(len, seqs)))
             whole = sum(len(s) - 1 for s in seqs)
-            split = [p for p in plan(seqs, max_tokens=budget).packs(0) if p.num_sequences]
+            split = [p for p in plan(seqs, max_tokens=budget, routes=routes).packs(0)
+                     if p.num_sequences]
             over = {"in_parts": parts_step(model, packs["tree"], budget, whole),
                     "split": split_step(model, split, whole)}
+            if ep > 1:  # each rank its own trees: as many parts and packs as the others'
+                over = {}  # forwards (the experts' all-to-all) is the schedule's to arrange
             result = {}
             for name, run in over.items():  # warm-up
                 model.zero_grad(set_to_none=True)
@@ -275,7 +348,7 @@ def run_layout(name: str, config: dict) -> list[dict]:
     from launch import free_port
 
     layout = LAYOUTS[name]
-    world = layout["tp"] * layout["cp"]
+    world = layout["tp"] * layout["cp"] * layout.get("ep", 1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     config = dict(config, layout=name, threads=max(1, (cores or 1) // world))
     os.environ["OMP_NUM_THREADS"] = str(config["threads"])
@@ -302,13 +375,15 @@ def combine(name: str, every: list[dict]) -> dict:
                           held=max(p["held"] for p in per), rows=per[0]["rows"],
                           exchange=forward)
         for s in ("in_parts", "split"):  # the tree over a budget (held: not measured)
+            if s not in every[0][w]:
+                continue
             per = [r[w][s] for r in every]
             rounds = [max(t) for t in zip(*(p["seconds"] for p in per))]
             row[s] = dict(seconds=statistics.median(rounds), rounds=rounds, loss=per[0]["loss"],
                           rows=per[0]["rows"], budget=per[0]["budget"])
         for top, base in (("tree", "padding_free"), ("tree", "padded"), ("in_parts", "split"),
                           ("in_parts", "tree")):
-            if base in row:
+            if base in row and top in row:
                 row[f"{top}/{base}"] = Spread.of(
                     a / b for a, b in zip(row[top]["rounds"], row[base]["rounds"]))._asdict()
         row["formula"] = formula_bytes(row["tree"]["rows"], layout["cp"], layout["tp"], 4)
@@ -318,7 +393,15 @@ def combine(name: str, every: list[dict]) -> dict:
 
 # ---------------------------------------------------------------- one device (--device)
 
-VERIFY = {"gqa-rope": {}, "window-64": dict(window_size=(63, 0), window_attn_skip_freq=2)}
+VERIFY = {"gqa-rope": {}, "window-64": dict(window_size=(63, 0), window_attn_skip_freq=2),
+          # MoE replaying the rollout's routes (R3), and DeepSeek's multi-latent attention
+          # (yarn; q 64 + 32 rope wide, v 64)
+          "moe-replay": MOE,
+          "mla-yarn": dict(multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64,
+                           qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64,
+                           rope_type="yarn", rotary_scaling_factor=4.0,
+                           original_max_position_embeddings=256, mscale=1.0,
+                           mscale_all_dim=1.0)}
 
 
 def in_packs(sequences: list, budget: int) -> list[list]:
@@ -333,16 +416,19 @@ def in_packs(sequences: list, budget: int) -> list[list]:
     return out
 
 
-def alone(model, sequences: list, weights: torch.Tensor, device) -> tuple:
-    """Every sequence run alone through Megatron's own attention: ``[N, L]`` log-probs, and
-    the gradients of ``(weights * log-probs).sum()`` by parameter name."""
+def alone(model, sequences: list, weights: torch.Tensor, device, routes=None) -> tuple:
+    """Every sequence run alone through Megatron's own attention (replaying ``routes``, one
+    per sequence, where given): ``[N, L]`` log-probs, and the gradients of ``(weights *
+    log-probs).sum()`` by parameter name."""
     out = torch.zeros(weights.shape, device=device)
     model.zero_grad(set_to_none=True)
     for s, seq in enumerate(sequences):
         ids = torch.tensor(seq, device=device)[None]
         positions = torch.arange(len(seq), device=device)[None]
         i = torch.arange(len(seq), device=device)
-        logits = model(ids, positions, (i[None, :] > i[:, None])[None, None])[0].float()
+        route = None if routes is None else torch.from_numpy(routes[s].astype("int64"))
+        with replaying(model, None if route is None else route.to(device)):
+            logits = model(ids, positions, (i[None, :] > i[:, None])[None, None])[0].float()
         logp = logits.log_softmax(-1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
         (weights[s, 1:len(seq)] * logp).sum().backward()
         out[s, 1:len(seq)] = logp.detach()
@@ -398,14 +484,17 @@ def verify_rows(device, quick: bool) -> list[dict]:
             models[bf16] = build(1, 1, bf16=bf16, device=device, **fields)
         for w in works:
             seqs = [list(map(int, s)) for s in w.sequences]
-            pack = TreePack.from_sequences(seqs, device=device)
+            routes = (routes_of(seqs, MODEL["num_layers"], MOE["num_moe_experts"])
+                      if "num_moe_experts" in fields else None)
+            pack = TreePack.from_sequences(seqs, device=device, routes=routes)
             weights = torch.randn(pack.prediction_mask.shape, generator=torch.Generator()
                                   .manual_seed(1)).to(device).where(pack.prediction_mask, 0)
-            reference = alone(models[False], seqs, weights, device)
-            spread = errors(*alone(models[True], seqs, weights, device), reference)
+            reference = alone(models[False], seqs, weights, device, routes)
+            spread = errors(*alone(models[True], seqs, weights, device, routes), reference)
             budget = max(pack.num_rows // 4, max(map(len, seqs)))
+            fast = ("flex",) if "multi_latent_attention" in fields else ("varlen", "flex")
             for dtype, backends in (("float32", ("flex", "segment") if cuda else ("segment",)),
-                                    ("bfloat16", ("varlen", "flex") if cuda else ("segment",))):
+                                    ("bfloat16", fast if cuda else ("segment",))):
                 for backend in (*backends, "parts"):  # parts: under a quarter of the rows
                     row = dict(model=name, workload=w.name, dtype=dtype, backend=backend,
                                rows=pack.num_rows, tokens=sum(map(len, seqs)))
@@ -549,7 +638,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="lengths / 64, one round")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="*", default=None,
+                        help="default: TP=1 TP=2 CP=2 (dense), TP=1 EP=2 (--model moe)")
+    parser.add_argument("--model", default="dense", choices=("dense", "moe"),
+                        help="moe: MoE layers replaying the rollout's routes (module doc)")
     parser.add_argument("--json", default=None, help="write every number here")
     parser.add_argument("--device", default=None,
                         help="one process on this device (cuda; cpu: a check of that path)")
@@ -562,14 +654,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.device:
         return single(args)
-    config = dict(scale=64 if args.quick else 16,
+    config = dict(scale=64 if args.quick else 16, model=args.model,
                   repeats=args.repeats or (1 if args.quick else 3))
+    if args.layouts is None:
+        args.layouts = ["TP=1", "EP=2"] if args.model == "moe" else ["TP=1", "TP=2", "CP=2"]
     results = {}
     with tempfile.TemporaryDirectory() as d:
         for name in args.layouts:
             results[name] = combine(name, run_layout(name, dict(config, dir=d)))
     print(f"bench/megatron.py: {platform.processor() or platform.machine()}, torch "
-          f"{torch.__version__}, lengths / {config['scale']}, {config['repeats']} rounds")
+          f"{torch.__version__}, lengths / {config['scale']}, {config['repeats']} rounds, "
+          f"model {args.model}")
     print("| layout | workload | tokens | rows tree / padding-free | step s tree | padding-free "
           "| padded | tree / padding-free [range] | tree / padded [range] | MiB held per rank "
           "tree / padding-free / padded | exchange KiB per layer (formula) | loss tree / "
@@ -601,6 +696,8 @@ def main() -> None:
     print("|---|---|---:|---|---:|---:|---:|---|---|---|")
     for name, rows in results.items():
         for w, row in rows.items():
+            if "in_parts" not in row:
+                continue
             p, sp, t = row["in_parts"], row["split"], row["tree"]
 
             def spread(key, r=row):

@@ -59,7 +59,8 @@ def test_megatron_bench_one_device_verifies_and_steps(tmp_path):
     assert report["megatron_core"] and "transformer_engine" in report
     verify = report["verify"]
     assert {(r["model"], r["dtype"]) for r in verify} == {
-        (m, d) for m in ("gqa-rope", "window-64") for d in ("float32", "bfloat16")}
+        (m, d) for m in ("gqa-rope", "window-64", "moe-replay", "mla-yarn")
+        for d in ("float32", "bfloat16")}
     assert {r["backend"] for r in verify} == {"segment", "parts"}  # on a CPU
     for row in verify:
         assert row["result"] == "PASS", row
@@ -83,7 +84,7 @@ def test_gpu_script_megatron_part(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu.json").read_text())["results"]["megatron"]
     assert not [r for r in rows if "error" in r], rows
-    assert sum(r.get("result") == "PASS" for r in rows) == 8
+    assert sum(r.get("result") == "PASS" for r in rows) == 16  # 4 models x 2 dtypes x 2
     assert {r["workload"] for r in rows if r.get("model") == "megatron step"} == {
         "grpo_long", "low_sharing", "agent"}
-    assert "bar: megatron tree equals each sequence alone: PASS (8/8)" in done.stdout
+    assert "bar: megatron tree equals each sequence alone: PASS (16/16)" in done.stdout

@@ -118,11 +118,7 @@ def install() -> None:
         return to_host(tensor, as_numpy, record_stream)
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = host
-    from megatron.core.transformer import multi_latent_attention
-
-    if not isinstance(multi_latent_attention.TELinear, type):  # without TransformerEngine,
-        multi_latent_attention.HAVE_TE = False  # 0.16 finds mocks of TE's classes and asks
-        # isinstance of them when it builds MLA
+    mla_without_te()
     tracker = _CPUTracker()
     random._CUDA_RNG_STATE_TRACKER = tracker
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -131,6 +127,63 @@ def install() -> None:
     random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None
     _CUDAToCPU().__enter__()  # for the rest of the process
+
+
+def mla_without_te() -> None:
+    """Without TransformerEngine, megatron-core 0.16 finds mocks of TE's classes, sets
+    ``HAVE_TE`` in its multi-latent attention module and asks ``isinstance`` of a mock when
+    it builds MLA: say TE is absent there (a CPU, or a GPU image without TE)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(getattr(multi_latent_attention, "TELinear", None), type):
+        multi_latent_attention.HAVE_TE = False
+
+
+class ReferenceAttention(torch.nn.Module):
+    """The reference's core attention where Megatron's local one cannot be built: softmax
+    attention over ``[s, b, heads, d]`` with the layer's mask (True: masked), one head
+    width for queries and keys and another for values (multi-latent attention passes
+    ``k_channels`` / ``v_channels``, which megatron-core 0.16's ``DotProductAttention`` does
+    not take). TP = 1 only."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, **kwargs):
+        super().__init__()
+        self.scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        scores = torch.einsum("sbhd,tbhd->bhst", query, key) * self.scale
+        weights = scores.masked_fill(attention_mask, float("-inf")).softmax(-1)
+        out = torch.einsum("bhst,tbhd->sbhd", weights, value)
+        return out.reshape(*out.shape[:2], -1)
+
+
+@contextlib.contextmanager
+def replaying(model, routes):
+    """Megatron's own routing replay for one forward of ``model`` (PP = 1): each router
+    replays ``routes[..., its MoE layer, :]`` (``[tokens, moe_layers, topk]`` in the order
+    its router sees the tokens); nothing where ``routes`` is None."""
+    if routes is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    replays = [m.router_replay for m in routers]
+    every = routes.shape[1] == model.config.num_layers  # one route per layer, or per MoE one
+    assert every or len(replays) == routes.shape[1]
+    for i, (router, replay) in enumerate(zip(routers, replays)):
+        column = router.layer_number - 1 if every else i
+        replay.set_target_indices(torch.as_tensor(routes[:, column]).long())
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
 
 
 class Norm(torch.nn.Module):

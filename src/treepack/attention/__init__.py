@@ -92,7 +92,7 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dr
     """
     if q.device.type != "cuda":
         return "segment", f"on {q.device.type}, where varlen and flex cannot train"
-    skipped = varlen.unsupported(q, softcap=softcap, dropout=dropout)
+    skipped = varlen.unsupported(q, softcap=softcap, dropout=dropout, v=v)
     if not skipped:
         return "varlen", "FlashAttention varlen applies"
     why = "not varlen: " + "; ".join(skipped)

@@ -45,9 +45,13 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def unsupported(q: Tensor, *, softcap, dropout) -> list[str]:
+def unsupported(q: Tensor, *, softcap, dropout, v: Tensor | None = None) -> list[str]:
     """Why the varlen kernel cannot run these inputs (empty when it can)."""
     reasons = []
+    if v is not None and v.shape[-1] != q.shape[-1] and q.device.type == "cuda":
+        reasons.append(f"values {v.shape[-1]} wide and queries {q.shape[-1]} (multi-latent "
+                       "attention): FlashAttention's varlen kernel takes one head size; use "
+                       "backend='flex'")
     if softcap is not None:
         reasons.append(f"FlashAttention's varlen kernel has no logit soft-capping (softcap="
                        f"{softcap}); use backend='flex' on a GPU or 'segment'")
@@ -72,7 +76,7 @@ def unsupported(q: Tensor, *, softcap, dropout) -> list[str]:
 
 
 def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
-    reasons = unsupported(q, softcap=softcap, dropout=dropout)
+    reasons = unsupported(q, softcap=softcap, dropout=dropout, v=v)
     if reasons:
         raise RuntimeError("backend='varlen' cannot run here: " + "; ".join(reasons))
     index = varlen_index(attend.pack, window)

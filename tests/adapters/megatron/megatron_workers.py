@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron_cpu import Norm
+from megatron_cpu import Norm, ReferenceAttention, replaying
 
 VOCAB = 128
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -80,33 +80,6 @@ def moe_pattern(case: dict) -> list[int]:
     layers = case.get("layers", 2)
     freq = case.get("config", {}).get("moe_layer_freq", 1)
     return list(freq) if isinstance(freq, list) else [int(i % freq == 0) for i in range(layers)]
-
-
-@contextlib.contextmanager
-def replaying(model, routes: np.ndarray | None):
-    """Megatron's own routing replay for one forward of ``model`` (PP = 1): each router
-    replays ``routes[..., its MoE layer, :]`` (``[tokens, moe_layers, topk]`` in the order
-    its router sees the tokens); nothing where ``routes`` is None."""
-    if routes is None:
-        yield
-        return
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-    replays = [m.router_replay for m in routers]
-    every = routes.shape[1] == model.config.num_layers  # one route per layer, or per MoE one
-    assert every or len(replays) == routes.shape[1]
-    for i, (router, replay) in enumerate(zip(routers, replays)):
-        column = router.layer_number - 1 if every else i
-        replay.set_target_indices(torch.from_numpy(routes[:, column].astype(np.int64)))
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    try:
-        yield
-    finally:
-        for replay in replays:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
 
 
 def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
@@ -181,26 +154,6 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
         layer_specs=[kinds[m] for m in pattern[stage * per_stage:(stage + 1) * per_stage]],
         layer_norm=Norm)
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
-
-
-class ReferenceAttention(torch.nn.Module):
-    """The reference's core attention where Megatron's local one cannot be built: softmax
-    attention over ``[s, b, heads, d]`` with the layer's mask (True: masked), one head
-    width for queries and keys and another for values (multi-latent attention passes
-    ``k_channels`` / ``v_channels``, which megatron-core 0.16's ``DotProductAttention`` does
-    not take). TP = 1 only."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, **kwargs):
-        super().__init__()
-        self.scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **kwargs):
-        scores = torch.einsum("sbhd,tbhd->bhst", query, key) * self.scale
-        weights = scores.masked_fill(attention_mask, float("-inf")).softmax(-1)
-        out = torch.einsum("bhst,tbhd->sbhd", weights, value)
-        return out.reshape(*out.shape[:2], -1)
 
 
 def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True):
@@ -830,9 +783,15 @@ def run_moe_case(case: dict, reference: dict, rank: int, world: int) -> dict:
     routes = routes_of(seqs, case)
     pack = treepack.TreePack.from_sequences(
         [seqs[i] for i in subset], routes=None if routes is None else [routes[i] for i in subset])
-    got = tm.logprobs(model, pack)
-    width = got.logprobs.shape[1]
-    (got.logprobs * w[subset, :width]).sum().backward()
+    if case.get("parts"):  # a tree over the budget, in parts
+        width = pack.rows.shape[1]
+        got = tm.backward_in_parts(
+            model, pack, lambda out, mask: (out.logprobs * w[subset, :width]).where(mask, 0)
+            .sum(), max_tokens=case["parts"])
+    else:
+        got = tm.logprobs(model, pack)
+        width = got.logprobs.shape[1]
+        (got.logprobs * w[subset, :width]).sum().backward()
     grads = {}
     for k, p in model.named_parameters():
         g = p.grad.clone()

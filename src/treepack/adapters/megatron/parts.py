@@ -168,6 +168,13 @@ def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, e
 def parts_refusal(core, train: bool = True) -> str | None:
     """What of the model ``core`` parts cannot run (besides pipeline parallelism and
     activation recomputation), or None."""
+    experts = getattr(core.config, "expert_model_parallel_size", 1) or 1
+    if experts > 1 and moe.has_moe(core):
+        return (f"expert parallelism (expert_model_parallel_size={experts}): every forward's "
+                "token all-to-all spans the expert-parallel ranks, which hold different trees "
+                "and so run different numbers of parts, and a rank would wait on a forward "
+                "its peers never run: split trees over the budget with treepack.plan (every "
+                "rank as many packs)")
     losses = router_losses(core.config) if train and moe.has_moe(core) else None
     if losses:
         return (f"the MoE router's {losses} is a function of every row's routing, which no "
