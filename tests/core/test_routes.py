@@ -51,11 +51,12 @@ def naive(seqs, routes, keys):
 
 @st.composite
 def routed_forests(draw):
-    """Forests whose tokens are routed to one of two routes (so routes both agree and differ
-    under equal ids, at every depth), with keys on some, and a random placeholder last."""
+    """Forests whose tokens are routed to one of three routes, one with a layer unrecorded (so
+    routes both agree and differ under equal ids, at every depth), with keys on some, and a
+    random placeholder last."""
     seqs = draw(forests(vocab=3, max_sequences=6, max_len=8))
-    choices = [route(0, 1, 2, 3), route(1, 0, 2, 3)]
-    routes = [np.stack([choices[draw(st.integers(0, 1))] for _ in seq]) for seq in seqs]
+    choices = [route(0, 1, 2, 3), route(1, 0, 2, 3), route(-1, -1, 2, 3)]  # -1: unrecorded
+    routes = [np.stack([choices[draw(st.integers(0, 2))] for _ in seq]) for seq in seqs]
     for r in routes:
         r[-1] = draw(st.integers(-1, 7))  # the placeholder: anything, as verl pads it
     keys = [draw(st.lists(st.sampled_from([0, 0, 5]), min_size=len(s), max_size=len(s)))
@@ -126,12 +127,29 @@ def test_without_sharing_every_token_keeps_its_route_in_input_order():
     ([np.zeros((3, 2, 2), dtype=np.int64), np.zeros((2, 2, 1), dtype=np.int64)],
      r"routes\[1\] has \[layers, topk\] = \[2, 1\] but routes\[0\] has \[2, 2\]"),
     ([np.zeros((3, 2, 2)), np.zeros((2, 2, 2))], "routes are expert indices"),
-    ([np.full((3, 2, 2), -1), np.zeros((2, 2, 2), dtype=np.int64)],
-     "negative expert index"),
+    ([np.full((3, 2, 2), -2), np.zeros((2, 2, 2), dtype=np.int64)],
+     r"routes\[0\] holds expert index -2 before its last token"),
+    ([np.array([[[0, -1], [0, 1]]] * 3), np.zeros((2, 2, 2), dtype=np.int64)],
+     r"routes\[0\]\[0, 0\] is \[0, -1\]: a layer's top-k is recorded"),
 ])
 def test_bad_routes_are_refused_naming_the_value_and_the_fix(routes, words):
     with pytest.raises((TypeError, ValueError), match=words):
         TreePack.from_sequences([[1, 2, 3], [1, 2]], routes=routes)
+
+
+def test_unrecorded_routes_merge_with_each_other_never_with_recorded_ones():
+    """-1 throughout a layer's top-k: the router routes the token itself, which on equal
+    contexts gives equal routes (verl's replay mask False). Such tokens merge with each
+    other; a recorded route, even of the experts the router would pick, is another row."""
+    native = np.full((2, 2), -1)
+    a = np.stack([native, native, route(0, 1, 2, 3)])
+    b = np.stack([native, native, route(1, 0, 3, 2)])
+    c = np.stack([route(0, 1, 2, 3), native, native])
+    pack = TreePack.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6]],
+                                   routes=[np.concatenate([r, r[:1]]) for r in (a, b, c)])
+    # a and b share [1, 2] (unrecorded both) and fork at 3; c forks at its first token
+    assert pack.num_packed_rows == 2 + 2 * 2 + 4
+    np.testing.assert_array_equal(pack.host.row_routes[0], native)
 
 
 def test_packs_that_differ_only_in_routes_differ_in_identity():

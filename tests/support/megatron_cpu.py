@@ -186,6 +186,26 @@ def replaying(model, routes):
             replay.clear_router_replay_action()
 
 
+def recorded(model, *args) -> "np.ndarray":
+    """``model(*args)`` (no gradients) routing natively, Megatron's ``RouterReplay`` recording:
+    each token's route, ``[tokens, moe_layers, topk]`` (PP = 1)."""
+    import numpy as np
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = [m.router_replay for m in model.modules() if isinstance(m, TopKRouter)]
+    for replay in replays:
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        with torch.no_grad():
+            model(*args)
+        return np.stack([r.get_recorded_indices().cpu().numpy() for r in replays], 1)
+    finally:
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+
 class Norm(torch.nn.Module):
     """RMSNorm for Megatron's sequence parallelism on a CPU: the local spec's torch norm
     refuses ``sequence_parallel`` (Apex's and TE's accept it). Its weight is marked as

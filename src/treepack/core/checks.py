@@ -104,7 +104,9 @@ def validate_keys(keys, ids: list[np.ndarray]) -> list[np.ndarray]:
 def validate_routes(routes, ids: list[np.ndarray]) -> list[np.ndarray]:
     """Per-token routed experts as integer arrays, one ``[len, layers, topk]`` per sequence of
     its length, every one of the same ``[layers, topk]`` (raises naming the sequence, the
-    value and the fix). Each sequence's last route is a placeholder and may hold anything."""
+    value and the fix). A layer's top-k of -1 throughout: no recorded route, the router routes
+    that token itself (verl's replay mask). Each sequence's last route is a placeholder and
+    may hold anything."""
     if isinstance(routes, (Tensor, np.ndarray)):
         raise TypeError("routes must be a list with one [len, layers, topk] array per sequence "
                         f"(a {type(routes).__name__} was given: split a padded batch per "
@@ -129,10 +131,18 @@ def validate_routes(routes, ids: list[np.ndarray]) -> list[np.ndarray]:
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"routes[{i}] has dtype {arr.dtype}; routes are expert indices "
                             "(integers, e.g. verl's int16 routed_experts)")
-        if arr.shape[0] > 1 and arr[:-1].min(initial=0) < 0:
-            raise ValueError(f"routes[{i}] holds a negative expert index "
-                             f"({int(arr[:-1].min())}) before its last token: only the last "
-                             "token's route is a placeholder")
+        inner = arr[:-1]
+        if inner.min(initial=0) < -1:
+            raise ValueError(f"routes[{i}] holds expert index {int(inner.min())} before its "
+                             "last token: an expert index is >= 0, or -1 throughout a layer's "
+                             "top-k where no route was recorded")
+        native = inner == -1
+        mixed = native.any(-1) & ~native.all(-1)  # [len - 1, layers]
+        if mixed.any():
+            t, layer = (int(x[0]) for x in np.nonzero(mixed))
+            raise ValueError(f"routes[{i}][{t}, {layer}] is {inner[t, layer].tolist()}: a "
+                             "layer's top-k is recorded (every entry an expert) or not (-1 "
+                             "throughout: the router routes the token itself)")
         out.append(arr)
     dtype = np.result_type(*(a.dtype for a in out)) if out else np.int64
     return [a.astype(dtype, copy=False) for a in out]

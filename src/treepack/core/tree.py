@@ -196,11 +196,14 @@ class TreePack:
                 ``[len(seq), moe_layers, topk]`` per sequence, as rollout engines record them
                 for routing replay (verl's ``routed_experts``, slime's): two tokens are then
                 one row only where their routes agree too, so a prompt the engine routed once
-                stays shared and one routed differently forks where its routes differ. Each
-                sequence's last route is a placeholder (the rollout has no route for the
-                last token, which predicts nothing of its sequence; verl pads it): it is not
-                compared, and the last token takes the route of the row it joins. The rows'
-                routes are ``pack.host.row_routes`` (``[T', moe_layers, topk]``).
+                stays shared and one routed differently forks where its routes differ. A
+                layer's top-k of -1 throughout means no route was recorded there (verl's
+                replay mask): the router routes that token itself, so such tokens merge
+                with each other, not with recorded ones. Each sequence's last route is a
+                placeholder (the rollout has no route for the last token, which predicts
+                nothing of its sequence; verl pads it): it is not compared, and the last
+                token takes the route of the row it joins. The rows' routes are
+                ``pack.host.row_routes`` (``[T', moe_layers, topk]``).
 
         Returns:
             The :class:`TreePack` (immutable).

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron_cpu import Norm, ReferenceAttention, replaying
+from megatron_cpu import Norm, ReferenceAttention, recorded, replaying
 
 VOCAB = 128
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -72,6 +72,8 @@ def routes_of(seqs: list[list[int]], case: dict, seed: int = 7) -> list[np.ndarr
         out.append(np.stack([route() if s == 1 and i >= 3 else
                              trie.setdefault(tuple(seq[:i + 1]), route())
                              for i in range(len(seq))]).astype(np.int16))
+    if case.get("unrecorded"):  # sequence 0's first tokens without a recorded route: -1
+        out[0][:case["unrecorded"]] = -1
     return out
 
 
@@ -320,6 +322,11 @@ def alone(model, case: dict, tp: int = 1) -> dict:
         if case.get("positions") == "mrope":
             positions = positions[None].expand(3, 1, -1)
         route = routes[s] if replays(model, routes) else None
+        if route is not None and (route[..., 0, 0] < 0).any():  # an unrecorded prefix: the
+            p = int((route[..., 0, 0] < 0).sum())  # routes the router itself gives it
+            assert (route[:p, ..., 0] < 0).all()  # (causal: the prefix alone routes alike)
+            route = route.copy()
+            route[:p] = recorded(model, ids[:, :p], positions[..., :p], causal(p, window))
         if route is not None and multiple > 1:  # this rank's share of the padded tokens
             from megatron.core import parallel_state as ps
 

@@ -55,6 +55,9 @@ CASES = {
     "MoE, routing replay, every layer recomputed": {
         "routes": True, "config": {**REPLAY, **RECOMPUTE}},
     "in parts, MoE routing replay": {"parts": 6, "routes": True, "config": REPLAY},
+    # a prompt's first 4 tokens without recorded routes (-1): their routers' own top-k
+    "MoE, routing replay, a prefix unrecorded": {
+        "routes": True, "unrecorded": 4, "config": REPLAY},
     # DeepSeek's multi-latent attention: q and kv low-rank, their norms, a decoupled rope
     # part of q and k rotated inside each layer (queries and keys 20 wide, values 10)
     "multi-latent attention, rope": {"mla": "rope"},

@@ -366,11 +366,13 @@ def run_forward(model, forward: MegatronForward, tp: dict) -> tuple[Tensor, dict
     stage the output layer's weight (``head``; the output is the final norm's)."""
     core = unwrap(model)
     kind = rotary.position_kind(core)
-    routes = forward.pack.host.row_routes
+    routes, unrecorded = forward.pack.host.row_routes, ()
     if routes is not None:  # the forward's rows' routes, replayed (.moe)
-        routes = torch.from_numpy(routes)[forward.rows.cpu()].to(forward.pack.device)
+        routes = routes[forward.rows.cpu().numpy()]
+        unrecorded = np.flatnonzero((routes[..., 0] < 0).any(0))  # layers routing some rows
+        routes = torch.from_numpy(routes).to(forward.pack.device)  # themselves
     forward.routing = moe.Routing(core, forward.weights, routes, tp["rank"], tp["size"],
-                                  core.config.sequence_parallel)
+                                  core.config.sequence_parallel, unrecorded)
     routed = moe.active(core, forward.routing)
     with _hidden_out(core) if core.post_process else contextlib.nullcontext({}) as head, \
             routed:

@@ -17,7 +17,9 @@ Megatron's own.
 **Routing replay** (R3: ``moe_enable_routing_replay=True``, each router holding a
 ``RouterReplay``): a pack built with ``routes=`` keeps one route per row
 (``pack.host.row_routes``, ``[rows, moe_layers, topk]``), and rows merge only where routes
-agree, so replaying a row's route is replaying the route of every token it stands for.
+agree, so replaying a row's route is replaying the route of every token it stands for. A
+row whose route in a layer is -1 throughout (none recorded: verl's replay mask) takes that
+layer router's own top-k, as verl's masked replay does.
 During a tree forward (:func:`active` with ``routes``: the forward's rows, this TP rank's
 share under sequence parallelism), each replaying router's top-k is its MoE layer's slice of
 them (the layer counted over the whole model by ``moe_layer_freq``, as rollout engines record
@@ -61,13 +63,14 @@ class Routing:
     moe_layers, topk]``, split alike; None: a model that does not replay)."""
 
     def __init__(self, model, weights: Tensor, routes: Tensor | None, tp_rank: int,
-                 tp_size: int, split: bool):
+                 tp_size: int, split: bool, unrecorded=()):
         def share(rows):
             return rows.chunk(tp_size)[tp_rank] if split and tp_size > 1 else rows
 
         self.weights = share(weights)
         self.routes = None if routes is None else share(routes)
         self.column = {} if routes is None else route_columns(model.config, routes.shape[1])
+        self.unrecorded = set(unrecorded)  # the columns where some row's route is -1
         self.replayed: dict[int, int] = {}  # layer number -> replays in the forward
 
     def weights_for(self, tokens: int) -> Tensor:
@@ -88,6 +91,7 @@ class Routing:
             return
         layer = router.layer_number
         target = self.routes[:, self.column[layer]].long()
+        native = self.column[layer] in self.unrecorded
 
         def get_replay_topk(scores: Tensor, topk: int, num_groups=None, group_topk=None,
                             default_compute_topk=None):
@@ -98,6 +102,10 @@ class Routing:
                     f"{topk} where the tree forward replays {tuple(target.shape)} routes on "
                     "this rank: a router over another split of the rows is not supported")
             index = target.to(scores.device)
+            if native:  # rows without a recorded route: the router's own top-k
+                _, own = default_compute_topk(scores, topk, num_groups=num_groups,
+                                              group_topk=group_topk)
+                index = torch.where(index[:, :1] >= 0, index, own)
             return scores.gather(1, index), index
 
         object.__setattr__(replay, "get_replay_topk", get_replay_topk)
