@@ -109,7 +109,8 @@ def test_the_rows_add_up_and_every_number_equals_a_dict_trie(step):
         if labels is not None:
             key = [k + (x,) for k, x in zip(key, labels)]
         levels.append(naive_rows(seqs, key))
-    assert list(r.lost[1:]) == [b - a for a, b in zip(levels, levels[1:])]
+    assert list(r.lost[1:4]) == [b - a for a, b in zip(levels, levels[1:])]
+    assert r.lost.differing_routes == 0  # no routes given
     assert r.achieved_rows == levels[-1]
     if groups is not None and plen is not None:
         ideal, forks = naive_false_forks(seqs, groups, plen)
@@ -421,7 +422,8 @@ def test_metrics_and_dict_carry_the_same_numbers():
     m = r.metrics()
     assert m["treepack/achieved_ratio"] == r.achieved_ratio
     # micro-batches and packs were not given: not measured, not logged
-    assert [m.get(f"treepack/lost_rows/{c}") for c in CAUSES] == [*r.lost[:2], None, None]
+    assert [m.get(f"treepack/lost_rows/{c}") for c in CAUSES] == [*r.lost[:2], None, None,
+                                                                  None]
     # counts add up over processes: two processes' reports summed give the step's metrics
     other = report(GROUP[:2], groups=[7] * 2, prompt_lengths=[10] * 2, ranks=[0, 1])
     summed = [a + b for a, b in zip(r.counts(), other.counts())]
@@ -453,3 +455,34 @@ def test_public_functions_document_args_returns_raises_and_example():
         takes = [p for p in inspect.signature(fn).parameters if p != "self"]
         assert ("Args:" in doc or not takes) and "Returns:" in doc, fn.__qualname__
     assert all(s in inspect.getdoc(report) for s in ("Raises:", "Example:"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps(), st.data())
+def test_routes_that_differ_are_their_own_cause(step, data):
+    """MoE routes (routing replay): the one forest with routes is TreePack's with routes,
+    the rows it adds over the forest on ids alone are ``differing_routes``, the ideal and the
+    false forks stay on ids, and the decomposition still adds up exactly."""
+    seqs, groups, plen, (ranks, micro, packs) = step
+    routes = [np.array([[[data.draw(st.integers(0, 1), label="route")]] for _ in s])
+              for s in seqs]
+    r = report(seqs, groups=groups, prompt_lengths=plen, ranks=ranks, micro_batches=micro,
+               packs=packs, routes=routes)
+    plain = report(seqs, groups=groups, prompt_lengths=plen)
+    assert r.achieved_rows == r.ideal_rows + sum(r.lost)
+    assert all(rows >= 0 for rows in r.lost)
+    assert r.achievable_rows == treepack.TreePack.from_sequences(
+        seqs, routes=routes).num_packed_rows
+    assert r.lost.differing_routes == r.achievable_rows - plain.achievable_rows
+    assert (r.ideal_rows, r.lost.false_forks) == (plain.ideal_rows, plain.lost.false_forks)
+    assert r.measured.differing_routes and not plain.measured.differing_routes
+    metrics = r.metrics()
+    assert metrics["treepack/lost_rows/differing_routes"] == r.lost.differing_routes
+    assert "treepack/lost_rows/differing_routes" not in plain.metrics()
+    if groups is not None:  # a group is hit where its own forest grows with routes, each
+        hit = 0  # last token resolved as the whole step resolves it (a group's own pack may
+        for g in set(groups):  # let a last token join a row the step gave another route)
+            mine = [i for i, x in enumerate(groups) if x == g]
+            hit += report([seqs[i] for i in mine], routes=[routes[i] for i in mine]) \
+                .lost.differing_routes > 0
+        assert r.groups_hit.differing_routes >= hit

@@ -24,10 +24,13 @@ BUILTIN_DESCRIPTION = (
 
 CAUSE_LABELS = {"false_forks": "false forks", "across_ranks": "across ranks",
                 "across_micro_batches": "across micro-batches",
-                "split_and_repeat": "split-and-repeat packs"}
+                "split_and_repeat": "split-and-repeat packs",
+                "differing_routes": "differing MoE routes"}
 CAUSE_FIELD = {"across_ranks": "rank", "across_micro_batches": "micro_batch",
                "split_and_repeat": "pack"}
 CAUSE_FIX = {  # what to change, one line each (docs/sharing.md says more)
+    "differing_routes": "route a group's shared prompt once in the rollout engine (prefix "
+                        "caching), so its rollouts record one route for it",
     "false_forks": "give every rollout of a group the same prompt ids (each group below)",
     "across_ranks": "keep each group on one rank (verl: external_lib=treepack.verl; TRL: "
                     "per_device_train_batch_size x steps_per_generation a multiple of "
@@ -108,10 +111,16 @@ def _print_sharing(sharing, batch, causes) -> None:
 
     if sharing.measured.false_forks:
         total("ideal", sharing.ideal_rows, "one forest, every group's prompts the same")
-    for cause, rows, share, measured, groups in zip(
-            causes, sharing.lost, sharing.shares, sharing.measured, sharing.groups_hit):
+    lines = list(zip(causes, sharing.lost, sharing.shares, sharing.measured,
+                     sharing.groups_hit))
+    # in attribution order: differing routes (the batch's routes, where it has them) before
+    # the placement's cuts
+    lines.insert(1, lines.pop(causes.index("differing_routes")))
+    for cause, rows, share, measured, groups in lines:
         label = f"+ {CAUSE_LABELS[cause]}"
-        if not measured:
+        if cause == "differing_routes" and not measured:
+            pass  # a batch without routes: nothing to say
+        elif not measured:
             why = ("needs group keys ('uid' / 'group') and prompts" if cause == "false_forks"
                    else f"no {CAUSE_FIELD[cause]!r} field")
             print(f"  {label:<24}{'-':>12}   not measured: {why}")
@@ -121,7 +130,7 @@ def _print_sharing(sharing, batch, causes) -> None:
             print(f"  {label:<24}{rows:>12,}   {100 * share:5.1f} % of the rows lost{hit}")
             if rows:
                 print(f"  {'':<39}fix: {CAUSE_FIX[cause]}")
-        if cause == "false_forks":
+        if cause == "differing_routes":
             total("= achievable", sharing.achievable_rows, "one forest of the step as given")
     total("= achieved", sharing.achieved_rows, "what this placement computes")
     if sharing.false_forks:

@@ -4,11 +4,13 @@ A step's sequences merged into one prefix forest need ``achievable_rows`` packed
 step computes ``achieved_rows``: its sequences were dealt to ranks, cut into micro-batches, and
 trees over the budget were cut into packs that each repeat the prefix above the cut. Below the
 one forest lies the ``ideal``: the same forest had every group's prompts been the same tokens.
-The rows between them are attributed to four causes, in this order, each counting the rows
+The rows between them are attributed to five causes, in this order, each counting the rows
 its cut adds given the ones before it::
 
     ideal_rows            the one forest, each group's prompts made to agree
     + false_forks         rollouts of one group whose prompts differ in their tokens
+    + differing_routes    MoE routes that differ where the tokens agree (``routes=``: rows
+                          merge only where routes agree too; 0 without routes)
     = achievable_rows     the one forest of the step's sequences as they are
     + across_ranks        forests per rank instead of one
     + across_micro_batches  forests per (rank, micro-batch)
@@ -52,9 +54,9 @@ from typing import NamedTuple
 import numpy as np
 from torch import Tensor
 
-from treepack.core.forest import (build_layout, identities, ragged_arange, sort_and_lcp,
-                                  stats_of_arrays)
-from treepack.core.checks import validate_keys, validate_sequences
+from treepack.core.forest import (build_layout, identities, ragged_arange, route_keys,
+                                  sort_and_lcp, stats_of_arrays)
+from treepack.core.checks import validate_keys, validate_routes, validate_sequences
 
 __all__ = ["report", "SharingReport", "Causes", "FalseFork", "SessionFork", "Placement",
            "placement", "rows_from_trl", "rows_from_verl", "CAUSES", "COUNTS",
@@ -65,16 +67,20 @@ __all__ = ["report", "SharingReport", "Causes", "FalseFork", "SessionFork", "Pla
 from treepack.planning.collation import unpadded  # noqa: E402
 from treepack.planning.jsonl import rows_from_trl, rows_from_verl  # noqa: E402
 
-CAUSES = ("false_forks", "across_ranks", "across_micro_batches", "split_and_repeat")
+CAUSES = ("false_forks", "across_ranks", "across_micro_batches", "split_and_repeat",
+          "differing_routes")
 
 
 class Causes(NamedTuple):
-    """One value per cause, in the order rows are attributed (:data:`CAUSES`)."""
+    """One value per cause (:data:`CAUSES`). Rows are attributed in the order false forks,
+    differing routes, then the placement's cuts; ``differing_routes`` comes last in the
+    tuple, defaulting to 0, so a four-cause ``Causes(...)`` still builds."""
 
     false_forks: int | float | bool
     across_ranks: int | float | bool
     across_micro_batches: int | float | bool
     split_and_repeat: int | float | bool
+    differing_routes: int | float | bool = 0
 
 
 class FalseFork(NamedTuple):
@@ -220,7 +226,7 @@ COUNTS = ("original_tokens", "ideal_rows", "achievable_rows", "achieved_rows",
           *(f"lost_rows/{c}" for c in CAUSES))
 
 
-def metrics_from_counts(counts, measured=Causes(True, True, True, True),
+def metrics_from_counts(counts, measured=Causes(True, True, True, True, True),
                         prefix: str = "treepack/") -> dict[str, float]:
     """:meth:`SharingReport.metrics` of :meth:`SharingReport.counts`, e.g. summed over the
     processes of a step.
@@ -269,7 +275,7 @@ def placement(plan) -> Placement:
 
 
 def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_batches=None,
-           packs=None, keys=None, sessions=None) -> SharingReport:
+           packs=None, keys=None, sessions=None, routes=None) -> SharingReport:
     """Rows a step computed, rows it could have, and the cause of each row between.
 
     Args:
@@ -297,6 +303,13 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
             should extend the previous turn's ids. A turn that does not (a re-rendered
             history) is a :class:`SessionFork`, with the rows the session's forest would
             save had it; measured on each session alone, outside ``lost``.
+        routes: per-token routed experts, as for :meth:`treepack.TreePack.from_sequences`
+            (an MoE rollout's, for routing replay): rows merge only where routes agree too,
+            so ``achievable_rows`` and the placement's rows count (id, key, route) rows, and
+            ``lost.differing_routes`` is the rows the routes fork (the one forest with
+            routes against the one without); ``ideal_rows`` and the false forks stay on ids
+            and keys. Each sequence's last token joins a longer one's row as the whole step
+            resolves it (a pack of some of them may resolve it otherwise).
 
     Returns:
         :class:`SharingReport`: ``ideal_rows <= achievable_rows <= achieved_rows``, their
@@ -319,7 +332,7 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
         >>> r.ideal_rows, r.achievable_rows, r.achieved_rows
         (7, 9, 11)
         >>> r.lost
-        Causes(false_forks=2, across_ranks=2, across_micro_batches=0, split_and_repeat=0)
+        Causes(false_forks=2, across_ranks=2, across_micro_batches=0, split_and_repeat=0, differing_routes=0)
         >>> fork, = r.false_forks
         >>> fork.group, fork.depth, fork.prompt_length, fork.tokens
         ('a', 2, 3, (3, 9))
@@ -336,25 +349,53 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
                              (packs, "packs"))]
     order, lcp = sort_and_lcp(ids)
     s_len = lengths[order]
-    achievable = int((s_len - lcp).sum())
+    plain = int((s_len - lcp).sum())  # the one forest on ids and keys
 
     ideal, forks = None, ()
     if gi is None and plen is not None:
         gi = _same_prompt(ids, plen)  # groups by identical prompt: splits counted, no forks
     elif gi is not None and plen is not None:
         ideal, forks = _false_forks(ids, lengths, plen, group_keys, gi, shown)
-    ideal = achievable if ideal is None else ideal
+    ideal = plain if ideal is None else ideal
 
+    forked = 0  # groups whose rows the routes fork
+    if routes is not None:  # every count past the false forks on (id, key, route) rows
+        routed = identities(shown, route_keys(
+            shown, None if keys is None else validate_keys(keys, shown),
+            validate_routes(routes, shown))[0])
+        r_order, r_lcp = sort_and_lcp(routed)
+        if gi is not None:
+            forked = int((_rows_per_cell(gi, r_order, lengths, r_lcp)
+                          > _rows_per_cell(gi, order, lengths, lcp)).sum())
+        order, lcp, s_len = r_order, r_lcp, lengths[r_order]
     rows, hit = _placed_rows(cells, order, s_len, lcp, gi)
+    achievable = rows[0]
     return SharingReport(
         num_sequences=n, original_tokens=int(lengths.sum()), ideal_rows=ideal,
         achievable_rows=achievable, achieved_rows=rows[-1],
-        lost=Causes(achievable - ideal, *(b - a for a, b in zip(rows, rows[1:]))),
+        lost=Causes(plain - ideal, *(b - a for a, b in zip(rows, rows[1:])),
+                    differing_routes=achievable - plain),
         measured=Causes(groups is not None and plen is not None,
-                        *(c is not None for c in cells)),
+                        *(c is not None for c in cells), differing_routes=routes is not None),
         groups=None if gi is None else int(gi.max()) + 1,
-        groups_hit=Causes(len(forks), *hit), false_forks=forks,
+        groups_hit=Causes(len(forks), *hit, differing_routes=forked), false_forks=forks,
         **_session_forks(ids, shown, plen, sessions))
+
+
+def _rows_per_cell(labels: np.ndarray, order: np.ndarray, lengths: np.ndarray,
+                   lcp: np.ndarray) -> np.ndarray:
+    """Each cell's forest rows (``labels`` [N] per sequence), from one sort of the step's
+    sequences (``order``, ``lcp``): a cell's members are adjacent after a stable sort by cell,
+    and two adjacent members share the least LCP between them (module doc)."""
+    cell_sorted = labels[order]
+    s_len = lengths[order]
+    by_cell = np.argsort(cell_sorted, kind="stable")
+    same = cell_sorted[by_cell[1:]] == cell_sorted[by_cell[:-1]]
+    prev, cur = by_cell[:-1][same], by_cell[1:][same]
+    shared = (_RangeMin(lcp)(prev + 1, cur) if cur.size else np.zeros(0, dtype=np.int64))
+    cells = int(labels.max()) + 1
+    return (np.bincount(cell_sorted, weights=s_len, minlength=cells)
+            - np.bincount(cell_sorted[cur], weights=shared, minlength=cells))
 
 
 def _session_forks(ids, shown, plen, sessions) -> dict:
