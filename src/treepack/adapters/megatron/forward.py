@@ -286,9 +286,14 @@ def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
         :class:`treepack.TokenLogprobs`: ``logprobs`` ``[N, L]`` (flat: ``[total]``), 0 where
         nothing is predicted; ``entropy`` the same or None.
 
+    A model built with ``moe_enable_routing_replay`` replays the pack's routes row by row
+    (``TreePack.from_sequences(..., routes=)``; :mod:`.moe`).
+
     Raises:
         ValueError: an unprepared model, a pack on another device or with ids past the
-            vocabulary, a bad temperature or ``align``; ranks of the TP / CP groups given
+            vocabulary, a bad temperature or ``align``, a pack whose routes and the model
+            disagree (routes without replay, replay without routes, another shape); ranks
+            of the TP / CP groups given
             different packs or arguments (:class:`treepack.core.agreement.Disagreement`, on
             every rank), or a refusal on any of them (on every rank).
         UnsupportedMegatron: what the model cannot run on a tree (heads the CP size does not

@@ -29,8 +29,10 @@ What changes, and what does not:
   ``treepack/session_forks/*``) as the FSDP engine reports them (:mod:`treepack.verl`).
 - **Transparent fallback, by name.** verl's stock path runs (one log line, logger
   ``treepack.verl``) for a model :func:`treepack.megatron.prepare` refuses on any stage
-  (multi-token prediction, CUDA graphs, YaRN or multi-latent attention, Mamba layers, MoE
-  layers recomputed), verl's fused kernels, routing replay, dynamic context parallelism,
+  (multi-token prediction, CUDA graphs, YaRN as the model's embedding, Mamba layers, MoE
+  layers recomputed alone, token dropping), verl's fused kernels, routing replay (treepack
+  .megatron replays a pack's routes; the engine does not yet turn verl's ``routed_experts``
+  into them), dynamic context parallelism,
   multi-modal inputs, distillation outputs, position ids other than ``0 .. length - 1``, a
   temperature that is not finite and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
   rank, since a refusal can hold on one pipeline stage only.
