@@ -522,3 +522,38 @@ def test_verl_log_probs_is_a_deprecated_wrapper():
     torch.testing.assert_close(ent, want.entropy, rtol=0, atol=0)
     with pytest.warns(FutureWarning), pytest.raises(ValueError, match="layout='flat'"):
         verl_log_probs(TreePack.from_sequences(seqs), logits, 1.0)
+
+
+def test_r3_routes_read_as_verls_replay_aligns_and_masks_them():
+    """verl's R3 data for the Megatron engine (routed_experts, one route per token or per
+    token but the last, and the response mask): treepack's routes are verl's own
+    align_r3_router_replay_data, -1 wherever verl's build_r3_replay_mask leaves the router
+    its own choice, on rows with and without a response."""
+    from verl.utils.megatron.router_replay_utils import (align_r3_router_replay_data,
+                                                         build_r3_replay_mask)
+
+    from treepack.adapters.verl.batches import host_routes
+
+    g = torch.Generator().manual_seed(0)
+    lengths, responses = [5, 3, 4, 2], [2, 0, 3, 1]
+    ids = torch.nested.nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged)
+    recorded = [n - 1 if i % 2 == 0 else n for i, n in enumerate(lengths)]  # both layouts
+    routed = torch.nested.nested_tensor(
+        [torch.randint(0, 8, (n, 3, 2), generator=g, dtype=torch.int16) for n in recorded],
+        layout=torch.jagged)
+    mask = torch.nested.nested_tensor(
+        [torch.ones(r, dtype=torch.long) if r else torch.zeros(1, dtype=torch.long)
+         for r in responses], layout=torch.jagged)
+    data = {"routed_experts": routed, "input_ids": ids, "response_mask": mask}
+    got = host_routes(data)
+    aligned = align_r3_router_replay_data(routed, ids).unbind()
+    replayed = build_r3_replay_mask(ids, torch.tensor([[r] for r in responses])).unbind()
+    for mine, want, keep in zip(got, aligned, replayed):
+        want = want.numpy().copy()
+        want[~keep.numpy()] = -1
+        np.testing.assert_array_equal(mine, want)
+    assert (got[1] == -1).all()  # no response: nothing replayed
+    with pytest.raises(ValueError, match="row 0 has 2 routes for 5 tokens"):
+        host_routes({**data, "routed_experts": torch.nested.nested_tensor(
+            [torch.zeros(2, 3, 2, dtype=torch.int16)] + list(routed.unbind())[1:],
+            layout=torch.jagged)})

@@ -13,7 +13,7 @@ from treepack.adapters.verl.compat import append_to_dict, get_device_id, tu
 from treepack.adapters.verl.log import say_once
 from treepack.planning import sharing
 
-__all__ = ["verl_device", "host_sequences", "token_budget", "micro_batches", "collect",
+__all__ = ["verl_device", "host_sequences", "host_routes", "token_budget", "micro_batches", "collect",
            "output_refusal", "positions_refusal", "temperature_refusal", "text_positions",
            "log_sharing", "turn_order", "note_pass"]
 
@@ -28,6 +28,36 @@ def host_sequences(data) -> list[np.ndarray]:
     device)."""
     ids = data["input_ids"]
     return np.split(ids.values().cpu().numpy(), ids.offsets()[1:-1].cpu().numpy())
+
+
+def host_routes(data) -> list[np.ndarray]:
+    """verl's rollout routes (R3: ``routed_experts``, nested ``[len or len - 1, layers,
+    topk]`` per row) as :meth:`treepack.TreePack.from_sequences` takes them, one ``[len,
+    layers, topk]`` array per row, aligned as verl's R3 replay aligns them: a row recorded
+    without its last token gets a placeholder there (it predicts nothing of its row), and
+    every token verl's replay mask leaves to the router (a row without response tokens: all
+    of them; every row's last token) is -1, routed natively.
+
+    Raises:
+        ValueError: a row whose routes are neither as long as its tokens nor one shorter.
+    """
+    routes, ids = data["routed_experts"], data["input_ids"]
+    lengths = ids.offsets().diff().cpu().numpy()
+    answered = [bool(m.sum()) for m in data["response_mask"].unbind()]
+    out = []
+    for i, (r, n) in enumerate(zip(routes.unbind(), lengths)):
+        r = r.cpu().numpy()
+        if r.shape[0] == n - 1:
+            r = np.concatenate([r, np.zeros((1, *r.shape[1:]), dtype=r.dtype)])
+        elif r.shape[0] != n:
+            raise ValueError(f"row {i} has {r.shape[0]} routes for {n} tokens: verl's R3 "
+                             "records one per token, or one per token but the last")
+        r = r.astype(np.int16, copy=True)
+        r[-1] = -1  # verl's replay mask: never the last token, nothing of a row without a
+        if not answered[i]:  # response
+            r[:] = -1
+        out.append(r)
+    return out
 
 
 def token_budget(data, ranks: int) -> int:
