@@ -338,7 +338,8 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
         ('a', 2, 3, (3, 9))
     """
     shown = validate_sequences(sequences)  # the token ids, for the false forks' tokens
-    ids = shown if keys is None else identities(shown, validate_keys(keys, shown))
+    keys = None if keys is None else validate_keys(keys, shown)
+    ids = shown if keys is None else identities(shown, keys)
     n = len(ids)
     lengths = np.fromiter((a.shape[0] for a in ids), dtype=np.int64, count=n)
     plen = None if prompt_lengths is None else _prompt_lengths(prompt_lengths, lengths)
@@ -360,13 +361,11 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
 
     forked = 0  # groups whose rows the routes fork
     if routes is not None:  # every count past the false forks on (id, key, route) rows
-        routed = identities(shown, route_keys(
-            shown, None if keys is None else validate_keys(keys, shown),
-            validate_routes(routes, shown))[0])
+        routed = identities(shown, route_keys(shown, keys, validate_routes(routes, shown))[0])
         r_order, r_lcp = sort_and_lcp(routed)
         if gi is not None:
-            forked = int((_rows_per_cell(gi, r_order, lengths, r_lcp)
-                          > _rows_per_cell(gi, order, lengths, lcp)).sum())
+            forked = int((_cell_rows(gi[r_order], lengths[r_order], _RangeMin(r_lcp))
+                          > _cell_rows(gi[order], s_len, _RangeMin(lcp))).sum())
         order, lcp, s_len = r_order, r_lcp, lengths[r_order]
     rows, hit = _placed_rows(cells, order, s_len, lcp, gi)
     achievable = rows[0]
@@ -380,22 +379,6 @@ def report(sequences, *, groups=None, prompt_lengths=None, ranks=None, micro_bat
         groups=None if gi is None else int(gi.max()) + 1,
         groups_hit=Causes(len(forks), *hit, differing_routes=forked), false_forks=forks,
         **_session_forks(ids, shown, plen, sessions))
-
-
-def _rows_per_cell(labels: np.ndarray, order: np.ndarray, lengths: np.ndarray,
-                   lcp: np.ndarray) -> np.ndarray:
-    """Each cell's forest rows (``labels`` [N] per sequence), from one sort of the step's
-    sequences (``order``, ``lcp``): a cell's members are adjacent after a stable sort by cell,
-    and two adjacent members share the least LCP between them (module doc)."""
-    cell_sorted = labels[order]
-    s_len = lengths[order]
-    by_cell = np.argsort(cell_sorted, kind="stable")
-    same = cell_sorted[by_cell[1:]] == cell_sorted[by_cell[:-1]]
-    prev, cur = by_cell[:-1][same], by_cell[1:][same]
-    shared = (_RangeMin(lcp)(prev + 1, cur) if cur.size else np.zeros(0, dtype=np.int64))
-    cells = int(labels.max()) + 1
-    return (np.bincount(cell_sorted, weights=s_len, minlength=cells)
-            - np.bincount(cell_sorted[cur], weights=shared, minlength=cells))
 
 
 def _session_forks(ids, shown, plen, sessions) -> dict:
@@ -449,7 +432,7 @@ def _placed_rows(cells, order, s_len, lcp, gi) -> tuple[list[int], list[int]]:
             continue
         finer = np.unique(cell * (int(labels.max()) + 1) + labels,
                           return_inverse=True)[1].reshape(-1)
-        rows.append(_rows_in_cells(finer[order], s_len, lcp, mins))
+        rows.append(int(_cell_rows(finer[order], s_len, mins).sum()))
         hit.append(0 if gi is None else _groups_split(gi, cell, finer))
         cell = finer
     return rows, hit
@@ -524,14 +507,17 @@ class _RangeMin:
         return np.minimum(self.table[j, lo], self.table[j, hi - (1 << j) + 1])
 
 
-def _rows_in_cells(cell_sorted: np.ndarray, s_len: np.ndarray, lcp: np.ndarray,
-                   mins: _RangeMin) -> int:
-    """Summed forest rows of the cells, from the sorted sequences' cells (module doc)."""
+def _cell_rows(cell_sorted: np.ndarray, s_len: np.ndarray, mins: _RangeMin) -> np.ndarray:
+    """Each cell's forest rows, from the sorted sequences' cells: a cell's members are
+    adjacent after a stable sort by cell, and two adjacent members share the least LCP
+    between them (module doc)."""
     by_cell = np.argsort(cell_sorted, kind="stable")  # each cell's members, ascending
     same = cell_sorted[by_cell[1:]] == cell_sorted[by_cell[:-1]]
     prev, cur = by_cell[:-1][same], by_cell[1:][same]
     shared = mins(prev + 1, cur) if cur.size else np.zeros(0, dtype=np.int64)
-    return int(s_len.sum() - shared.sum())
+    cells = int(cell_sorted.max()) + 1 if cell_sorted.size else 0
+    return (np.bincount(cell_sorted, weights=s_len, minlength=cells)
+            - np.bincount(cell_sorted[cur], weights=shared, minlength=cells)).astype(np.int64)
 
 
 def _groups_split(gi: np.ndarray, coarse: np.ndarray, fine: np.ndarray) -> int:
