@@ -20,18 +20,21 @@ Megatron's own.
 agree, so replaying a row's route is replaying the route of every token it stands for. A
 row whose route in a layer is -1 throughout (none recorded: verl's replay mask) takes that
 layer router's own top-k, as verl's masked replay does.
-During a tree forward (:func:`active` with ``routes``: the forward's rows, this TP rank's
-share under sequence parallelism), each replaying router's top-k is its MoE layer's slice of
-them (the layer counted over the whole model by ``moe_layer_freq``, as rollout engines record
-routes, so a pipeline stage reads its own layers), through the one seam every
-``RouterReplay`` has (``get_replay_topk``, overridden on the instance for that forward only):
-the replay state a caller set for unpacked forwards (its targets, action and backward list)
-is neither read nor changed. The probabilities are the router's scores at the replayed
-experts, as Megatron's replay gathers them.
+During a tree forward (:func:`active` with a :class:`Routing` holding the forward's rows'
+routes, this TP rank's share under sequence parallelism), each replaying router's top-k is
+its MoE layer's column of them (the layer counted over the whole model by
+``moe_layer_freq``, as rollout engines record routes, so a pipeline stage reads its own
+layers), through the one seam every ``RouterReplay`` has (``get_replay_topk``, overridden on
+the instance for that router call only): the replay state a caller set for unpacked
+forwards (its targets, action and backward list) is neither read nor changed. The
+probabilities are the router's scores at the replayed experts, as Megatron's replay gathers
+them. Under full recomputation, Megatron runs each layer's forward again in the backward,
+after the tree forward: the layer's tree attention runs first and hands the forward's
+:class:`Routing` to its router (:func:`resume`), which weights and replays as before.
 
 Refused on a tree, by name: ``seq_aux_loss`` (per sequence of the batch dimension; a pack is
-one), recomputing MoE layers (the router would run again after the tree forward, without its
-weights and routes), token dropping (an expert's capacity counts the forward's rows, and a
+one), recomputing the MoE layer alone (selective ``"moe"``: without its attention, the
+router would run again without its rows' weights and routes), token dropping (an expert's capacity counts the forward's rows, and a
 shared row is kept or dropped for every sequence it stands for), a fused router
 (``moe_router_fusion`` routes in TransformerEngine, past the replay seam), and a pack whose
 routes and model disagree (routes for a model that does not replay, or the other way round).

@@ -107,15 +107,15 @@ def install(model) -> None:
     """
     kind = position_kind(model)
     if kind == "rope":
-        _at_depths(model.rotary_pos_emb, squeezed=False)
+        _by_depth(model.rotary_pos_emb, squeezed=False)
     elif kind == "mla":
         for module in model.modules():
             if isinstance(getattr(module, "rotary_pos_emb", None), RotaryEmbedding) \
                     and module is not model:
-                _at_depths(module.rotary_pos_emb, squeezed=True)
+                _by_depth(module.rotary_pos_emb, squeezed=True)
 
 
-def _at_depths(rotary: RotaryEmbedding, squeezed: bool) -> None:
+def _by_depth(rotary: RotaryEmbedding, squeezed: bool) -> None:
     """Give ``rotary`` (a ``RotaryEmbedding`` or ``YarnRotaryEmbedding``) the depth
     subclass of its class (``squeezed``: for multi-latent attention's layout)."""
     cls = type(rotary)

@@ -13,9 +13,9 @@ from treepack.adapters.verl.compat import append_to_dict, get_device_id, tu
 from treepack.adapters.verl.log import say_once
 from treepack.planning import sharing
 
-__all__ = ["verl_device", "host_sequences", "host_routes", "token_budget", "micro_batches", "collect",
-           "output_refusal", "positions_refusal", "temperature_refusal", "text_positions",
-           "log_sharing", "turn_order", "note_pass"]
+__all__ = ["verl_device", "host_sequences", "host_routes", "token_budget", "micro_batches",
+           "collect", "output_refusal", "positions_refusal", "temperature_refusal",
+           "text_positions", "log_sharing", "turn_order", "note_pass"]
 
 
 def verl_device() -> torch.device:
@@ -47,16 +47,13 @@ def host_routes(data) -> list[np.ndarray]:
     out = []
     for i, (r, n) in enumerate(zip(routes.unbind(), lengths)):
         r = r.cpu().numpy()
-        if r.shape[0] == n - 1:
-            r = np.concatenate([r, np.zeros((1, *r.shape[1:]), dtype=r.dtype)])
-        elif r.shape[0] != n:
+        if r.shape[0] not in (n - 1, n):
             raise ValueError(f"row {i} has {r.shape[0]} routes for {n} tokens: verl's R3 "
                              "records one per token, or one per token but the last")
-        r = r.astype(np.int16, copy=True)
-        r[-1] = -1  # verl's replay mask: never the last token, nothing of a row without a
-        if not answered[i]:  # response
-            r[:] = -1
-        out.append(r)
+        aligned = np.full((n, *r.shape[1:]), -1, dtype=np.int16)  # verl's replay mask:
+        if answered[i]:  # never the last token, nothing of a row without a response
+            aligned[:n - 1] = r[:n - 1]
+        out.append(aligned)
     return out
 
 
