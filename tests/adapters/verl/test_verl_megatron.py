@@ -117,14 +117,9 @@ def trainer_batches(model_dir, tmp_path_factory):
     """The v1 trainer's worker batches for one and two data-parallel ranks, made by verl's
     trainer code with Ray and TransferQueue running (in a subprocess, as test_verl.py's)."""
     root = tmp_path_factory.mktemp("trainer")
-    code = ("import verl_workers, verl_trainer_path as t\n"
-            "for dp in (1, 2):\n"
-            f"    t.trainer_batches({model_dir!r}, dp, f'{root}/batches{{dp}}.pt')\n"
-            f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
+    in_subprocess("for dp in (1, 2):\n"
+                  f"    t.trainer_batches({model_dir!r}, dp, f'{root}/batches{{dp}}.pt')\n"
+                  f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n")
     return {**{dp: str(root / f"batches{dp}.pt") for dp in (1, 2)},
             "long": str(root / "long2.pt")}
 
@@ -193,6 +188,89 @@ def test_verl_megatron_worker_runs_trees_over_its_budget_in_parts(model_dir, tra
     m, _ = assert_tree_equals_stock(r)
     parts = m["treepack/parts"]
     assert parts and max(parts) > 1, parts  # the update ran in parts
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A Qwen3-MoE model (4 experts, top-2, in both layers) through mbridge."""
+    return verl_workers.make_model_dir(str(tmp_path_factory.mktemp("verl_moe")), "qwen3_moe")
+
+
+@pytest.mark.parametrize("world,tp,cp,fused,budget", [
+    (1, 1, 1, True, None), (2, 2, 1, False, None), (2, 1, 2, False, None),
+    (2, 1, 1, False, 256)],
+    ids=["one_rank_fused_kernels_in_parts", "tp2_sequence_parallel_in_parts", "cp2", "dp2"])
+def test_verl_megatron_engine_replays_the_rollouts_routes_as_stock(world, tp, cp, fused, budget,
+                                                                 moe_dir, tmp_path):
+    """An MoE model under verl's R3 routing replay, the rollout's ``routed_experts`` in each
+    batch (rows with and without the last token's placeholder; one GRPO rollout's prompt routed
+    differently): the tree engine equals stock verl's replay in a replaying log-prob pass, a
+    native one (the reference's), a replaying update (loss, every gradient, grad norm) and
+    after the step. The replayed log-probs are not the native ones (the routes are read), the
+    differently routed prompt forks its rows (``differing_routes``), the expert biases of
+    sigmoid routing move as stock's (each expert's tokens counted once per original token,
+    which verl's replay patch counts itself), and with verl's fused
+    kernels on (a GPU kernel for stock) the tree engine serves them with its own head and
+    leaves verl's patch in place."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_replay, world, moe_dir, str(out), tp, cp, fused, budget)
+    r = torch.load(out, weights_only=False)
+    assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
+    assert r["routers"] == "verl.utils.megatron.router_replay_patch"  # verl's replay on 0.16
+    assert r["fused"] is fused and r["fused_after"] is fused
+    assert r["replay_vs_native"] > 1e-3, r  # float32 rounding is 1e-7 of it
+    for name in ("replay", "native"):
+        assert within(r[f"log_probs_{name}"], TOLERANCE), (name, r)
+        assert within(r[f"entropy_{name}"], TOLERANCE), (name, r)
+    tree, stock = r["loss"]
+    assert same(tree, stock), r["loss"]
+    assert r["grad_names"] and within(r["grads"], TOLERANCE), r["grads"]
+    tree, stock = r["grad_norm"]
+    assert same(tree, stock), r["grad_norm"]
+    assert within(r["log_probs_after_step"], TOLERANCE), r["log_probs_after_step"]
+    # the step moved each expert's bias by the sign of its token count's deviation: the
+    # counts over original tokens, as stock's
+    assert r["expert_bias_moved"] > 0 and r["expert_bias"] == 0, r
+    m = r["update_metrics"]
+    assert m["treepack/lost_rows/differing_routes"][0] > 0, m
+    assert all(0 < x < 1 for x in m["treepack/token_ratio"]), m
+
+
+@pytest.fixture(scope="module")
+def moe_trainer_batches(moe_dir, tmp_path_factory):
+    """The v1 trainer's worker batches for two data-parallel ranks, their rows carrying an
+    MoE rollout's ``routed_experts`` as verl's agent loop writes them."""
+    path = tmp_path_factory.mktemp("moe_trainer") / "batches2.pt"
+    in_subprocess(f"t.trainer_batches({moe_dir!r}, 2, {str(path)!r}, routes=(2, 4, 2))\n")
+    return str(path)
+
+
+def in_subprocess(code: str) -> None:
+    """Run ``code`` (``verl_trainer_path`` imported as ``t``) in a fresh Python, as the v1
+    trainer's batches are made: Ray and TransferQueue in a process of their own."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", "import verl_workers, verl_trainer_path as t\n"
+                           + code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-5000:]
+
+
+def test_verl_megatron_worker_replays_the_rollouts_routes_as_stock(moe_dir, moe_trainer_batches,
+                                                                 tmp_path):
+    """verl's ActorRolloutRefWorker with ``model_engine=megatron`` and the actor's
+    ``router_replay.mode=R3``, built from the docs' GRPO command, fed the trainer's batches
+    with the rollout's routed experts (2 data-parallel ranks): compute_log_prob (replaying),
+    compute_ref_log_prob (routing natively), update_actor (replaying) and compute_log_prob
+    after it equal stock verl's Megatron engine with R3; no fallback; a GRPO session whose
+    prompt was routed differently forks from its group."""
+    out = tmp_path / "result.pt"
+    spawn(verl_megatron_workers.compare_workers, 2, moe_dir, moe_trainer_batches, str(out),
+          1, 1, 1, None, True)
+    r = torch.load(out, weights_only=False)
+    assert r["engines_tree"] == ("TreepackMegatronEngine", "TreepackMegatronEngine")
+    assert not any("stock Megatron engine path" in m for m in r["messages"]), r["messages"]
+    m, _ = assert_tree_equals_stock(r)
+    assert set(m["treepack/lost_rows/differing_routes"]) != {0.0}, m
+    assert all(0 < x < 1 for x in m["treepack/token_ratio"]), m
 
 
 def test_verl_megatron_ranks_fall_back_together(model_dir, tmp_path):

@@ -10,8 +10,10 @@ megatron-core's code on disk:
 - mbridge's layer spec built with ``use_transformer_engine=False`` (megatron-core's local
   spec: no TransformerEngine here), its core attention :class:`THDAttention`, its norms
   :class:`megatron_cpu.Norm` (torch's refuses sequence parallelism), and mbridge's
-  Qwen2 name map given the local spec's separate norms (``input_layernorm``,
-  ``pre_mlp_layernorm``; TE fuses them into the linear layers);
+  Qwen2 and Qwen2/3-MoE name maps given the local spec's separate norms (``input_layernorm``,
+  ``pre_mlp_layernorm``; TE fuses them into the linear layers), MoE experts named as TE's
+  grouped ones (:class:`NamedExperts`), and the router's aux-loss-free ``expert_bias``
+  (a buffer, zero at the start) not read from Qwen's checkpoints, which have none;
 - ``Tensor.type()`` names CPU tensors as CUDA ones (megatron-core's optimizer and gradient
   clipping assert it);
 - ``dtype="float32"``: verl's config admits bfloat16 and float16 only; the tests compare in
@@ -35,6 +37,7 @@ megatron_cpu.install()
 from megatron.core import parallel_state as mpu  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
 from verl.trainer.config import CheckpointConfig  # noqa: E402
 from verl.workers.config import (HFModelConfig, McoreEngineConfig,  # noqa: E402
                                  McoreOptimizerConfig)
@@ -116,16 +119,43 @@ def _zigzag(rank: int, cp: int, length: int) -> torch.Tensor:
                       torch.arange(length - half * (rank + 1), length - half * rank)))
 
 
+class NamedExperts(SequentialMLP):
+    """megatron-core's ``SequentialMLP`` (one local MLP per expert) with its parameters named
+    as TransformerEngine's grouped experts name theirs (``linear_fc1.weight{i}``,
+    ``linear_fc2.weight{i}``), the names mbridge's MoE bridges map: the same parameters,
+    computed as ``SequentialMLP`` computes them (no grouped GEMM on a CPU)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        experts = list(self.local_experts)
+        del self._modules["local_experts"]
+        self.local_experts = experts  # computed by, no longer registered under, the experts
+        for name in ("linear_fc1", "linear_fc2"):
+            holder = torch.nn.Module()
+            for i, expert in enumerate(experts):
+                holder.register_parameter(f"weight{i}", getattr(expert, name).weight)
+            self.add_module(name, holder)
+
+
 def _local_spec(self, vp_stage=None):
-    """mbridge's ``_get_transformer_layer_spec`` on megatron-core's local spec."""
+    """mbridge's ``_get_transformer_layer_spec`` on megatron-core's local spec (MoE layers'
+    experts as :class:`NamedExperts`)."""
     extra = {}
     if "vp_stage" in inspect.signature(get_gpt_decoder_block_spec).parameters:
         extra["vp_stage"] = vp_stage
     self.has_vp_stage = bool(extra)
-    spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, **extra)
+    config = copy.copy(self.config)
+    config.moe_grouped_gemm = False  # megatron-core's local spec: SequentialMLP experts
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, **extra)
     for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = THDAttention
+        attention = layer.submodules.self_attention.submodules
+        attention.core_attention = THDAttention
+        if config.qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = Norm
         layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = Norm
+        experts = getattr(getattr(layer.submodules.mlp, "submodules", None), "experts", None)
+        if experts is not None:
+            experts.module = NamedExperts
     spec.layer_norm = Norm
     return spec
 
@@ -148,15 +178,24 @@ def install() -> None:
     torch.Tensor.type = _cuda_type
     from mbridge.core import llm_bridge
     from mbridge.models.qwen2 import Qwen2Bridge
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
 
     llm_bridge.LLMBridge._get_transformer_layer_spec = _local_spec
-    Qwen2Bridge._OTHER_MAPPING = dict(
-        getattr(Qwen2Bridge, "_OTHER_MAPPING", {}),
-        **{"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]})
-    Qwen2Bridge._MLP_MAPPING = dict(
-        Qwen2Bridge._MLP_MAPPING,
-        **{"pre_mlp_layernorm.weight":
-           ["model.layers.{layer_number}.post_attention_layernorm.weight"]})
+    local_to_global = Qwen2MoEBridge._weight_name_mapping_mcore_local_to_global
+
+    def without_expert_bias(self, model, *args, **kwargs):  # a buffer Qwen's checkpoints lack
+        return {k: v for k, v in local_to_global(self, model, *args, **kwargs).items()
+                if not k.endswith("router.expert_bias")}
+
+    Qwen2MoEBridge._weight_name_mapping_mcore_local_to_global = without_expert_bias
+    for bridge in (Qwen2Bridge, Qwen2MoEBridge):  # (Qwen3-MoE's is Qwen2-MoE's)
+        bridge._OTHER_MAPPING = dict(
+            getattr(bridge, "_OTHER_MAPPING", {}),
+            **{"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]})
+        bridge._MLP_MAPPING = dict(
+            bridge._MLP_MAPPING,
+            **{"pre_mlp_layernorm.weight":
+               ["model.layers.{layer_number}.post_attention_layernorm.weight"]})
 
 
 install()
@@ -353,6 +392,120 @@ def compare_engines(rank: int, world: int, port: int, model_dir: str, out_path: 
         dist.destroy_process_group()
 
 
+def compare_replay(rank: int, world: int, port: int, model_dir: str, out_path: str,
+                   tp: int = 1, cp: int = 1, fused: bool = False,
+                   budget: int | None = None) -> None:
+    """An MoE model (``model_dir``: Qwen3-MoE through mbridge) under verl's R3 routing replay
+    (``router_replay.mode=R3``, the rollout's ``routed_experts`` in every batch): stock
+    ``MegatronEngineWithLMHead`` vs ``TreepackMegatronEngine`` (with verl's fused kernels on
+    where ``fused``; stock's need a GPU) at TP x CP, the rest data-parallel, under a token
+    budget per GPU (``budget``; verl's default here 96, under which the update runs in
+    parts). The log-probs and
+    entropies of a replaying pass (``compute_log_prob``) and of a native one
+    (``compute_ref_log_prob``: verl's batch flag ``enable_routing_replay`` off), a replaying
+    update's loss, gradients, grad norm and expert biases (sigmoid routing with the
+    aux-loss-free bias), and the log-probs after the step; rank 0 saves the
+    errors, how far replayed log-probs are from native ones, and the update's metrics."""
+    from verl.workers.config.engine import EngineRouterReplayConfig
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    import treepack.verl as treepack_verl
+    from treepack.adapters.verl.megatron_engine import TreepackMegatronEngine
+    from verl_workers import (actor_loss, captured_log, init, make_batch, make_rows,
+                              ref_and_advantages, rollout_routes, save, shard)
+
+    init(rank, world, port)
+    try:
+        treepack_verl.register_megatron(devices=("cpu",))
+        log = captured_log()
+        # DeepSeek-V3's routing: sigmoid scores and the aux-loss-free expert bias, which
+        # the update moves by each expert's token count (verl's replay patch counts them)
+        replay = dict(tp=tp, cp=cp, router_replay=EngineRouterReplayConfig(mode="R3"),
+                      override_transformer_config={"moe_router_score_function": "sigmoid",
+                                                   "moe_router_enable_expert_bias": True})
+        if budget is not None:
+            replay.update(max_token_len_per_gpu=budget, infer_max_token_len_per_gpu=budget)
+        # verl's replay patch keeps the routers of the engine built last (a class-level
+        # list, cleared per engine) and replays through those only: stock's are built last
+        tree = make_engine(TreepackMegatronEngine, model_dir, use_fused_kernels=fused, **replay)
+        stock = make_engine(MegatronEngineWithLMHead, model_dir, **replay)
+        dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        rows = make_rows()
+        config = stock.tf_config
+        routes = rollout_routes(rows, (config.num_layers, config.num_moe_experts,
+                                       config.moe_router_topk))
+        result = {"routers": type(stock.module[0].module.decoder.layers[0].mlp.router
+                                  .router_replay).__module__,
+                  "fused": hasattr(tree.module[0].module, "forward_backup")}  # verl's patch
+
+        def batch(engine, forward_only, replaying, **kw):
+            return shard(make_batch(rows, engine, forward_only, routes=routes,
+                                    enable_routing_replay=replaying,
+                                    use_fused_kernels=fused and engine is tree, **kw),
+                         dp_rank, dp)
+
+        def infer(engine, replaying=True):
+            with engine.eval_mode():
+                out = engine.forward_backward_batch(batch(engine, True, replaying), None,
+                                                    forward_only=True)["model_output"]
+            # each row's last position predicts nothing of its row: under replay, verl routes
+            # that token natively, and a tree may merge it with a longer row's recorded route
+            return tuple([t[:-1] for t in out[k].unbind()] for k in ("log_probs", "entropy"))
+
+        # 1. compute_log_prob (replaying) and compute_ref_log_prob (native routing)
+        for name, replaying in (("replay", True), ("native", False)):
+            (want_lp, want_ent), (got_lp, got_ent) = infer(stock, replaying), infer(tree,
+                                                                                    replaying)
+            result[f"log_probs_{name}"] = relative(got_lp, want_lp)
+            result[f"entropy_{name}"] = relative(got_ent, want_ent)
+            result[f"stock_{name}"] = want_lp
+        # the routes matter: replayed log-probs are not the native ones
+        result["replay_vs_native"] = relative(result.pop("stock_native"),
+                                              result.pop("stock_replay"))
+
+        # 2. a replaying update (verl's ppo_loss, token-mean), then one SGD step
+        g = torch.Generator().manual_seed(1)
+        old = [-1.0 + 0.3 * torch.randn(len(r["mask"]), generator=g) for r in rows]
+        ref, adv = ref_and_advantages(old, rows, g)
+        losses, grads, norms = {}, {}, {}
+        for label, engine in (("stock", stock), ("tree", tree)):
+            data = batch(engine, False, True, temperature=1.0, old_log_probs=old,
+                         ref_log_prob=ref, advantages=adv)
+            with engine.train_mode():
+                engine.optimizer_zero_grad()
+                out = engine.forward_backward_batch(data, actor_loss("token-mean", len(rows)))
+                loss = torch.tensor([float(sum(out.get("loss", [])))], dtype=torch.float64)
+                if mpu.get_tensor_model_parallel_rank() == 0 and \
+                        mpu.get_context_parallel_rank() == 0:
+                    dist.all_reduce(loss, group=mpu.get_data_parallel_group())
+                else:
+                    loss.fill_(float("-inf"))
+                losses[label] = _max(float(loss))
+                if label == "tree":
+                    result["update_metrics"] = {k: v for k, v in out["metrics"].items()
+                                                if k.startswith("treepack/")}
+                grads[label] = _grads(engine)
+                norms[label] = float(engine.optimizer_step())
+        result["loss"] = (losses["tree"], losses["stock"])
+        result["grad_names"] = sorted(grads["stock"]) == sorted(grads["tree"])
+        result["grads"] = grad_error(grads["tree"], grads["stock"])
+        result["grad_norm"] = (norms["tree"], norms["stock"])
+        biases = {label: [m.expert_bias.clone() for m in engine.module[0].modules()
+                          if getattr(m, "expert_bias", None) is not None]
+                  for label, engine in (("tree", tree), ("stock", stock))}
+        result["expert_bias"] = relative(biases["tree"], biases["stock"])
+        result["expert_bias_moved"] = _max(max(float(b.abs().max()) for b in biases["stock"]))
+        result["log_probs_after_step"] = relative(infer(tree)[0], infer(stock)[0])
+        result["fused_after"] = hasattr(tree.module[0].module, "forward_backup")  # restored
+        every = [None] * world
+        dist.all_gather_object(every, result["update_metrics"] if dp_rank == 0 else None)
+        result["update_metrics"] = next(x for x in every if x is not None)
+        save(result, log, rank, out_path)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------------------- verl's worker
 
 def _float32_post_init():
@@ -397,11 +550,14 @@ def megatron_overrides(tp: int = 1, pp: int = 1, cp: int = 1) -> list[str]:
 
 def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_path: str,
                     out_path: str, tp: int = 1, pp: int = 1, cp: int = 1,
-                    budget: int | None = None) -> None:
+                    budget: int | None = None, replay: bool = False) -> None:
     """Stock verl's Megatron engine and treepack's through verl's ``ActorRolloutRefWorker``
     (``model_engine=megatron`` on the docs' command), on the trainer's v1 batches of each
     data-parallel rank; rank 0 saves every output of both (rows in global batch order, from
-    the last stage) and the update's metrics; ``budget``: the worker's token budgets."""
+    the last stage) and the update's metrics; ``budget``: the worker's token budgets;
+    ``replay``: the actor replays the rollout's routes (``router_replay.mode=R3``; each row's
+    last entropy left out: it predicts nothing of its row, and under replay verl routes that
+    token natively where a tree may share a longer row's recorded route)."""
     import verl_trainer_path as path
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
@@ -417,7 +573,8 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
         for label, engine in (("stock", MegatronEngineWithLMHead),
                               ("tree", TreepackMegatronEngine)):
             extra = megatron_overrides(tp, pp, cp) + (
-                path.budget_overrides(budget) if budget is not None else [])
+                path.budget_overrides(budget) if budget is not None else []) + (
+                ["actor_rollout_ref.actor.megatron.router_replay.mode=R3"] if replay else [])
             config = path.compose_config(model_dir, treepack=label == "tree", world=world,
                                          extra=extra, drop=FSDP_ONLY)
             actor, ref = path._workers(config, engine, ("megatron",))
@@ -431,7 +588,8 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
                     mpu.get_context_parallel_rank() == 0:
                 mine = (dp_rank, {
                     "log_probs": [t[:-1] for t in out["log_prob"]["log_probs"].unbind()],
-                    "entropy": list(out["log_prob"]["entropy"].unbind()),
+                    "entropy": [t[:-1] if replay else t
+                                for t in out["log_prob"]["entropy"].unbind()],
                     "ref_log_probs": [t[:-1] for t in out["ref"]["log_probs"].unbind()],
                     "log_probs_after": [t[:-1] for t in
                                         out["log_prob_after"]["log_probs"].unbind()],

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from verl_workers import EOS, VOCAB, init
+from verl_workers import EOS, VOCAB, init, row_routes
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "integrations.md"
 N = 4  # rollout.n
@@ -90,7 +90,8 @@ def compose_config(model_dir: str, *, treepack: bool, world: int, extra=(), drop
 
 # ------------------------------------------------------------------------- the trainer's side
 
-def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None):
+def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None,
+                    routes: tuple[int, int, int] | None = None):
     """(keys, fields, tags) as ``AgentLoopWorkerTQ._agent_loop_postprocess`` writes them: GRPO
     prompts with ``N`` ragged sessions each, and agent prompts whose sessions emit one output
     per turn (key index > 0), each turn's prompt the whole history, tool tokens masked.
@@ -99,7 +100,9 @@ def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None)
     (prompts 0 and 1 the same text on two images, prompt 2 the first image again, the agent
     prompt a screenshot), each row its copy in ``multi_modal_inputs``, and ``position_ids``
     verl's ``[4, length]`` (text positions, then the model's rope index, as verl's processor
-    computes them)."""
+    computes them). With ``routes`` (layers, experts, top-k), an MoE rollout's
+    ``routed_experts`` as the agent loop writes them (:func:`verl_workers.row_routes`; one
+    GRPO session's prompt routed differently)."""
     g = torch.Generator().manual_seed(seed)
     images = _ImagePrompts(model_dir) if model_dir is not None else None
 
@@ -136,6 +139,9 @@ def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None)
             "agent_name": "tool_agent" if index or uid.startswith("a") else "single_turn_agent",
             "uid": uid, "session_id": session, "global_steps": 1,
         })
+        if routes is not None:
+            fields[-1]["routed_experts"] = row_routes(
+                input_ids.tolist(), routes, 4 if (prompt_index, session) == (0, N - 1) else None)
         tags.append({"status": "success", "prompt_len": len(prompt), "response_len": len(response),
                      "seq_len": len(input_ids), "global_steps": 1, "min_global_steps": 1,
                      "max_global_steps": 1})
@@ -268,10 +274,11 @@ def _rank_batches(meta, world: int) -> list:
 
 
 def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1,
-                    images: bool = False) -> None:
+                    images: bool = False, routes: tuple[int, int, int] | None = None) -> None:
     """The v1 trainer's three worker calls' batches, per rank, saved to ``out_path``
     (``scale``: as :func:`agent_loop_rows`; ``images``: its rows with images, for the
-    vision-language model at ``model_dir``, v1 only)."""
+    vision-language model at ``model_dir``, v1 only; ``routes``: an MoE rollout's routed
+    experts, v1 only)."""
     import ray
     import transfer_queue as tq
     from tensordict import TensorDict
@@ -287,7 +294,8 @@ def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1,
         import treepack.verl  # noqa: F401  (what HFModelConfig's external_lib does in the trainer)
 
         keys, fields, tags = agent_loop_rows(scale=scale,
-                                             model_dir=model_dir if images else None)
+                                             model_dir=model_dir if images else None,
+                                             routes=routes)
         tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields),
                         tags=tags)
         batch = KVBatchMeta(keys=keys, tags=tags, partition_id="train")
@@ -320,7 +328,8 @@ def trainer_batches(model_dir: str, world: int, out_path: str, scale: int = 1,
         update = _rank_batches(batch, world)
         v1 = {"log_prob": log_prob, "ref": ref, "update": update, "keys": batch.keys,
               "metrics": metrics}
-        paths = {"v1": v1} if images else {"v1": v1, "v0": v0_batches(config, fields, world)}
+        paths = ({"v1": v1} if images or routes else
+                 {"v1": v1, "v0": v0_batches(config, fields, world)})
         torch.save(paths, out_path)
     finally:
         tq.close()

@@ -147,6 +147,17 @@ def make_model_dir(root: str, family: str = "qwen2", layers: int = 2) -> str:
         model.config.text_config.update(dict(pad_token_id=PAD, eos_token_id=EOS,
                                              bos_token_id=BOS))
         model.save_pretrained(path)
+    elif family == "qwen3_moe":  # 4 experts, top-2, in every layer
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                num_hidden_layers=layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                                tie_word_embeddings=False, decoder_sparse_step=1,
+                                mlp_only_layers=[], norm_topk_prob=True, pad_token_id=PAD,
+                                eos_token_id=EOS, bos_token_id=BOS)
+        Qwen3MoeForCausalLM(config).save_pretrained(path)
     elif family == "qwen2":
         config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=layers, num_attention_heads=4,
@@ -307,11 +318,40 @@ def _nested(rows) -> torch.Tensor:
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
+def row_routes(ids: list[int], shape: tuple[int, int, int], forked: int | None = None,
+               placeholder: bool = True) -> torch.Tensor:
+    """The routes an MoE rollout engine records for a row of ``ids`` (``shape``: layers,
+    experts, top-k; R3's ``routed_experts``, int16): each token's route a function of the
+    ids up to it, as an engine that computed a shared prompt once records one route for it;
+    from token ``forked`` on, routed differently (a prompt recomputed in another batch). The
+    rollout fed every token but the last through the model: ``[len - 1, layers, topk]``, or
+    with verl's agent loop's ``placeholder`` a zero route for the last."""
+    layers, experts, topk = shape
+    out = torch.zeros(len(ids), layers, topk, dtype=torch.int16)
+    for t in range(len(ids) - 1):
+        moved = 7 if forked is not None and t >= forked else 0
+        g = torch.Generator().manual_seed(hash(tuple(ids[:t + 1])) % 2**31 + moved)
+        for layer in range(layers):
+            out[t, layer] = torch.randperm(experts, generator=g)[:topk]
+    return out if placeholder else out[:-1]
+
+
+def rollout_routes(rows, shape: tuple[int, int, int],
+                   forked: str = "prompt0") -> list[torch.Tensor]:
+    """:func:`row_routes` of each row, the last rollout of group ``forked`` routed
+    differently from its prompt's fifth token on; rows alternate between verl's two layouts
+    (without the last token's route, and with its placeholder)."""
+    last = max(i for i, r in enumerate(rows) if r["uid"] == forked)
+    return [row_routes(r["prompt"] + r["response"], shape, 4 if i == last else None,
+                       placeholder=bool(i % 2)) for i, r in enumerate(rows)]
+
+
 def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=None,
-               ref_log_prob=None, advantages=None, **flags):
+               ref_log_prob=None, advantages=None, routes=None, **flags):
     """The batch verl's trainer and worker hand to ``forward_backward_batch``: nested
     ``input_ids`` / ``position_ids`` / ``prompts`` / ``responses`` / ``loss_mask``, per-row
-    ``uid``, the trainer's and the worker's flags."""
+    ``uid``, the rollout's ``routed_experts`` (``routes``), the trainer's and the worker's
+    flags."""
     ids = [torch.tensor(r["prompt"] + r["response"]) for r in rows]
     mask = [torch.tensor(r["mask"]) for r in rows]
     images = "images" in rows[0]
@@ -332,7 +372,7 @@ def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=
                  **r.get("inputs", {}))
             if r["images"] else dict(r.get("inputs", {})) for r in rows]
     for key, value in (("old_log_probs", old_log_probs), ("ref_log_prob", ref_log_prob),
-                       ("advantages", advantages)):
+                       ("advantages", advantages), ("routed_experts", routes)):
         if value is not None:
             tensors[key] = _nested(value)
     config = engine.engine_config

@@ -167,11 +167,20 @@ class _TreeRouter:
             raise UnsupportedMegatron("a padding_mask on a tree forward: a pack has no padding "
                                       "the router should skip (its padding rows weigh 0)")
         self._tree_weights = w.to(logits.dtype)
+        self._tree_counted = False
         try:
             with routing.replaying(self):
-                return self._stock_routing(logits, padding_mask=None)
+                probs, routing_map = self._stock_routing(logits, padding_mask=None)
         finally:
             self._tree_weights = None
+        if not self._tree_counted and self.enable_expert_bias and torch.is_grad_enabled():
+            # a routing step that counts the tokens per expert itself, one per row (verl's
+            # replay patch of TopKRouter.routing), not through _apply_expert_bias: add the
+            # rows' other w - 1 tokens
+            with torch.no_grad():
+                self.local_tokens_per_expert += (routing_map.to(w.dtype) * (w - 1)[:, None]).sum(
+                    0).to(self.local_tokens_per_expert.dtype)
+        return probs, routing_map
 
     def _tree(self) -> Tensor | None:
         return getattr(self, "_tree_weights", None)
@@ -258,6 +267,7 @@ class _TreeRouter:
         w = self._tree()
         if w is None:
             return self._stock_apply_expert_bias(routing_map, padding_mask=padding_mask)
+        self._tree_counted = True
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += (routing_map.to(w.dtype) * w[:, None]).sum(

@@ -91,12 +91,13 @@ def collect(outputs: list[dict], micro: list[np.ndarray]) -> dict:
             "metrics": metrics}
 
 
-def output_refusal(data) -> str | None:
+def output_refusal(data, served=()) -> str | None:
     """Why verl asks this batch for outputs a tree forward does not produce (fused kernels,
-    distillation, sum of squared probabilities), or None."""
+    distillation, sum of squared probabilities; less the flags an engine ``served``), or
+    None."""
     flags = {k: tu.get_non_tensor_data(data=data, key=k, default=False)
              for k in ("use_fused_kernels", "distillation_use_topk", "distillation_only",
-                       "calculate_sum_pi_squared")}
+                       "calculate_sum_pi_squared") if k not in served}
     if any(flags.values()):
         return f"{[k for k, v in flags.items() if v]} (outputs treepack does not produce)"
     return None
@@ -127,7 +128,8 @@ def text_positions(positions):
     return torch.nested.nested_tensor_from_jagged(values[0], offsets)
 
 
-def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None) -> None:
+def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None,
+                routes=None) -> None:
     """Where this update's sharing was lost (:func:`treepack.sharing.report`), summed over
     the data-parallel ranks: ``treepack/{ideal,achievable,achieved}_ratio`` (each rank's
     mini-batch as one forest; as computed), ``treepack/lost_rows/false_forks`` (rollouts
@@ -135,7 +137,9 @@ def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None) -> 
     ``treepack/lost_rows/split_and_repeat`` (the rank's mini-batch cut into packs, one per
     micro-batch). Rows lost across ranks and mini-batches are the trainer's
     (``treepack/groups_split_*``). With images, rows are counted over (id, image) pairs
-    (``keys``), as the packs are built.
+    (``keys``), as the packs are built; with routing replay (``routes``), over (id, route)
+    pairs, and ``treepack/lost_rows/differing_routes`` counts the rows that rollouts routed
+    differently fork.
 
     Rows that carry verl v1's ``session_id`` (every agent-loop row in TransferQueue does)
     are read as sessions ``{uid}_{session_id}`` (``sessions=`` of the report), and
@@ -156,8 +160,9 @@ def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None) -> 
         plen = None if plen is None else plen[order]
         pack_of = pack_of[order]
         keys = None if keys is None else [keys[i] for i in order]
+        routes = None if routes is None else [routes[i] for i in order]
     lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of,
-                          keys=keys, sessions=sessions)  # (id, image) pairs, as the packs
+                          keys=keys, sessions=sessions, routes=routes)  # (id, image) pairs, as the packs
     forked = [sum(f.rows for f in lost.session_forks), len(lost.session_forks),
               int(sessions is not None)]
     counts = torch.tensor(lost.counts() + forked, dtype=torch.float64, device=verl_device())

@@ -113,6 +113,26 @@ def megatron_engine():
     return MegatronEngineWithLMHead, make_batch_generator
 
 
+@contextlib.contextmanager
+def unfused(chunks):
+    """While it lasts, the model ``chunks`` verl's fused kernels patched (``use_fused_kernels``
+    on a megatron-core before 0.18: each ``GPTModel``'s ``forward`` replaced by one that
+    needs the labels and returns log-probs) run megatron-core's own forward again; the patch
+    is restored after. A chunk verl did not patch is left alone."""
+    from verl.models.mcore.model_forward_fused import patch_fused_forward, unpatch_fused_forward
+    from verl.utils.megatron_utils import unwrap_model
+
+    patched = [c for c in chunks if hasattr(unwrap_model(c), "forward_backup")
+               or hasattr(getattr(unwrap_model(c), "language_model", None), "forward_backup")]
+    for chunk in patched:
+        unpatch_fused_forward(chunk)
+    try:
+        yield
+    finally:
+        for chunk in patched:
+            patch_fused_forward(chunk)
+
+
 # verl 0.9.1's apply_monkey_patch replaces these classes' forwards, for every model of the
 # process, when it builds a Qwen2-VL / Qwen2.5-VL engine: the model's forward with one that
 # takes only [4, batch, length] position ids and its attention with a direct flash-attention

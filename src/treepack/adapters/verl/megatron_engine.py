@@ -27,12 +27,20 @@ What changes, and what does not:
 - **Metrics**: ``treepack/token_ratio`` per micro-batch, ``treepack/log_prob_token_ratio``
   and the sharing report (``treepack/*_ratio``, ``treepack/lost_rows/*``,
   ``treepack/session_forks/*``) as the FSDP engine reports them (:mod:`treepack.verl`).
+- **Routing replay (R3).** Under ``router_replay.mode=R3`` each row's ``routed_experts`` (the
+  rollout's) become its pack's routes, aligned and masked as verl's R3 replay does
+  (:func:`.batches.host_routes`): rows merge only where routes agree, and each replays its
+  route through :mod:`treepack.megatron`'s replay. A batch verl does not replay
+  (``compute_ref_log_prob``: its ``enable_routing_replay`` flag off) routes natively (routes
+  -1 throughout), as verl's does.
+- **verl's fused kernels** (``use_fused_kernels``) are served by treepack's lean head; where
+  verl replaced each chunk's ``forward`` with its fused one (megatron-core before 0.18),
+  packed steps run megatron-core's own and verl's is put back after.
 - **Transparent fallback, by name.** verl's stock path runs (one log line, logger
   ``treepack.verl``) for a model :func:`treepack.megatron.prepare` refuses on any stage
   (multi-token prediction, CUDA graphs, YaRN as the model's embedding, Mamba layers, MoE
-  layers recomputed alone, token dropping), verl's fused kernels, routing replay (treepack
-  .megatron replays a pack's routes; the engine does not yet turn verl's ``routed_experts``
-  into them), dynamic context parallelism,
+  layers recomputed alone, token dropping), routing replay R2 (it records routes in a
+  log-prob pass), dynamic context parallelism,
   multi-modal inputs, distillation outputs, position ids other than ``0 .. length - 1``, a
   temperature that is not finite and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
   rank, since a refusal can hold on one pipeline stage only.
@@ -108,11 +116,12 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         if self._treepack_refused:
             return f"the model cannot be tree-packed ({self._treepack_refused})"
         config = self.engine_config
-        named = {"use_fused_kernels": config.use_fused_kernels,
-                 "router_replay": self.enable_routing_replay,
-                 "dynamic_context_parallel": config.dynamic_context_parallel}
-        if any(named.values()):
-            return f"{[k for k, v in named.items() if v]} (not run on trees)"
+        if config.dynamic_context_parallel:
+            return "dynamic_context_parallel (not run on trees)"
+        mode = self._replay_mode()
+        if mode not in ("disabled", "R3"):
+            return (f"router_replay.mode={mode!r} (R2 records the routes of a log-prob pass "
+                    "on verl's stock path; R3, the rollout's routes, runs on trees)")
         if len(data) == 0:
             return "a data-parallel rank without rows"
         inputs = extract_multi_modal_inputs(data.get("multi_modal_inputs", []))
@@ -122,8 +131,36 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         positions = data["position_ids"]
         if positions.dim() == 3:
             return "multi-dimensional (mrope) position ids"
-        return (vb.output_refusal(data) or vb.positions_refusal(positions)
-                or vb.temperature_refusal(data))
+        return (vb.output_refusal(data, served=("use_fused_kernels",))
+                or vb.positions_refusal(positions) or vb.temperature_refusal(data))
+
+    def _replay_mode(self) -> str:
+        """verl's ``router_replay.mode`` of this engine (``"disabled"``, ``"R2"``, ``"R3"``)."""
+        replay = getattr(self.engine_config, "router_replay", None)
+        return "disabled" if replay is None else str(replay.mode)
+
+    def _routes(self, data) -> list[np.ndarray] | None:
+        """Each row's routes for its pack under routing replay (module doc), or None. Where
+        verl replays (the batch's ``enable_routing_replay``: ``compute_log_prob`` and
+        ``update_actor``), the rollout's ``routed_experts`` as verl's R3 aligns and masks them
+        (:func:`.batches.host_routes`); where it does not (``compute_ref_log_prob``), -1
+        throughout: every router routes by itself, as verl's does then.
+
+        Raises:
+            ValueError: a replaying batch without ``routed_experts``.
+        """
+        if not self.enable_routing_replay:
+            return None
+        if tu.get_non_tensor_data(data, key="enable_routing_replay", default=False):
+            if "routed_experts" not in data.keys():
+                raise ValueError(
+                    "router_replay.mode='R3' replays the rollout's routes, but this batch has "
+                    "no 'routed_experts': switch the rollout's routing record on "
+                    "(actor_rollout_ref.rollout.enable_rollout_routing_replay=True)")
+            return vb.host_routes(data)
+        config = self.tf_config
+        shape = (config.num_layers, config.moe_router_topk)
+        return [np.full((len(s), *shape), -1, dtype=np.int16) for s in vb.host_sequences(data)]
 
     # ---------------------------------------------------------------- packed steps
 
@@ -133,15 +170,17 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         cp = self.engine_config.context_parallel_size
         tu.assign_non_tensor(data, sp_size=cp)
         self._loss_normalisers(data, group)
-        sequences = vb.host_sequences(data)
+        sequences, routes = vb.host_sequences(data), self._routes(data)
         budget = vb.token_budget(data, cp)
-        planned = plan(sequences, max_tokens=budget)
-        if self._in_parts(planned, forward_only):
-            micro = [np.arange(len(sequences))]
-            losses = self._parts_step(data, sequences, budget, loss_function, forward_only)
-        else:
-            micro, losses = self._tree_steps(data, sequences, budget, planned, loss_function,
-                                             forward_only, group)
+        planned = plan(sequences, max_tokens=budget, routes=routes)
+        with compat.unfused(self.module):  # verl's fused head: treepack's serves it
+            if self._in_parts(planned, forward_only):
+                micro = [np.arange(len(sequences))]
+                losses = self._parts_step(data, sequences, routes, budget, loss_function,
+                                          forward_only)
+            else:
+                micro, losses = self._tree_steps(data, sequences, routes, budget, planned,
+                                                 loss_function, forward_only, group)
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return {}  # as verl's stock engine: outputs on the last stage
         keep = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output",
@@ -154,14 +193,14 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
             pack_of = np.zeros(len(sequences), dtype=np.int64)
             for j, rows in enumerate(micro):
                 pack_of[rows] = j
-            vb.log_sharing(collected, data, sequences, pack_of, group)
+            vb.log_sharing(collected, data, sequences, pack_of, group, routes=routes)
         packed, tokens = np.sum([out["sizes"] for out in losses if "sizes" in out] or [[0, 0]],
                                 axis=0)
         vb.note_pass(self, collected, forward_only, packed / max(tokens, 1))
         return collected
 
-    def _tree_steps(self, data, sequences, budget, planned, loss_function, forward_only,
-                    group):
+    def _tree_steps(self, data, sequences, routes, budget, planned, loss_function,
+                    forward_only, group):
         """The rank's rows as tree packs under the budget, each a micro-batch of Megatron's
         schedule: the packs (rows per micro-batch) and the schedule's outputs."""
         micro = vb.micro_batches(planned)
@@ -171,14 +210,16 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         group_size = self._microbatch_group()
         count = -(-count // group_size) * group_size  # the interleaved schedule's groups
         if len(micro) < count:  # as many real micro-batches as the others where it can
-            micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count))
+            micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count,
+                                          routes=routes))
         items = []
         for i in range(count):  # past its packs, a rank reruns one at weight 0
             real = i < len(micro)
             picked = micro[i] if real else micro[0][:1]
             batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
             tu.assign_non_tensor(batch, num_micro_batch=count)
-            items.append((batch, [sequences[r] for r in picked], real))
+            items.append((batch, [sequences[r] for r in picked],
+                          None if routes is None else [routes[r] for r in picked], real))
         step = functools.partial(self._tree_forward_step, loss_function=loss_function,
                                  forward_only=forward_only)
         return micro, get_forward_backward_func()(
@@ -209,7 +250,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
                 return refusal
         return None
 
-    def _parts_step(self, data, sequences, budget, loss_function, forward_only) -> list:
+    def _parts_step(self, data, sequences, routes, budget, loss_function,
+                    forward_only) -> list:
         """The rank's batch as one micro-batch of Megatron's schedule, its trees in parts of
         at most ``budget`` rows (module doc): the schedule's outputs."""
         temperature = per_sequence_temperature(data["temperature"], len(sequences))
@@ -217,8 +259,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         tu.assign_non_tensor(data, num_micro_batch=1)
         batch = data.to(get_device_id())
         offsets = batch["input_ids"].offsets()
-        parts = split(TreePack.from_sequences(sequences, layout="flat", device=offsets.device),
-                      budget)
+        parts = split(TreePack.from_sequences(sequences, layout="flat", device=offsets.device,
+                                              routes=routes), budget)
         cp = mpu.get_context_parallel_world_size()
         settings = dict(temperature=temperature, entropy=entropy, align="prediction")
         state = {}
@@ -297,12 +339,13 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
     def _tree_forward_step(self, batch_iter, model, loss_function, forward_only):
         """Megatron's ``forward_step_func`` on a tree micro-batch: this stage's forward of
         the pack, and on the last stage verl's loss on its log-probs."""
-        batch, sequences, real = next(batch_iter)
+        batch, sequences, routes, real = next(batch_iter)
         temperature = per_sequence_temperature(batch["temperature"], len(sequences))
         batch = batch.to(get_device_id())
         offsets = batch["input_ids"].offsets()
         entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
-        pack = TreePack.from_sequences(sequences, layout="flat", device=offsets.device)
+        pack = TreePack.from_sequences(sequences, layout="flat", device=offsets.device,
+                                       routes=routes)
         stage = tm.forward_stage(model, pack, temperature=temperature, entropy=entropy,
                                  align="prediction", backend=self.treepack_backend)
 
