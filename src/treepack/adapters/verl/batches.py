@@ -161,8 +161,9 @@ def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None,
         pack_of = pack_of[order]
         keys = None if keys is None else [keys[i] for i in order]
         routes = None if routes is None else [routes[i] for i in order]
+    # rows over (id, image) and (id, route) pairs, as the packs are built
     lost = sharing.report(sequences, groups=uid, prompt_lengths=plen, packs=pack_of,
-                          keys=keys, sessions=sessions, routes=routes)  # (id, image) pairs, as the packs
+                          keys=keys, sessions=sessions, routes=routes)
     forked = [sum(f.rows for f in lost.session_forks), len(lost.session_forks),
               int(sessions is not None)]
     counts = torch.tensor(lost.counts() + forked, dtype=torch.float64, device=verl_device())

@@ -139,7 +139,7 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         replay = getattr(self.engine_config, "router_replay", None)
         return "disabled" if replay is None else str(replay.mode)
 
-    def _routes(self, data) -> list[np.ndarray] | None:
+    def _routes(self, data, sequences) -> list[np.ndarray] | None:
         """Each row's routes for its pack under routing replay (module doc), or None. Where
         verl replays (the batch's ``enable_routing_replay``: ``compute_log_prob`` and
         ``update_actor``), the rollout's ``routed_experts`` as verl's R3 aligns and masks them
@@ -160,7 +160,7 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
             return vb.host_routes(data)
         config = self.tf_config
         shape = (config.num_layers, config.moe_router_topk)
-        return [np.full((len(s), *shape), -1, dtype=np.int16) for s in vb.host_sequences(data)]
+        return [np.full((len(s), *shape), -1, dtype=np.int16) for s in sequences]
 
     # ---------------------------------------------------------------- packed steps
 
@@ -170,7 +170,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         cp = self.engine_config.context_parallel_size
         tu.assign_non_tensor(data, sp_size=cp)
         self._loss_normalisers(data, group)
-        sequences, routes = vb.host_sequences(data), self._routes(data)
+        sequences = vb.host_sequences(data)
+        routes = self._routes(data, sequences)
         budget = vb.token_budget(data, cp)
         planned = plan(sequences, max_tokens=budget, routes=routes)
         with compat.unfused(self.module):  # verl's fused head: treepack's serves it
