@@ -220,3 +220,31 @@ class Norm(torch.nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def fused_norm_linear():
+    """TransformerEngine's ``TELayerNormColumnParallelLinear`` on a CPU: an RMSNorm fused
+    before megatron-core's ``ColumnParallelLinear``, its attributes named as TE's
+    ``LayerNormLinear`` names them (``layer_norm_weight``, ``layer_norm_bias``,
+    ``normalization``, ``eps``, ``zero_centered_gamma``). TE's MLA spec puts it in
+    ``linear_kv_up_proj`` with ``qk_layernorm``. Its norm runs on the rows this rank holds
+    (under sequence parallelism, before the linear gathers them), in float32 or wider."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class FusedNormLinear(ColumnParallelLinear):
+        def __init__(self, input_size: int, output_size: int, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.normalization, self.eps = "RMSNorm", config.layernorm_epsilon
+            self.zero_centered_gamma = False
+            self.layer_norm_weight = torch.nn.Parameter(
+                1 + 0.1 * torch.randn(input_size, dtype=config.params_dtype))
+            self.layer_norm_weight.sequence_parallel = config.sequence_parallel
+            self.layer_norm_bias = None
+
+        def forward(self, x, *args, **kwargs):
+            y = x.to(torch.promote_types(x.dtype, torch.float32))
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+            return super().forward((y * self.layer_norm_weight.to(y.dtype)).to(x.dtype), *args,
+                                   **kwargs)
+
+    return FusedNormLinear

@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["HeadExchange", "all_to_all", "sum_over", "rank_stream"]
+__all__ = ["HeadExchange", "all_to_all", "all_gather", "sum_over", "rank_stream"]
+
+# torch 2.13 renamed the single-tensor collectives; the GPU image's 2.11 has the old names
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_to_all(x: Tensor, scatter: int, gather: int, group) -> Tensor:
@@ -52,6 +56,31 @@ def all_to_all(x: Tensor, scatter: int, gather: int, group) -> Tensor:
     received joined along ``gather`` in rank order; differentiable (the backward is the
     reverse exchange)."""
     return _Exchange.apply(x.contiguous(), scatter, gather, group)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0: every rank's ``x`` joined in rank order. Its backward
+    reduce-scatters: each rank gets the sum over the group of its piece's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        _gather_into(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        size = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def all_gather(x: Tensor, group) -> Tensor:
+    """Every rank's ``x`` joined along dim 0 in rank order, on every rank; differentiable (each
+    rank's gradient is the group's sum of the gradients of its piece)."""
+    return _Gather.apply(x.contiguous(), group)
 
 
 class _Sum(torch.autograd.Function):
@@ -113,6 +142,11 @@ class HeadExchange:
             shape[rows] = pad
             x = torch.cat((x, x.new_zeros(shape)), rows)
         return all_to_all(x, rows, heads, self.group)
+
+    def gather(self, x: Tensor) -> Tensor:
+        """(own rows, ...) -> (all rows, ...): every rank's rows along dim 0, cut to the
+        forward's; differentiable (each row's gradient summed over the group, to its owner)."""
+        return all_gather(x, self.group).narrow(0, 0, self.total)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, attend, owner: str) -> Tensor:
         """``attend(q, k, v)`` over every row for this rank's heads, from this rank's rows

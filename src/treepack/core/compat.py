@@ -9,9 +9,10 @@ code it meant to replace).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
-__all__ = ["moved", "require"]
+__all__ = ["moved", "require", "replaced"]
 
 
 def moved(symbols: Iterable[tuple[str, object, str]]) -> list[str]:
@@ -49,3 +50,19 @@ def require(framework: str, installed: str, written_against: str,
 
 
 _MISSING = object()
+
+
+@contextlib.contextmanager
+def replaced(owner, name: str, value):
+    """While it lasts, ``owner.name`` is ``value`` (an instance attribute: a module's
+    ``forward`` for one call, say); then exactly what was there again (nothing, where the
+    attribute came from the class)."""
+    saved = vars(owner).get(name, _MISSING)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if saved is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)

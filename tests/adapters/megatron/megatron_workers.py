@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron_cpu import Norm, ReferenceAttention, recorded, replaying
+from megatron_cpu import Norm, ReferenceAttention, fused_norm_linear, recorded, replaying
 
 VOCAB = 128
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -145,6 +145,11 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
         if case.get("mla"):  # the latents' norms; the reference's core attention its own
             attention = kinds[moe].submodules.self_attention.submodules
             attention.q_layernorm = attention.kv_layernorm = Norm
+            if case.get("fused_norm"):  # TE's layout: the kv norm inside the up-projection
+                from megatron.core.transformer.identity_op import IdentityOp
+
+                attention.kv_layernorm = IdentityOp
+                attention.linear_kv_up_proj = fused_norm_linear()
             if not tree:
                 attention.core_attention = ReferenceAttention
     pattern = moe_pattern(case) if experts else [0] * case.get("layers", 2)
@@ -158,16 +163,35 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
 
 
-def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True):
-    """The case's GPTModel on this rank (float64), from the tree spec or the stock one."""
+def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True,
+          pg_collection=None):
+    """The case's GPTModel on this rank (float64), from the tree spec or the stock one
+    (``pg_collection``: its process groups, else Megatron's)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     spec_ = spec(case, tree, pp)
     model = GPTModel(config(case, tp, cp, pp), spec_, vocab_size=VOCAB, max_sequence_length=64,
                      position_embedding_type=case.get("positions", "rope"),
                      share_embeddings_and_output_weights=case.get("tied", False),
-                     pre_process=_first(), post_process=_last())
+                     pre_process=_first(), post_process=_last(), pg_collection=pg_collection)
     return model.double()
+
+
+_ALONE_GROUPS: list = []
+
+
+def without_cp():
+    """Megatron's process groups with a context-parallel group of this rank alone: a model
+    built with them runs each sequence whole on this rank (Megatron's rope slices positions
+    per rank of the CP group it is given). Collective the first time (every rank makes every
+    one-rank group)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not _ALONE_GROUPS:
+        _ALONE_GROUPS.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.cp = _ALONE_GROUPS[dist.get_rank()]
+    return groups
 
 
 def _first() -> bool:
@@ -468,10 +492,6 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
     import treepack
     import treepack.megatron as tm
 
-    if case.get("mla") and tp > 1 and cp > 1 and not case.get("broken"):
-        return {"skip": "multi-latent attention at TP > 1 is compared with Megatron's model at "
-                        "that TP (stock_at), which the local spec cannot run under CP"}
-
     model = build(case, tp, cp)
     mark_head_split(model)
     with torch.no_grad():
@@ -516,7 +536,7 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
     out = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
            "loss": loss.detach(), "grads": grads}
     if case.get("mla") and tp > 1:
-        out["reference"] = stock_at(case, reference, tp, tp_group, tp_rank)
+        out["reference"] = stock_at(case, reference, tp, tp_group, tp_rank, cp)
     if case.get("config", {}).get("softmax_type") == "learnable":  # its checkpoint shards
         sharded = model.sharded_state_dict()
         key = next(k for k in sharded if k.endswith("layers.0.self_attention.core_attention"
@@ -526,15 +546,17 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
     return out
 
 
-def stock_at(case: dict, reference: dict, tp: int, tp_group, tp_rank: int) -> dict:
+def stock_at(case: dict, reference: dict, tp: int, tp_group, tp_rank: int,
+             cp: int = 1) -> dict:
     """The stock model at this TP size (CP = 1) on every sequence alone, its gradients
     gathered to full tensors: the reference where Megatron's own model at TP > 1 is not the
     TP = 1 model's function. Multi-latent attention on the local spec is one: its rope key
     ``k_pos_emb`` leaves ``linear_kv_down_proj`` (column-parallel) through
     ``gather_from_tensor_model_parallel_region`` and is used by this rank's heads only, so
     each rank's share of its gradient is its heads' part (measured: the tree at TP = 2
-    equals this within 1.3e-15 and differs from TP = 1 by up to 5e-2)."""
-    model = build(case, tp, tree=False)
+    equals this within 1.3e-15 and differs from TP = 1 by up to 5e-2). Under CP, each CP
+    rank runs it with a CP group of its own (:func:`without_cp`)."""
+    model = build(case, tp, tree=False, pg_collection=without_cp() if cp > 1 else None)
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))
@@ -812,3 +834,46 @@ def run_moe_case(case: dict, reference: dict, rank: int, world: int) -> dict:
         merged.update(per)
     return {"logprobs": got.logprobs.detach(), "grads": merged}
 
+
+
+def latent_traffic_worker(rank: int, world: int, port: int, out: str) -> None:
+    """An MLA model at CP = ``world`` on one pack, forward only, twice: its keys and values
+    exchanged as latents (the default), then as expanded keys and values (every layer's
+    ``latent`` taken away). The values each rank received from the others in each, counted
+    at the collectives, and the two runs' log-probs."""
+    from treepack.adapters.megatron.attention import tree_layers
+    from treepack.attention import exchange
+
+    import treepack
+    import treepack.megatron as tm
+
+    init(rank, world, port, cp=world)
+    try:
+        case = {"mla": "rope"}
+        torch.manual_seed(0)
+        model = tm.prepare(build(case, cp=world))
+        pack = treepack.TreePack.from_sequences(sequences("forest", 0))
+        received = [0]
+        all_to_all, gather_into = exchange._all_to_all, exchange._gather_into
+
+        def counted_all_to_all(x, scatter, gather, group):
+            received[0] += x.numel() * (world - 1) // world
+            return all_to_all(x, scatter, gather, group)
+
+        def counted_gather_into(output, input_, group=None):
+            received[0] += output.numel() - input_.numel()
+            return gather_into(output, input_, group=group)
+
+        exchange._all_to_all, exchange._gather_into = counted_all_to_all, counted_gather_into
+        result = {"rows": pack.num_rows}
+        with torch.no_grad():
+            for name in ("latent", "expanded"):
+                received[0] = 0
+                if name == "expanded":
+                    for layer in tree_layers(model):
+                        layer.latent = None
+                got = tm.logprobs(model, pack)
+                result[name] = {"received": received[0], "logprobs": got.logprobs}
+        torch.save(result, f"{out}/traffic-rank{rank}.pt")
+    finally:
+        shutdown()

@@ -63,6 +63,12 @@ CASES = {
     "multi-latent attention, rope": {"mla": "rope"},
     "multi-latent attention, yarn": {"mla": "yarn"},
     "multi-latent attention, q not low-rank": {"mla": "rope", "q_lora_rank": None},
+    # TransformerEngine's MLA spec with qk_layernorm: the kv norm fused into the up-projection
+    # (under CP the latent exchange applies it: megatron_cpu.fused_norm_linear)
+    "multi-latent attention, kv norm fused into the up-projection": {
+        "mla": "rope", "fused_norm": True},
+    "in parts, multi-latent attention": {"parts": 6, "mla": "yarn"},
+    "multi-latent attention, every layer recomputed": {"mla": "rope", "config": RECOMPUTE},
     "multi-latent attention, yarn, MoE routing replay": {
         "mla": "yarn", "routes": True, "config": REPLAY},
     # a dense layer, then an MoE one; routes one per layer of the model, as vLLM records
@@ -422,3 +428,49 @@ def test_moe_settings_a_tree_cannot_run_are_refused_by_name(fields, words):
         moe.check(types.SimpleNamespace(**fields))
     moe.check(types.SimpleNamespace(recompute_granularity="selective",
                                     recompute_modules=["core_attn", "moe_act"]))
+
+
+def test_mla_keys_and_values_travel_as_latents_under_cp(tmp_path):
+    """At CP = 2 each rank receives every other rank's latent and rope key per row
+    (kv_lora_rank + qk_pos_emb_head_dim values) in place of the expanded keys and values of
+    its heads (heads / CP x (qk_head_dim + qk_pos_emb_head_dim + v_head_dim)); the queries
+    and outputs travel as before, and the log-probs are the same."""
+    spawn(megatron_workers.latent_traffic_worker, str(tmp_path), world=2, timeout=300)
+    cfg = megatron_workers.config({"mla": "rope"})
+    heads, layers, cp = cfg.num_attention_heads, cfg.num_layers, 2
+    key, value = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    for rank in range(cp):
+        got = torch.load(tmp_path / f"traffic-rank{rank}.pt")
+        width = -(-got["rows"] // cp)  # each rank's rows, padded
+
+        def per_rank(kv_values_per_row):  # queries and outputs all-to-all, keys/values
+            exchanged = heads * (key + value) * (cp - 1) // cp
+            return layers * width * (exchanged + kv_values_per_row)
+
+        latent = per_rank((cp - 1) * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim))
+        expanded = per_rank(heads * (key + value) * (cp - 1) // cp)
+        assert got["latent"]["received"] == latent, (got["latent"]["received"], latent)
+        assert got["expanded"]["received"] == expanded, (got["expanded"]["received"], expanded)
+        assert latent < expanded
+        assert within(((got["latent"]["logprobs"] - got["expanded"]["logprobs"]).abs().max()
+                       / got["expanded"]["logprobs"].abs().max()).item(), FLOAT64_EXACT)
+
+
+@pytest.mark.parametrize("tp, cp, latent", [(1, 2, True), (8, 8, True), (8, 16, False)])
+def test_mla_exchange_carries_the_smaller_of_latents_and_keys(tp, cp, latent):
+    """DeepSeek-V3's shapes: the latent (512 + 64 values a row) travels until the expanded
+    keys and values of a rank's heads (128 / TP / CP heads x 320) are smaller."""
+    from types import SimpleNamespace
+
+    from treepack.adapters.megatron.latent import LatentKeys
+
+    heads = 128 // tp
+    config = SimpleNamespace(kv_lora_rank=512, qk_pos_emb_head_dim=64, qk_head_dim=128,
+                             v_head_dim=128, fp8=None, fp4=None)
+    up = SimpleNamespace(weight=torch.empty(heads * 256, 512), bias=None)
+    attention = SimpleNamespace(config=config, num_attention_heads_per_partition=heads,
+                                recompute_up_proj=False, linear_kv_up_proj=up)
+    why = LatentKeys.refusal(attention, cp)
+    assert (why is None) == latent, why
+    if not latent:
+        assert "the expanded keys and values are the smaller (320 values" in why

@@ -21,6 +21,7 @@ from treepack.adapters.hf.packed import check_pack, packed_forward
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
 from treepack.core import deprecation
+from treepack.core.compat import replaced
 from treepack.core.outputs import (RowLogprobs, TokenLogprobs, from_logits,
                                    per_sequence_temperature)
 from treepack.core.tree import TreePack
@@ -304,16 +305,8 @@ def _forward_replaced(module, forward):
     replaced, so the hook still runs around ``forward``; elsewhere ``module.forward``."""
     name = "_old_forward" if "forward" in vars(module) and hasattr(module, "_old_forward") \
         else "forward"
-    missing = object()
-    saved = vars(module).get(name, missing)
-    setattr(module, name, forward)
-    try:
+    with replaced(module, name, forward):
         yield
-    finally:
-        if saved is missing:
-            delattr(module, name)
-        else:
-            setattr(module, name, saved)
 
 
 def run(model, pack: TreePack, backend: str, block_size: int, kwargs: dict, *,

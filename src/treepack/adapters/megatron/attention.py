@@ -61,6 +61,8 @@ class TreeCoreAttention(MegatronModule):
     the local spec, only trees run).
     """
 
+    latent = None  # multi-latent attention: its keys and values travel as latents (.latent)
+
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  *, stock=None, **kwargs):

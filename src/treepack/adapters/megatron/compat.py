@@ -27,6 +27,16 @@ Replaced on each instance of the model being prepared (never on the classes):
   swapped for a subclass whose ``get_rotary_seq_len`` / ``forward`` give each row its depth
   (:mod:`.rotary`; ``RotaryEmbedding.get_emb``, ``YarnRotaryEmbedding.get_emb`` returning the
   embedding and its ``mscale``).
+- ``MLASelfAttention.__class__`` (multi-latent attention): swapped for a subclass whose
+  ``get_query_key_value_tensors`` (signature ``hidden_states, key_value_states,
+  position_ids, packed_seq_params, ...``; returns ``query, key, value, q_compressed,
+  kv_compressed``), in a tree forward under CP, calls megatron-core's own with
+  ``linear_kv_up_proj.forward`` replaced for that call, reads the module's
+  ``num_attention_heads_per_partition``, ``tp_group``, ``recompute_up_proj``, the up
+  projection's ``weight`` (``[heads x (qk_head_dim + v_head_dim), kv_lora_rank]``) and,
+  where TE fuses the norm into it, ``layer_norm_weight``, ``layer_norm_bias``,
+  ``normalization``, ``eps``, ``zero_centered_gamma``; and the rope part of the key it
+  returns (:mod:`.latent`).
 - ``GPTModel.output_layer.forward``: for one forward, returns its input and records the weight
   (:mod:`.forward`), so no ``[T', V]`` logits exist.
 - ``<layer>.self_attention.core_attention``: the tree core attention around the built module
@@ -51,6 +61,7 @@ try:
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 except ImportError as e:  # pragma: no cover - exercised only without megatron-core
     raise ImportError("treepack.megatron needs megatron-core >= 0.16: pip install "
                       "'treepack[megatron]'") from e
@@ -77,6 +88,8 @@ SYMBOLS = (  # (name, owner, attribute path)
     ("RotaryEmbedding.get_rotary_seq_len", RotaryEmbedding, "get_rotary_seq_len"),
     ("RotaryEmbedding.get_emb", RotaryEmbedding, "get_emb"),
     ("YarnRotaryEmbedding.get_emb", YarnRotaryEmbedding, "get_emb"),
+    ("MLASelfAttention.get_query_key_value_tensors", MLASelfAttention,
+     "get_query_key_value_tensors"),
     # the fields Megatron reads of the packed_seq_params a tree forward passes (all default)
     *((f"PackedSeqParams.{f}", PackedSeqParams, f)
       for f in ("qkv_format", "max_seqlen_q", "max_seqlen_kv", "cp_group")),

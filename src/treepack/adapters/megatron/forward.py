@@ -16,7 +16,8 @@ The model sees the pack's rows as one sequence (``[1, rows]``) at their depths
 - **Context parallelism.** The pack's rows are split over the CP ranks (a contiguous slice
   each, padded the same way); each attention layer exchanges rows for heads all-to-all
   (:class:`treepack.attention.exchange.HeadExchange`), runs the tree over every row for its
-  heads, and exchanges back. Each rank's predictions are placed in ``[N, L]`` and summed over
+  heads, and exchanges back. A multi-latent attention layer's keys and values travel as
+  latents instead, up-projected on each rank for its heads (:mod:`.latent`). Each rank's predictions are placed in ``[N, L]`` and summed over
   the CP group, whose backward hands each rank its own share: each CP rank's parameter
   gradients are its rows' share, and their sum over the group (what Megatron's DDP reduces
   over data x context parallel ranks) is the pack's.
@@ -34,11 +35,12 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.megatron import compat, moe, rotary
+from treepack.adapters.megatron import compat, latent, moe, rotary
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
                                                   swap, tree_layers)
 from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
 from treepack.core.agreement import agreement, pack_identity
+from treepack.core.compat import replaced
 from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.softmax import Head
@@ -111,6 +113,8 @@ def prepare(model):
             f"{type(core).__name__} has {layers} layers on this stage but {found} core "
             "attentions: layers without attention (Mamba) are not routed yet")
     rotary.install(core)
+    if getattr(config, "multi_latent_attention", False):
+        latent.install(core)
     if moe.has_moe(core):
         moe.check(config)
         moe.install(core)
@@ -176,18 +180,25 @@ class MegatronForward:
                        sinks: Tensor | None = None) -> Tensor:
         """A layer's tree attention: ``query`` ``[width, 1, h, d]``, ``key`` and ``value``
         ``[width, 1, g, d]`` (TP-local heads; ``[width, h, d]`` from multi-latent attention,
-        whose values are narrower than its queries and keys) in, ``[width, 1, h * d_v]`` out;
-        ``sinks`` ``[h]``, a sink logit per head (attention sinks), or None."""
+        whose values are narrower than its queries and keys; under CP, where its keys and
+        values travel as latents, ``[total, h / CP, d]``: every row, this rank's heads) in,
+        ``[width, 1, h * d_v]`` out; ``sinks`` ``[h]``, a sink logit per head (attention
+        sinks), or None."""
         self.calls += 1
         moe.resume(module, self.routing)  # a recomputed layer's router reads the forward's
+        latent = self.latent_keys(module) is not None  # k, v: every row, this rank's heads
         if query.dim() == 3:  # multi-latent attention drops the batch dimension where
-            query, key, value = (t.unsqueeze(1) for t in (query, key, value))  # packed
+            query = query.unsqueeze(1)  # packed_seq_params are given
+            if not latent:
+                key, value = key.unsqueeze(1), value.unsqueeze(1)
         if query.shape[0] != self.width or query.shape[1] != 1:
             raise UnsupportedMegatron(
                 f"the core attention got q of shape {tuple(query.shape)} where the tree "
                 f"forward has {self.width} rows in one sequence: a layer that changes the "
                 "sequence dimension before attention is not supported")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [1, heads, rows, d]
+        q = query.permute(1, 2, 0, 3)  # [1, heads, rows, d]
+        k, v = (t.permute(1, 0, 2)[None] if latent else t.permute(1, 2, 0, 3)
+                for t in (key, value))
 
         mine = sinks
         if sinks is not None and self.exchange is not None:  # this CP rank's heads
@@ -197,7 +208,10 @@ class MegatronForward:
             return self.mixers.attend(module, q, k, v, scale=scale, window=window,
                                       dropout=dropout, sinks=mine)
 
-        if self.exchange is not None:
+        if latent:  # the keys and values came as latents (.latent): the queries travel
+            with self._own_stream(dropout):
+                out = self.exchange.to_rows(inner(self.exchange.to_heads(q, 1, 2), k, v), 2, 1)
+        elif self.exchange is not None:
             with self._own_stream(dropout):
                 out = self.exchange.attend(q, k, v, inner, type(module).__name__)
         else:
@@ -207,6 +221,11 @@ class MegatronForward:
                 out = torch.cat((out, out.new_zeros(*out.shape[:2], self.width - total,
                                                     out.shape[3])), 2)
         return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
+
+    def latent_keys(self, module):
+        """The :class:`~.latent.LatentKeys` of a layer's tree core attention ``module`` where
+        its keys and values travel as latents in this forward (under CP), else None."""
+        return None if self.exchange is None else getattr(module, "latent", None)
 
     def _own_stream(self, dropout: float):
         """With attention dropout under CP, this rank's heads draw from a stream of their own
@@ -248,15 +267,8 @@ def _hidden_out(model):
         seen["bias"] = getattr(layer, "bias", None)
         return input_, None
 
-    saved = vars(layer).get("forward")
-    layer.forward = forward
-    try:
+    with replaced(layer, "forward", forward):
         yield seen
-    finally:
-        if saved is None:
-            del layer.forward
-        else:
-            layer.forward = saved
 
 
 def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
