@@ -248,3 +248,44 @@ def fused_norm_linear():
                                    **kwargs)
 
     return FusedNormLinear
+
+
+def gdn_without_fla() -> None:
+    """megatron-core 0.16's ``GatedDeltaNet`` refuses to build without fla (flash-linear-
+    attention, Triton kernels: no CPU). In ``deterministic_mode`` it runs megatron-core's own
+    torch kernel and needs only fla's ``l2norm``: given here in torch (fla's:
+    ``x / sqrt(sum(x^2) + 1e-6)`` over the last dimension); the kernel at its inputs'
+    precision (:func:`_at_input_precision`)."""
+    from megatron.core.ssm import gated_delta_net
+
+    if gated_delta_net.HAVE_FLA:
+        return
+
+    def l2norm(x, dim: int = -1, eps: float = 1e-6):
+        return x * torch.rsqrt(x.pow(2).sum(dim, keepdim=True) + eps)
+
+    gated_delta_net.HAVE_FLA, gated_delta_net.l2norm = True, l2norm
+    gated_delta_net.torch_chunk_gated_delta_rule = _at_input_precision(
+        gated_delta_net.torch_chunk_gated_delta_rule)
+
+
+def _at_input_precision(kernel):
+    """megatron-core's torch gated delta rule computing at its inputs' precision (float64 in
+    these tests) where it casts them to float32: built from the installed kernel's own
+    source, that one cast changed, so that the tree and every sequence alone are compared at
+    float64 and a wrong state shows at 1e-6, not under float32 rounding that a scan sums
+    (the layer's own float32 ``g`` stays). A megatron-core whose kernel casts otherwise fails
+    here, by name."""
+    import inspect
+
+    from megatron.core.ssm import gated_delta_net
+
+    source = inspect.getsource(kernel)
+    cast = ".to(torch.float32) for x in (query, key, value, beta, g)"
+    if source.count(cast) != 1:
+        raise RuntimeError("megatron-core's torch_chunk_gated_delta_rule no longer casts its "
+                           f"inputs with {cast!r}: update megatron_cpu._at_input_precision")
+    namespace = dict(vars(gated_delta_net))
+    exec(source.replace(cast, ".to(query.dtype) for x in (query, key, value, beta, g)"),
+         namespace)
+    return namespace[kernel.__name__]

@@ -8,9 +8,10 @@ megatron-core) build on it and give only what is theirs: how a model runs a forw
 """
 
 from treepack.forwards.carried import Carried, attend_part
-from treepack.forwards.mixers import PackForward, PartForward, TreeForward, with_params
+from treepack.forwards.mixers import (PackForward, PartForward, ShardedForward, TreeForward,
+                                      with_params)
 from treepack.forwards.plans import part_predictions
 from treepack.forwards.walk import PartsResult, Walk
 
-__all__ = ["TreeForward", "PackForward", "PartForward", "with_params", "Carried", "attend_part",
-           "Walk", "PartsResult", "part_predictions"]
+__all__ = ["TreeForward", "PackForward", "PartForward", "ShardedForward", "with_params",
+           "Carried", "attend_part", "Walk", "PartsResult", "part_predictions"]

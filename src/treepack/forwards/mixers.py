@@ -7,9 +7,9 @@ scans) run on a tree through the per-forward object the adapter hands them:
 - :class:`PackForward`: the whole pack (``treepack.hf.logprobs``, ``treepack.megatron.logprobs``);
 - :class:`PartForward`: one part of a tree run in parts, reading what the parts above it
   carry (:mod:`.carried`);
-- and, in the transformers adapter, one rank's slice of either
-  (:class:`treepack.adapters.hf.sequence_parallel.ShardedForward`: the inputs exchanged to
-  the rank's heads, then the forward it wraps).
+- :class:`ShardedForward`: one rank's slice of either (the transformers adapter's sequence
+  parallelism, Megatron's context parallelism): the inputs exchanged to the rank's heads,
+  then the forward it wraps.
 
 Every one of them takes queries, keys and values as ``[1, heads, rows, d]`` (the forward's
 rows, in order) and a mixer's inputs per row, so callers never branch on which forward runs.
@@ -26,12 +26,13 @@ import torch
 from torch import Tensor
 
 from treepack.attention import TreeAttention, dense
+from treepack.attention.exchange import HeadExchange
 from treepack.core.tree import TreePack
 from treepack.forwards.carried import Carried, attend_part
 from treepack.forwards.plans import conv_paths, scan_plan
 from treepack.recurrent import level_scan, path_conv1d, scan_levels, tree_conv1d
 
-__all__ = ["TreeForward", "PackForward", "PartForward", "with_params"]
+__all__ = ["TreeForward", "PackForward", "PartForward", "ShardedForward", "with_params"]
 
 
 @runtime_checkable
@@ -179,6 +180,74 @@ class PartForward:
             exported = torch.cat([finals[d].index_select(0, hit) for d, hit in plan.picks])
             self.carried.put(self.index, key, exported.index_select(0, plan.reorder))
         return out
+
+
+class ShardedForward:
+    """The token mixers (a :class:`TreeForward`) of one rank's slice of a forward's rows:
+    every mixer's inputs exchanged to (all rows, this rank's heads or channels), ``inner``'s
+    mixer over all rows, and back. The transformers adapter's sequence parallelism and
+    Megatron's context parallelism (its recurrent layers) run on it.
+
+    Args:
+        inner: the mixers over all the forward's rows (the pack's :class:`PackForward`, or a
+            part's :class:`PartForward`).
+        exchange: the rows' exchange over the group
+            (:class:`treepack.attention.exchange.HeadExchange`, its ``error`` the adapter's
+            refusal type).
+    """
+
+    def __init__(self, inner: TreeForward, exchange: HeadExchange):
+        self.inner, self.exchange, self.pack = inner, exchange, inner.pack
+        self.total = exchange.total
+        self.calls = 0
+        self.windowed = 0
+        self.mixer_calls = type(inner.mixer_calls)()
+
+    def attend(self, module, query, key, value, **kwargs):
+        if kwargs.get("sinks") is not None:  # this rank's heads' sink logits
+            kwargs["sinks"] = kwargs["sinks"].chunk(self.exchange.size)[self.exchange.rank]
+        return self.exchange.attend(
+            query, key, value, lambda q, k, v: self.inner.attend(module, q, k, v, **kwargs),
+            type(module).__name__)
+
+    def set_blocks(self, blocks):
+        self.inner.set_blocks(blocks)  # the inner forward attends over every row
+
+    def dense_mask(self):
+        raise self.exchange.error(
+            "a layer that builds its own mask of the pack (DeepSeek sparse attention's "
+            "indexer) with the rows split over ranks (sequence or context parallelism): each "
+            "rank holds a slice of them. Run it without a group")
+
+    def conv(self, x, weight, bias):
+        lo, hi = self.exchange.split(x.shape[1], "channels", "a short convolution")
+        out = self.inner.conv(self.exchange.to_heads(x, 1, 0), weight[lo:hi],
+                              None if bias is None else bias[lo:hi])
+        return self.exchange.to_rows(out, 0, 1)
+
+    def scan(self, kernel, inputs, per_head=None, shared=(), layer=None):
+        # every head reads a shared input whole (Mamba's B and C): each rank gathers all
+        # rows of it, one copy per rank through the same exchange
+        whole = {k: self.exchange.to_heads(inputs[k].expand(-1, self.exchange.size,
+                                                            *inputs[k].shape[2:]), 1, 0)
+                 for k in shared}
+        inputs = {k: t for k, t in inputs.items() if k not in whole}
+        # a Gated DeltaNet scan repeats its query / key heads up to the value heads inside
+        # the kernel (transformers 5.11 on): repeated here instead, so that a rank's heads
+        # are whole
+        counts = sorted({t.shape[1] for t in inputs.values()})
+        heads = counts[-1]
+        if any(heads % c for c in counts):
+            raise self.exchange.error(
+                f"a recurrent scan whose inputs have {counts} heads: sequence or context "
+                "parallelism splits a scan by heads")
+        lo, hi = self.exchange.split(heads, "heads", "a recurrent scan")
+        inputs = {k: self.exchange.to_heads(t if t.shape[1] == heads else
+                                            t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
+                  for k, t in inputs.items()}
+        per_head = {k: t[lo:hi] for k, t in (per_head or {}).items()}  # this rank's heads
+        return self.exchange.to_rows(self.inner.scan(kernel, inputs | whole, per_head,
+                                                     layer=layer), 0, 1)
 
 
 def with_params(kernel, params: dict | None):

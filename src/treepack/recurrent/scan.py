@@ -13,7 +13,7 @@ from treepack.core.forest import ragged_arange
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 
-__all__ = ["Level", "Levels", "levels", "row_levels", "level_scan", "scan_levels"]
+__all__ = ["Level", "Levels", "levels", "row_levels", "level_scan", "scan_levels", "level_chunk"]
 
 
 class Level(NamedTuple):
@@ -175,3 +175,18 @@ def scan_levels(plan: Levels, kernel: Kernel, inputs: dict[str, Tensor],
         return first.new_zeros((plan.size, *first.shape[1:])), finals
     out = torch.cat(values)
     return out.new_zeros((plan.size, *out.shape[1:])).index_put((plan.rows,), out), finals
+
+
+def level_chunk(chunk_size: int, width: int) -> int:
+    """The chunk size a tree level of ``width`` rows scans with: the layer's own, or, for a
+    level shorter than it, the power of two (at least 16) that holds the level.
+
+    The chunked scans are exact for any chunk size (it sets how the sum is split, not what it
+    sums), and the torch forms (transformers', megatron-core's) pad every call to whole
+    chunks: a tree's short levels (a GRPO group's prompt chain, an agent's tool steps) would
+    otherwise each pay a whole chunk per chain (Falcon-H1's 256), more than the run of every
+    sequence alone pays.
+    """
+    if width >= chunk_size:
+        return chunk_size
+    return min(chunk_size, max(16, 1 << max(width - 1, 0).bit_length()))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treepack import TreePack, hf, zoo
+from treepack.recurrent import level_chunk
 
 from reference import exact_kernel
 from tolerance import (
@@ -288,8 +289,7 @@ def test_short_tree_levels_scan_in_short_chunks():
     tree_positions = sum(b * -(-w // c) * c for b, w, c in calls)
     alone_positions = sum(-(-len(s) // 256) * 256 for s in seqs)
     assert tree_positions < alone_positions / 4, (tree_positions, alone_positions)
-    assert [routing.level_chunk(64, w) for w in (1, 16, 17, 64, 65, 300)] == [16, 16, 32, 64,
-                                                                              64, 64]
+    assert [level_chunk(64, w) for w in (1, 16, 17, 64, 65, 300)] == [16, 16, 32, 64, 64, 64]
 
 
 @pytest.mark.parametrize("family", ["falcon_mamba", "jamba"])

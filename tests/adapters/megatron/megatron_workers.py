@@ -17,7 +17,8 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron_cpu import Norm, ReferenceAttention, fused_norm_linear, recorded, replaying
+from megatron_cpu import (Norm, ReferenceAttention, fused_norm_linear, gdn_without_fla, recorded,
+                          replaying)
 
 VOCAB = 128
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -34,6 +35,9 @@ def sequences(kind: str = "forest", seed: int = 0) -> list[list[int]]:
 
     if kind == "tiny":  # fewer rows than ranks
         return [[5, 6, 7]]
+    if kind == "long":  # the forest, and a group whose prompt is longer than a 64-row chunk
+        long = tokens(70)  # (a Gated DeltaNet's), forking past it; one stops inside it
+        return sequences("forest", seed) + [long + tokens(n) for n in (5, 9)] + [long[:40]]
     prompt, other = tokens(9), tokens(5)
     out = [prompt + tokens(n) for n in (4, 7, 1)]
     out.append(out[1][:12])  # a prefix of another
@@ -119,6 +123,14 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                           moe_token_dispatcher_type="alltoall")
         fields.update(case.get("config", {}))
         return MLATransformerConfig(**fields)
+    if case.get("gdn"):  # Gated DeltaNet in every other layer (Qwen3-Next's, small), on
+        # megatron-core's deterministic torch kernel; v heads twice the k heads
+        fields.update(experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
+                      linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                      linear_num_key_heads=2, linear_num_value_heads=4, deterministic_mode=True,
+                      # megatron-core 0.16's config refuses CP with Gated DeltaNet (0.19 on
+                      # takes it); the tree's CP group is parallel_state's either way
+                      context_parallel_size=1)
     if pp > 1:  # packs differ in rows: the stages exchange their shapes
         fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
                       moe_token_dispatcher_type="alltoall")
@@ -153,14 +165,37 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
             if not tree:
                 attention.core_attention = ReferenceAttention
     pattern = moe_pattern(case) if experts else [0] * case.get("layers", 2)
+    layers = [kinds[m] for m in pattern]
+    if case.get("gdn"):  # linear_attention_freq = 2: layers 1, 3, ... Gated DeltaNet
+        layers = [gdn_layer(kind) if i % 2 == 0 else kind for i, kind in enumerate(layers)]
     per_stage = len(pattern) // pp
     from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank() if pp > 1 else 0
     block = TransformerBlockSubmodules(
-        layer_specs=[kinds[m] for m in pattern[stage * per_stage:(stage + 1) * per_stage]],
-        layer_norm=Norm)
+        layer_specs=layers[stage * per_stage:(stage + 1) * per_stage], layer_norm=Norm)
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
+
+
+def gdn_layer(kind):
+    """``kind`` (a local layer spec) with a Gated DeltaNet for its self-attention, as
+    megatron-core's experimental block spec builds one from TransformerEngine: the input norm
+    fused into ``in_proj`` (:func:`megatron_cpu.fused_norm_linear`), ``out_norm`` and a
+    row-parallel ``out_proj``."""
+    import copy
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    gdn_without_fla()
+    out = copy.deepcopy(kind)
+    out.submodules.input_layernorm = IdentityOp
+    out.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=(
+        GatedDeltaNetSubmodules(in_proj=fused_norm_linear(), out_norm=Norm,
+                                out_proj=RowParallelLinear)))
+    return out
 
 
 def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True,
@@ -230,10 +265,15 @@ def shutdown() -> None:
     dist.destroy_process_group()
 
 
-def _layout(param: torch.Tensor) -> tuple[int, int] | None:
-    """``(partition_dim, partition_stride)`` of a TP-split parameter, else None. A learnable
-    softmax offset (attention sinks) is split by heads without Megatron's marks: one entry
-    per TP-local head."""
+def _layout(param: torch.Tensor) -> tuple[int, int | list[int]] | None:
+    """``(partition_dim, partition_stride)`` of a TP-split parameter, else None; or
+    ``(dim, sections)``: the whole tensor's sections along ``dim``, each split over the TP
+    ranks (a Gated DeltaNet's q, k, v, gate, beta and alpha: :func:`mark_head_split`). A
+    learnable softmax offset (attention sinks) is split by heads without Megatron's marks:
+    one entry per TP-local head."""
+    sections = getattr(param, "_treepack_sections", None)
+    if sections is not None:
+        return 0, sections
     if getattr(param, "tensor_model_parallel", False):
         return param.partition_dim, getattr(param, "partition_stride", 1)
     if getattr(param, "_treepack_heads", False):
@@ -242,10 +282,25 @@ def _layout(param: torch.Tensor) -> tuple[int, int] | None:
 
 
 def mark_head_split(model) -> None:
-    """Mark each core attention's learnable softmax offset as split by heads (``_layout``)."""
+    """Mark each core attention's learnable softmax offset as split by heads, and each Gated
+    DeltaNet's parameters by their sections (``_layout``)."""
+    from treepack.adapters.megatron.recurrent import gated_delta_nets
+
     for name, p in model.named_parameters():
         if name.endswith("softmax_offset"):
             p._treepack_heads = True
+    for layer in gated_delta_nets(model):
+        qk, v, heads = layer.qk_dim, layer.v_dim, layer.num_value_heads
+        layer.in_proj.weight._treepack_sections = [qk, qk, v, v, heads, heads]
+        layer.conv1d.weight._treepack_sections = [qk, qk, v]
+        if layer.conv1d.bias is not None:
+            layer.conv1d.bias._treepack_sections = [qk, qk, v]
+        layer.A_log._treepack_sections = layer.dt_bias._treepack_sections = [heads]
+
+
+def _sections(layout, whole: int) -> tuple[int, list[int]]:
+    dim, sections = layout
+    return dim, ([whole // sections] * sections if isinstance(sections, int) else sections)
 
 
 def shard_of(param: torch.Tensor, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -253,9 +308,8 @@ def shard_of(param: torch.Tensor, full: torch.Tensor, rank: int, size: int) -> t
     layout = _layout(param)
     if layout is None or size == 1:
         return full
-    dim, stride = layout
-    pieces = full.chunk(size * stride, dim)
-    return torch.cat([pieces[rank + size * s] for s in range(stride)], dim)
+    dim, sections = _sections(layout, full.shape[layout[0]])
+    return torch.cat([s.chunk(size, dim)[rank] for s in full.split(sections, dim)], dim)
 
 
 def full_of(param: torch.Tensor, local: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -263,11 +317,11 @@ def full_of(param: torch.Tensor, local: torch.Tensor, group, size: int) -> torch
     layout = _layout(param)
     if layout is None or size == 1:
         return local
-    dim, stride = layout
+    dim, sections = _sections(layout, local.shape[layout[0]] * size)
     every = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(every, local.contiguous(), group=group)
-    pieces = [p.chunk(stride, dim) for p in every]
-    return torch.cat([pieces[r][s] for s in range(stride) for r in range(size)], dim)
+    pieces = [p.split([n // size for n in sections], dim) for p in every]
+    return torch.cat([pieces[r][s] for s in range(len(sections)) for r in range(size)], dim)
 
 
 def weights(shape, seed: int = 5):
@@ -382,9 +436,13 @@ def broken(how: str | None):
     from treepack.forwards import carried
     from treepack.adapters.megatron import moe
 
+    from treepack.forwards import mixers
+    from treepack.recurrent import scan
+
     saved = (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
              forward.Head, moe.install, carried.Carried.backward_inputs, moe.Routing.replaying,
-             moe.resume, rotary._TreeRotary._at_depths, rotary._span)
+             moe.resume, rotary._TreeRotary._at_depths, rotary._span, scan.scan_levels,
+             mixers.tree_conv1d)
     try:
         if how == "positions":  # the rotary embedding at each row's packed index
             rotary.install = lambda model: None
@@ -441,6 +499,16 @@ def broken(how: str | None):
                 out = out.permute(2, 0, 1, 3).reshape(own, 1, -1)
                 return torch.cat((out, out.new_zeros(self.width - own, *out.shape[1:])))
             forward.MegatronForward.core_attention = attend
+        elif how == "scan from zeros":  # every chain of a scan from zeros, not its parent's
+            scan.scan_levels = lambda plan, kernel, inputs, initial=None: saved[10](
+                plan, lambda batch, state: kernel(batch, None), inputs, initial)
+        elif how == "packed convolution":  # each row's convolution reads the packed rows
+            def packed_conv(pack, x, weight, bias=None):  # before it, not its ancestors
+                out = torch.nn.functional.conv1d(x.T[None], weight[:, None], bias,
+                                                 padding=weight.shape[1] - 1,
+                                                 groups=weight.shape[0])
+                return out[0, :, :x.shape[0]].T
+            mixers.tree_conv1d = packed_conv
         elif how == "carried gradient":  # parts hand no gradient to the parts above
             carried.Carried.backward_inputs = lambda self, i: ([], [])
         elif how == "vocabulary share":  # every TP rank takes its share for the first
@@ -451,7 +519,8 @@ def broken(how: str | None):
     finally:
         (rotary.install, exchange._Exchange.backward, forward.MegatronForward.core_attention,
          forward.Head, moe.install, carried.Carried.backward_inputs, moe.Routing.replaying,
-         moe.resume, rotary._TreeRotary._at_depths, rotary._span) = saved
+         moe.resume, rotary._TreeRotary._at_depths, rotary._span, scan.scan_levels,
+         mixers.tree_conv1d) = saved
 
 
 def each_case(cases: dict, path: str, run) -> None:
@@ -535,7 +604,7 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
         grads[k] = full_of(p, g, tp_group, tp)
     out = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
            "loss": loss.detach(), "grads": grads}
-    if case.get("mla") and tp > 1:
+    if (case.get("mla") or case.get("gdn")) and tp > 1:  # (stock_at)
         out["reference"] = stock_at(case, reference, tp, tp_group, tp_rank, cp)
     if case.get("config", {}).get("softmax_type") == "learnable":  # its checkpoint shards
         sharded = model.sharded_state_dict()
@@ -554,9 +623,12 @@ def stock_at(case: dict, reference: dict, tp: int, tp_group, tp_rank: int,
     ``k_pos_emb`` leaves ``linear_kv_down_proj`` (column-parallel) through
     ``gather_from_tensor_model_parallel_region`` and is used by this rank's heads only, so
     each rank's share of its gradient is its heads' part (measured: the tree at TP = 2
-    equals this within 1.3e-15 and differs from TP = 1 by up to 5e-2). Under CP, each CP
+    equals this within 1.3e-15 and differs from TP = 1 by up to 5e-2). A Gated DeltaNet's
+    ``out_norm`` is another: each TP rank normalises its heads' outputs with the one weight,
+    which Megatron sums over TP only under sequence parallelism. Under CP, each CP
     rank runs it with a CP group of its own (:func:`without_cp`)."""
     model = build(case, tp, tree=False, pg_collection=without_cp() if cp > 1 else None)
+    mark_head_split(model)
     with torch.no_grad():
         for k, p in model.named_parameters():
             p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))

@@ -20,7 +20,7 @@ from torch import Tensor
 from treepack.adapters.hf import compat
 from treepack.attention import dense
 from treepack.forwards.mixers import TreeForward
-from treepack.recurrent import decayed_linear_attention
+from treepack.recurrent import decayed_linear_attention, level_chunk
 
 __all__ = ["UnsupportedModel", "tree_forward", "registered_name", "check_calls",
            "text_config", "TREE_FORWARD_KWARG", "ATTENTION_LAYER_TYPES", "MIXER_LAYER_TYPES",
@@ -420,20 +420,6 @@ def _layer_conv(wrapped, original):
 
     causal_conv1d_fn.treepack_original = original
     return causal_conv1d_fn
-
-
-def level_chunk(chunk_size: int, width: int) -> int:
-    """The chunk size a tree level of ``width`` rows scans with: the layer's own, or, for a
-    level shorter than it, the power of two (at least 16) that holds the level.
-
-    The chunked scans are exact for any chunk size (it sets how the sum is split, not what it
-    sums), and transformers' torch forms pad every call to whole chunks: a tree's short levels
-    (a GRPO group's prompt chain, an agent's tool steps) would otherwise each pay a whole
-    chunk per chain (Falcon-H1's 256), more than the run of every sequence alone pays.
-    """
-    if width >= chunk_size:
-        return chunk_size
-    return min(chunk_size, max(16, 1 << max(width - 1, 0).bit_length()))
 
 
 def _tree(kwargs: dict) -> TreeForward | None:

@@ -40,11 +40,11 @@ from treepack.core.agreement import (Label, PackIdentity, agreement, pack_identi
 from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.tree import TreePack
-from treepack.forwards.mixers import PackForward, TreeForward
+from treepack.forwards.mixers import PackForward, ShardedForward, TreeForward
 from treepack.forwards.plans import part_predictions
 from treepack.lean.predictions import logprobs_at
 
-__all__ = ["SequenceParallel", "ShardedForward", "sequence_parallel", "sum_over",
+__all__ = ["SequenceParallel", "sharded", "sequence_parallel", "sum_over",
            "average_gradients", "agreed", "pack_identity", "PackIdentity", "logprobs",
            "head_dtype_refusal", "ROUTER_UNDER_SP", "HINTS"]
 
@@ -117,69 +117,13 @@ def sum_over(x: Tensor, sp: SequenceParallel) -> Tensor:
     return exchange.sum_over(x, sp.group, sp.size)
 
 
-class ShardedForward:
-    """The token mixers (a :class:`~treepack.forwards.TreeForward`) of one rank's slice: every mixer's inputs exchanged to (all rows,
-    this rank's heads or channels), ``inner``'s mixer over all rows, and back
-    (:class:`treepack.attention.exchange.HeadExchange`).
-
-    Args:
-        inner: the mixers over all the forward's rows (the pack's :class:`~treepack.forwards.PackForward`,
-            or a part's :class:`~treepack.forwards.PartForward`).
-        sp: the group.
-        total: the forward's rows (the pack's, or the part's).
-    """
-
-    def __init__(self, inner: TreeForward, sp: SequenceParallel, total: int):
-        self.inner, self.sp, self.total, self.pack = inner, sp, total, inner.pack
-        self.exchange = exchange.HeadExchange(sp.group, sp.rank, sp.size, total,
-                                              sp.share(total)[2], error=UnsupportedModel)
-        self.calls = 0
-        self.windowed = 0
-        self.mixer_calls = type(inner.mixer_calls)()
-
-    def attend(self, module, query, key, value, **kwargs):
-        if kwargs.get("sinks") is not None:  # this rank's heads' sink logits
-            kwargs["sinks"] = kwargs["sinks"].chunk(self.exchange.size)[self.exchange.rank]
-        return self.exchange.attend(
-            query, key, value, lambda q, k, v: self.inner.attend(module, q, k, v, **kwargs),
-            type(module).__name__)
-
-    def set_blocks(self, blocks):
-        self.inner.set_blocks(blocks)  # the inner forward attends over every row
-
-    def dense_mask(self):
-        raise UnsupportedModel("a layer that builds its own mask of the pack (DeepSeek sparse "
-                               "attention's indexer) under sequence parallelism: each rank "
-                               "holds a slice of the rows. Run it without a group")
-
-    def conv(self, x, weight, bias):
-        lo, hi = self.exchange.split(x.shape[1], "channels", "a short convolution")
-        out = self.inner.conv(self.exchange.to_heads(x, 1, 0), weight[lo:hi],
-                              None if bias is None else bias[lo:hi])
-        return self.exchange.to_rows(out, 0, 1)
-
-    def scan(self, kernel, inputs, per_head=None, shared=(), layer=None):
-        # every head reads a shared input whole (Mamba's B and C): each rank gathers all
-        # rows of it, one copy per rank through the same exchange
-        whole = {k: self.exchange.to_heads(inputs[k].expand(-1, self.exchange.size,
-                                                            *inputs[k].shape[2:]), 1, 0)
-                 for k in shared}
-        inputs = {k: t for k, t in inputs.items() if k not in whole}
-        # a Gated DeltaNet scan repeats its query / key heads up to the value heads inside
-        # the kernel (transformers 5.11 on): repeated here instead, so that a rank's heads
-        # are whole
-        counts = sorted({t.shape[1] for t in inputs.values()})
-        heads = counts[-1]
-        if any(heads % c for c in counts):
-            raise UnsupportedModel(f"a recurrent scan whose inputs have {counts} heads: "
-                                   "sequence parallelism splits a scan by heads")
-        lo, hi = self.exchange.split(heads, "heads", "a recurrent scan")
-        inputs = {k: self.exchange.to_heads(t if t.shape[1] == heads else
-                                            t.repeat_interleave(heads // t.shape[1], 1), 1, 0)
-                  for k, t in inputs.items()}
-        per_head = {k: t[lo:hi] for k, t in (per_head or {}).items()}  # this rank's heads
-        return self.exchange.to_rows(self.inner.scan(kernel, inputs | whole, per_head,
-                                                     layer=layer), 0, 1)
+def sharded(inner: TreeForward, sp: SequenceParallel, total: int) -> ShardedForward:
+    """``inner``'s mixers (over all ``total`` rows of the forward) for this rank's slice of
+    the rows: every mixer's inputs exchanged to this rank's heads (:class:`~treepack.forwards
+    .ShardedForward`)."""
+    return ShardedForward(inner, exchange.HeadExchange(sp.group, sp.rank, sp.size, total,
+                                                       sp.share(total)[2],
+                                                       error=UnsupportedModel))
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -213,7 +157,7 @@ def logprobs(model, pack: TreePack, sp: SequenceParallel, *, head: str, entropy:
                       align=align, backend=backend, head_dtype=head_dtype,
                       block_size=block_size)
     rows, start, stop = sp.rows(torch.arange(pack.num_rows, device=pack.device))
-    mixers = ShardedForward(PackForward(pack, backend, block_size), sp, pack.num_rows)
+    mixers = sharded(PackForward(pack, backend, block_size), sp, pack.num_rows)
     with sp.own_random_stream(model, pack.device):
         out = packed_forward(model, pack, kwargs, rows=rows, mixers=mixers, output=output)
     aux, router = _router_loss(model, pack, sp, out.output, start, stop)

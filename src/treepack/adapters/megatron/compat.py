@@ -37,6 +37,13 @@ Replaced on each instance of the model being prepared (never on the classes):
   where TE fuses the norm into it, ``layer_norm_weight``, ``layer_norm_bias``,
   ``normalization``, ``eps``, ``zero_centered_gamma``; and the rope part of the key it
   returns (:mod:`.latent`).
+- ``GatedDeltaNet.__class__`` (``megatron.core.ssm.gated_delta_net``): swapped for a
+  subclass whose ``forward``, in a tree forward, runs the layer's ``in_proj``, ``conv1d``,
+  ``A_log``, ``dt_bias``, ``_apply_gated_norm`` and ``out_proj`` and reads ``tp_size``,
+  ``qk_dim``, ``v_dim``, ``num_key_heads``, ``num_value_heads``, ``key_head_dim``,
+  ``value_head_dim``, ``use_qk_l2norm``, ``act_fn``, and its module's ``l2norm`` and
+  ``torch_chunk_gated_delta_rule`` / ``chunk_gated_delta_rule`` (or the layer's
+  ``gated_delta_rule``, megatron-core 0.19 on) (:mod:`.recurrent`).
 - ``GPTModel.output_layer.forward``: for one forward, returns its input and records the weight
   (:mod:`.forward`), so no ``[T', V]`` logits exist.
 - ``<layer>.self_attention.core_attention``: the tree core attention around the built module

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.megatron import compat, latent, moe, rotary
+from treepack.adapters.megatron import compat, latent, moe, recurrent, rotary
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
                                                   swap, tree_layers)
 from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
@@ -45,7 +45,7 @@ from treepack.core.multiplicity import row_multiplicity
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.core.softmax import Head
 from treepack.core.tree import TreePack
-from treepack.forwards.mixers import PackForward, TreeForward
+from treepack.forwards.mixers import PackForward, ShardedForward, TreeForward
 from treepack.lean.predictions import forward_predictions, logprobs_at
 
 __all__ = ["prepare", "logprobs", "forward_stage", "forward_step", "StageOutput", "unwrap",
@@ -107,11 +107,12 @@ def prepare(model):
                                   "only, and a tree forward passes its tree to every layer")
     rotary.position_kind(core)
     layers = len(core.decoder.layers)
-    found = swap(core)
+    found = swap(core) + recurrent.install(core)
     if found != layers:
         raise UnsupportedMegatron(
             f"{type(core).__name__} has {layers} layers on this stage but {found} core "
-            "attentions: layers without attention (Mamba) are not routed yet")
+            "attentions and Gated DeltaNet layers: layers of another token mixer (Mamba) are "
+            "not routed yet")
     rotary.install(core)
     if getattr(config, "multi_latent_attention", False):
         latent.install(core)
@@ -167,6 +168,9 @@ class MegatronForward:
                                            >= self.stop - self.start, 0)
         self.exchange = None if cp is None else HeadExchange(
             cp, cp_rank, cp_size, total, width, error=UnsupportedMegatron)
+        # a recurrent layer's convolution and scan under CP: every row for this rank's
+        # channels and heads
+        self.sharded = None if cp is None else ShardedForward(mixers, self.exchange)
         self.routing: moe.Routing | None = None  # what its MoE routers read (run_forward)
         self.calls = 0
 
@@ -221,6 +225,29 @@ class MegatronForward:
                 out = torch.cat((out, out.new_zeros(*out.shape[:2], self.width - total,
                                                     out.shape[3])), 2)
         return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
+
+    def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """A short causal convolution along each row's path (a recurrent layer's):
+        ``x`` ``[width, C]``, this rank's rows, in and out (under CP through the exchange to
+        this rank's channels)."""
+        if self.sharded is not None:
+            return self.sharded.conv(x, weight, bias)
+        return self._padded(self.mixers.conv(x.narrow(0, 0, self.total), weight, bias))
+
+    def scan(self, kernel, inputs: dict[str, Tensor]) -> Tensor:
+        """A recurrent scan over every path, each chain from its parent's state
+        (:meth:`treepack.forwards.TreeForward.scan`): ``inputs`` ``{name: [width, heads,
+        ...]}``, this rank's rows (under CP through the exchange to this rank's heads)."""
+        if self.sharded is not None:
+            return self.sharded.scan(kernel, inputs)
+        return self._padded(self.mixers.scan(
+            kernel, {k: t.narrow(0, 0, self.total) for k, t in inputs.items()}))
+
+    def _padded(self, out: Tensor) -> Tensor:
+        """``out`` for every row of the forward, then zeros for the rows that pad it."""
+        if self.width > self.total:
+            out = torch.cat((out, out.new_zeros((self.width - self.total, *out.shape[1:]))))
+        return out
 
     def latent_keys(self, module):
         """The :class:`~.latent.LatentKeys` of a layer's tree core attention ``module`` where
@@ -396,11 +423,11 @@ def run_forward(model, forward: MegatronForward, tp: dict) -> tuple[Tensor, dict
         output = model(input_ids=forward.pack.input_ids[forward.rows][None],
                        position_ids=rotary.position_ids(kind, forward.depths),
                        attention_mask=None, packed_seq_params=forward.params())
-    layers = len(tree_layers(core))
+    layers = len(tree_layers(core)) + len(recurrent.gated_delta_nets(core))
     if forward.calls != layers:
         raise UnsupportedMegatron(
-            f"{forward.calls} of the stage's {layers} tree core attentions ran: a layer "
-            "bypassed its core attention")
+            f"{forward.calls} of the stage's {layers} tree token mixers ran: a layer "
+            "bypassed its core attention or its Gated DeltaNet")
     return output, head
 
 

@@ -20,8 +20,7 @@ from treepack.adapters.hf.head import head_after
 from treepack.adapters.hf.packed import packed_forward
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
-from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, SequenceParallel,
-                                                    ShardedForward)
+from treepack.adapters.hf.sequence_parallel import ROUTER_UNDER_SP, SequenceParallel, sharded
 from treepack.core.outputs import TokenLogprobs, check_align, per_sequence_temperature
 from treepack.forwards import Carried, PartForward, Walk, part_predictions
 from treepack.lean.predictions import logprobs_at
@@ -84,7 +83,7 @@ class Run:
         rows = torch.from_numpy(self.parts.parts[i].rows).to(self.device)
         mixers = PartForward(self.carried, i, UnsupportedModel)
         if self.sp is not None:
-            mixers = ShardedForward(mixers, self.sp, rows.shape[0])
+            mixers = sharded(mixers, self.sp, rows.shape[0])
             rows, *self.slices[i] = self.sp.rows(rows)
         stream = contextlib.nullcontext() if self.sp is None else \
             self.sp.own_random_stream(self.model, self.device)
