@@ -36,8 +36,9 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              folder of its own; without one, the installed megatron-core):
              the tree on a GPTModel against every sequence alone through Megatron's own
              attention (float32 flex / segment, bfloat16 varlen / flex in ``Float16Module``;
-             GQA with rope, a sliding window, MoE replaying the rollout's routes, and
-             multi-latent attention with yarn),
+             GQA with rope, a sliding window, MoE replaying the rollout's routes,
+             multi-latent attention with yarn, and a Gated DeltaNet hybrid: fla's kernels
+             where fla is installed, else megatron-core's torch kernel),
              then tree vs padding-free vs padded training steps on the Qwen2.5-0.5B shape,
              and the tree under a quarter of its rows: in parts against the plan's split.
              Not in the default parts.

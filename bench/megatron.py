@@ -29,6 +29,11 @@ forward hands the all-to-all per rank, against the formula ``(h + 2 k' + h) · d
 (``h`` query heads and ``k' = lcm(k, CP)`` key/value heads of the TP rank, ``w`` rows per CP
 rank).
 
+``--model gdn`` makes the first layer a Gated DeltaNet (Qwen3-Next's hybrid; megatron-core's
+torch kernel, ``deterministic_mode``). megatron-core cannot pack that layer (its
+``GatedDeltaNet`` refuses packed sequences), so ``padding_free`` there is treepack's own path
+on every sequence's chain, the strongest packed baseline there is; ``padded`` is Megatron's.
+
 ``--model moe`` makes every MLP an MoE layer (8 experts, top-2, all-to-all dispatch) that
 replays the rollout's routes (``moe_enable_routing_replay``; routes a function of each
 token's context, so a shared prefix has one): the tree and padding-free packs carry them
@@ -42,7 +47,8 @@ process, TP = 1, and two parts.
   same model (GQA with rope; the same with a 64-position window on every other layer; MoE
   layers replaying the rollout's routes, which the reference replays through
   ``RouterReplay``; DeepSeek's multi-latent attention with yarn, its reference attention
-  ``megatron_cpu.ReferenceAttention``), in
+  ``megatron_cpu.ReferenceAttention``; ``--model gdn``'s hybrid, on fla's kernels where fla
+  is installed), in
   float32 (flex and segment: varlen refuses float32) and in bfloat16 inside Megatron's
   ``Float16Module`` (varlen and flex), and in parts under a quarter of the tree's rows
   (``treepack.megatron.backward_in_parts``). Log-probs and every parameter gradient (of a fixed
@@ -61,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -97,6 +104,12 @@ LAYOUTS = {"TP=1": dict(tp=1, cp=1), "TP=2": dict(tp=2, cp=1), "CP=2": dict(tp=1
 MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True,
            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+# --model gdn: the first of the two layers a Gated DeltaNet (Qwen3-Next's hybrid, small:
+# 8 value heads over 4 key heads of 32, a kernel of 4), megatron-core's torch kernel
+GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
+           linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+           linear_num_key_heads=4, linear_num_value_heads=8)
+FIELDS = {"dense": {}, "moe": MOE, "gdn": GDN}
 STEPS = ("tree", "padding_free", "padded")
 
 
@@ -133,7 +146,10 @@ def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, devic
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, attention_dropout=0.0,
         hidden_dropout=0.0, params_dtype=torch.float32, tensor_model_parallel_size=tp,
-        context_parallel_size=cp, bf16=bf16, **fields)
+        # megatron-core 0.16's config refuses CP with Gated DeltaNet; the tree's CP is
+        # parallel_state's either way
+        context_parallel_size=1 if "experimental_attention_variant" in fields else cp,
+        bf16=bf16, **fields)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm",
                                     num_experts=fields.get("num_moe_experts"),
                                     multi_latent_attention=mla, qk_layernorm=mla)
@@ -142,6 +158,15 @@ def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, devic
 
         mla_without_te()
         spec.submodules.self_attention.submodules.core_attention = ReferenceAttention
+    if "experimental_attention_variant" in fields:  # Gated DeltaNet, then attention
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+        from megatron_cpu import gdn_layer
+
+        # fla's kernels where fla is installed (a GPU), else megatron-core's torch kernel
+        config.deterministic_mode = importlib.util.find_spec("fla") is None
+        spec = TransformerBlockSubmodules(
+            layer_specs=[gdn_layer(spec) if i % 2 == 0 else spec
+                         for i in range(config.num_layers)])
     spec = tm.layer_spec(spec)
     model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=1 << 16,
                      position_embedding_type="rope")
@@ -279,7 +304,7 @@ def worker(rank: int, world: int, port: int, config: dict) -> None:
         moe = config["model"] == "moe"
         model = build(layout["tp"], layout["cp"], **(
             dict(MOE, expert_model_parallel_size=ep,
-                 sequence_parallel=layout["tp"] > 1) if moe else {}))
+                 sequence_parallel=layout["tp"] > 1) if moe else FIELDS[config["model"]]))
         out = {}
         for w in rl_workloads(scale=config["scale"], vocab=VOCAB):
             seqs = [list(map(int, s)) for s in w.sequences]
@@ -360,7 +385,7 @@ def run_layout(name: str, config: dict) -> list[dict]:
     return every
 
 
-def combine(name: str, every: list[dict]) -> dict:
+def combine(name: str, every: list[dict], model: str = "dense") -> dict:
     """Per workload and step: the slowest rank per round, the rank holding the most."""
     layout = LAYOUTS[name]
     rows = {}
@@ -386,7 +411,8 @@ def combine(name: str, every: list[dict]) -> dict:
             if base in row and top in row:
                 row[f"{top}/{base}"] = Spread.of(
                     a / b for a, b in zip(row[top]["rounds"], row[base]["rounds"]))._asdict()
-        row["formula"] = formula_bytes(row["tree"]["rows"], layout["cp"], layout["tp"], 4)
+        row["formula"] = formula_bytes(row["tree"]["rows"], layout["cp"], layout["tp"], 4) \
+            if model != "gdn" else None  # a Gated DeltaNet layer exchanges otherwise
         rows[w] = row
     return rows
 
@@ -401,7 +427,9 @@ VERIFY = {"gqa-rope": {}, "window-64": dict(window_size=(63, 0), window_attn_ski
                            qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64,
                            rope_type="yarn", rotary_scaling_factor=4.0,
                            original_max_position_embeddings=256, mscale=1.0,
-                           mscale_all_dim=1.0)}
+                           mscale_all_dim=1.0),
+          # a Gated DeltaNet layer, then attention (--model gdn's)
+          "gdn-hybrid": GDN}
 
 
 def in_packs(sequences: list, budget: int) -> list[list]:
@@ -463,13 +491,15 @@ def grads_of(model) -> dict:
 
 def errors(logp, grads, reference) -> dict:
     """The log-probs' largest error, and the gradients' (per tensor, over its largest value;
-    the worst tensor)."""
+    the worst tensor, named)."""
     ref_logp, ref_grads = reference
     if set(grads) != set(ref_grads):
         raise AssertionError(f"gradients of {sorted(set(grads) ^ set(ref_grads))} on one side")
-    return dict(logprobs=(logp - ref_logp).abs().max().item(),
-                grads=max(((grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-                          for k, g in ref_grads.items()))
+    per = {k: ((grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+           for k, g in ref_grads.items()}
+    worst = max(per, key=per.get)
+    return dict(logprobs=(logp - ref_logp).abs().max().item(), grads=per[worst],
+                worst=worst)
 
 
 def verify_rows(device, quick: bool) -> list[dict]:
@@ -479,9 +509,15 @@ def verify_rows(device, quick: bool) -> list[dict]:
     rows = []
     for name, fields in VERIFY.items():
         models = {}
-        for bf16 in (False, True):
-            torch.manual_seed(0)
-            models[bf16] = build(1, 1, bf16=bf16, device=device, **fields)
+        try:  # a megatron-core that cannot build the model: its rows, not the run
+            for bf16 in (False, True):
+                torch.manual_seed(0)
+                models[bf16] = build(1, 1, bf16=bf16, device=device, **fields)
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(model=name, result="ERROR",
+                             message=f"{type(e).__name__}: {e}"[:300]))
+            print("verify " + json.dumps(rows[-1]), flush=True)
+            continue
         for w in works:
             seqs = [list(map(int, s)) for s in w.sequences]
             routes = (routes_of(seqs, MODEL["num_layers"], MOE["num_moe_experts"])
@@ -639,9 +675,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="lengths / 64, one round")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--layouts", nargs="*", default=None,
-                        help="default: TP=1 TP=2 CP=2 (dense), TP=1 EP=2 (--model moe)")
-    parser.add_argument("--model", default="dense", choices=("dense", "moe"),
-                        help="moe: MoE layers replaying the rollout's routes (module doc)")
+                        help="default: TP=1 TP=2 CP=2 (dense, gdn), TP=1 EP=2 (--model moe)")
+    parser.add_argument("--model", default="dense", choices=tuple(FIELDS),
+                        help="moe: MoE layers replaying the rollout's routes; gdn: a Gated "
+                             "DeltaNet layer before the attention layer (module doc)")
     parser.add_argument("--json", default=None, help="write every number here")
     parser.add_argument("--device", default=None,
                         help="one process on this device (cuda; cpu: a check of that path)")
@@ -661,7 +698,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as d:
         for name in args.layouts:
-            results[name] = combine(name, run_layout(name, dict(config, dir=d)))
+            results[name] = combine(name, run_layout(name, dict(config, dir=d)), args.model)
     print(f"bench/megatron.py: {platform.processor() or platform.machine()}, torch "
           f"{torch.__version__}, lengths / {config['scale']}, {config['repeats']} rounds, "
           f"model {args.model}")
@@ -681,6 +718,8 @@ def main() -> None:
             held = " / ".join(f"{x['held'] / 2**20:.1f}" if x else "n/a" for x in (t, f, p))
             exchange = (f"{t['exchange'] / 1024:.1f} ({row['formula'] / 1024:.1f})"
                         if row["formula"] else "–")
+            if row["formula"] is None and LAYOUTS[name]["cp"] > 1:  # no formula: measured
+                exchange = f"{t['exchange'] / 1024:.1f}"
             padded = f"{p['seconds']:.2f}" if p else "n/a"
             loss = f"{t['loss']:.4f} / " + (f"{p['loss']:.4f}" if p else "n/a")
             print(f"| {name} | {w} | {row['tokens']:,} | {t['rows']:,} / {f['rows']:,} | "

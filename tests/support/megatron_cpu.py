@@ -254,8 +254,8 @@ def gdn_without_fla() -> None:
     """megatron-core 0.16's ``GatedDeltaNet`` refuses to build without fla (flash-linear-
     attention, Triton kernels: no CPU). In ``deterministic_mode`` it runs megatron-core's own
     torch kernel and needs only fla's ``l2norm``: given here in torch (fla's:
-    ``x / sqrt(sum(x^2) + 1e-6)`` over the last dimension); the kernel at its inputs'
-    precision (:func:`_at_input_precision`)."""
+    ``x / sqrt(sum(x^2) + 1e-6)`` over the last dimension); the kernel at float64 for float64
+    inputs (:func:`_at_input_precision`)."""
     from megatron.core.ssm import gated_delta_net
 
     if gated_delta_net.HAVE_FLA:
@@ -270,12 +270,13 @@ def gdn_without_fla() -> None:
 
 
 def _at_input_precision(kernel):
-    """megatron-core's torch gated delta rule computing at its inputs' precision (float64 in
-    these tests) where it casts them to float32: built from the installed kernel's own
-    source, that one cast changed, so that the tree and every sequence alone are compared at
-    float64 and a wrong state shows at 1e-6, not under float32 rounding that a scan sums
-    (the layer's own float32 ``g`` stays). A megatron-core whose kernel casts otherwise fails
-    here, by name."""
+    """megatron-core's torch gated delta rule computing at float32 or its inputs' precision
+    if wider (float64 in the tests) where it casts them to float32: built from the installed
+    kernel's own source, that one cast changed. The tree and every sequence alone are then
+    compared at float64, and a wrong state shows at 1e-6, not under the float32 rounding a
+    scan sums (the layer's own float32 ``g`` stays); float32 and bfloat16 runs (the bench)
+    compute as megatron-core's. A megatron-core whose kernel casts otherwise fails here, by
+    name."""
     import inspect
 
     from megatron.core.ssm import gated_delta_net
@@ -286,6 +287,27 @@ def _at_input_precision(kernel):
         raise RuntimeError("megatron-core's torch_chunk_gated_delta_rule no longer casts its "
                            f"inputs with {cast!r}: update megatron_cpu._at_input_precision")
     namespace = dict(vars(gated_delta_net))
-    exec(source.replace(cast, ".to(query.dtype) for x in (query, key, value, beta, g)"),
-         namespace)
+    exec(source.replace(cast, ".to(torch.promote_types(query.dtype, torch.float32)) for x in "
+                              "(query, key, value, beta, g)"), namespace)
     return namespace[kernel.__name__]
+
+
+def gdn_layer(kind):
+    """``kind`` (a local layer spec) with a Gated DeltaNet for its self-attention, as
+    megatron-core's experimental block spec builds one from TransformerEngine (which a CPU
+    lacks): the input norm fused into ``in_proj`` (:func:`fused_norm_linear`), ``out_norm``
+    (:class:`Norm`) and a row-parallel ``out_proj``."""
+    import copy
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    gdn_without_fla()
+    out = copy.deepcopy(kind)
+    out.submodules.input_layernorm = IdentityOp
+    out.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=(
+        GatedDeltaNetSubmodules(in_proj=fused_norm_linear(), out_norm=Norm,
+                                out_proj=RowParallelLinear)))
+    return out

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron_cpu import (Norm, ReferenceAttention, fused_norm_linear, gdn_without_fla, recorded,
+from megatron_cpu import (Norm, ReferenceAttention, fused_norm_linear, gdn_layer, recorded,
                           replaying)
 
 VOCAB = 128
@@ -175,27 +175,6 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
     block = TransformerBlockSubmodules(
         layer_specs=layers[stage * per_stage:(stage + 1) * per_stage], layer_norm=Norm)
     return tm.layer_spec(block) if tree and case.get("spec", "tree") == "tree" else block
-
-
-def gdn_layer(kind):
-    """``kind`` (a local layer spec) with a Gated DeltaNet for its self-attention, as
-    megatron-core's experimental block spec builds one from TransformerEngine: the input norm
-    fused into ``in_proj`` (:func:`megatron_cpu.fused_norm_linear`), ``out_norm`` and a
-    row-parallel ``out_proj``."""
-    import copy
-
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import RowParallelLinear
-    from megatron.core.transformer.identity_op import IdentityOp
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    gdn_without_fla()
-    out = copy.deepcopy(kind)
-    out.submodules.input_layernorm = IdentityOp
-    out.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=(
-        GatedDeltaNetSubmodules(in_proj=fused_norm_linear(), out_norm=Norm,
-                                out_proj=RowParallelLinear)))
-    return out
 
 
 def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True,
