@@ -705,6 +705,7 @@ def pipeline_worker(rank: int, world: int, port: int, out: str, cases: dict,
         results = {}
         for name, case in cases.items():
             model = build(case, tp, 1, pp)
+            mark_head_split(model)
             names = canonical_names(model)
             with torch.no_grad():
                 for k, p in model.named_parameters():

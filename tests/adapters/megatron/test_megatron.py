@@ -307,7 +307,8 @@ PIPELINES = {
 }
 PIPELINE_CASES = ["grouped-query attention, rope", "per-sequence temperatures",
                   "sliding window", "MoE, routing replay",
-                  "MoE in the second layer, a route per layer", "multi-latent attention, yarn"]
+                  "MoE in the second layer, a route per layer", "multi-latent attention, yarn",
+                  "Gated DeltaNet layers"]
 
 
 @pytest.fixture(scope="module", params=list(PIPELINES))
@@ -326,9 +327,10 @@ def test_packs_as_micro_batches_through_megatrons_pipeline_schedule(pipeline, ca
     micro-batches, the log-probs come from the last stage, and every stage's gradients
     (times the micro-batches the schedule divides by) are the reference's."""
     name, results, reference = pipeline
-    if CASES[case].get("mla") and PIPELINES[name].get("tp", 1) > 1:
-        pytest.skip("multi-latent attention at TP > 1 is not the TP = 1 model's function in "
-                    "Megatron itself (megatron_workers.stock_at); tested against it at TP = 2")
+    if (CASES[case].get("mla") or CASES[case].get("gdn")) and PIPELINES[name].get("tp", 1) > 1:
+        pytest.skip("multi-latent attention and Gated DeltaNet at TP > 1 are not the TP = 1 "
+                    "model's function in Megatron itself (megatron_workers.stock_at); tested "
+                    "against it at TP = 2")
     expect = reference[case]
     grads = {}
     for rank, per_case in enumerate(results):

@@ -218,15 +218,31 @@ def layer_spec(spec):
         linears and norms, MoE) unchanged.
 
     Raises:
-        UnsupportedMegatron: a spec with no core attention to replace.
+        UnsupportedMegatron: a spec with no core attention to replace and no Gated DeltaNet
+            layer.
     """
     out = copy.deepcopy(spec)
-    if not _replace(out):
+    if not _replace(out) and not _mixers(out):
         raise UnsupportedMegatron(
             f"found no core_attention in {type(spec).__name__}: pass a GPT layer spec "
             "(get_gpt_layer_local_spec / get_gpt_layer_with_transformer_engine_spec) or a "
             "decoder block spec")
     return out
+
+
+def _mixers(node) -> int:
+    """How many Gated DeltaNet layers (token mixers :func:`treepack.megatron.prepare` runs
+    on a tree without a core attention) are below ``node``: a pipeline stage may hold only
+    those."""
+    if isinstance(node, (list, tuple)):
+        return sum(_mixers(n) for n in node)
+    if isinstance(node, ModuleSpec):
+        from treepack.adapters.megatron.recurrent import is_gated_delta_net
+
+        return int(is_gated_delta_net(node.module)) + _mixers(node.submodules)
+    if node is None or not dataclasses.is_dataclass(node):
+        return 0
+    return sum(_mixers(getattr(node, f.name)) for f in dataclasses.fields(node))
 
 
 def _replace(node) -> int:

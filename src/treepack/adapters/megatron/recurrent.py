@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from treepack.recurrent import level_chunk
 
-__all__ = ["install", "gated_delta_nets"]
+__all__ = ["install", "gated_delta_nets", "is_gated_delta_net"]
 
 
 def _stock_gdn():
@@ -43,6 +43,13 @@ def _stock_gdn():
     except ImportError:  # pragma: no cover - megatron-core without the experimental layer
         return None
     return GatedDeltaNet
+
+
+def is_gated_delta_net(module) -> bool:
+    """Whether ``module`` (a class, as a layer spec holds it) is megatron-core's
+    ``GatedDeltaNet`` or a subclass of it."""
+    cls = _stock_gdn()
+    return cls is not None and isinstance(module, type) and issubclass(module, cls)
 
 
 def gated_delta_nets(model) -> list:
