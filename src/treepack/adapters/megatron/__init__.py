@@ -14,7 +14,9 @@ A tree larger than one forward runs in parts that each compute their rows once
 
 The tree enters each layer as its ``core_attention`` (:mod:`.attention`): treepack's
 backends (``segment`` on a CPU, ``varlen`` / ``flex`` on CUDA) over the pack's rows, at
-their depths (:mod:`.rotary`). Log-probs come from the vocabulary-parallel output layer's
+their depths (:mod:`.rotary`); a Gated DeltaNet layer runs its convolution and scan along
+each row's path (:mod:`.recurrent`), and multi-latent attention exchanges latents under CP
+(:mod:`.latent`). Log-probs come from the vocabulary-parallel output layer's
 weight, normalised on each TP rank's share of the vocabulary (:mod:`.forward`). Tensor,
 Megatron sequence and context parallelism follow ``megatron.core.parallel_state``. Every
 megatron-core internal treepack touches is in :mod:`.compat`.
