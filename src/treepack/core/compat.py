@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 
-__all__ = ["moved", "require", "replaced"]
+__all__ = ["moved", "require", "replaced", "mixed_in"]
 
 
 def moved(symbols: Iterable[tuple[str, object, str]]) -> list[str]:
@@ -66,3 +66,20 @@ def replaced(owner, name: str, value):
             delattr(owner, name)
         else:
             setattr(owner, name, saved)
+
+
+_MIXED: dict[tuple, type] = {}
+
+
+def mixed_in(instance, mixin: type, **attrs) -> None:
+    """Give ``instance`` the subclass of its class with ``mixin`` first (``attrs`` its class
+    attributes), made once per class, mixin and attributes: how the adapters give one built
+    module of a framework new methods without touching the framework's class. Nothing where
+    its class has ``mixin`` already."""
+    cls = type(instance)
+    if issubclass(cls, mixin):
+        return
+    key = (cls, mixin, tuple(sorted(attrs.items())))
+    if key not in _MIXED:
+        _MIXED[key] = type(f"Tree{cls.__name__}", (mixin, cls), attrs)
+    instance.__class__ = _MIXED[key]

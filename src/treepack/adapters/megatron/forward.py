@@ -206,26 +206,19 @@ class MegatronForward:
         k, v = (t.permute(1, 0, 2)[None] if latent else t.permute(1, 2, 0, 3)
                 for t in (key, value))
 
-        mine = sinks
-        if sinks is not None and self.exchange is not None:  # this CP rank's heads
-            mine = sinks.chunk(self.exchange.size)[self.exchange.rank]
-
-        def inner(q, k, v):  # every row of the forward, this rank's heads
-            return self.mixers.attend(module, q, k, v, scale=scale, window=window,
-                                      dropout=dropout, sinks=mine)
-
-        if latent:  # the keys and values came as latents (.latent): the queries travel
-            with self._own_stream(dropout):
-                out = self.exchange.to_rows(inner(self.exchange.to_heads(q, 1, 2), k, v), 2, 1)
-        elif self.exchange is not None:
-            with self._own_stream(dropout):
-                out = self.exchange.attend(q, k, v, inner, type(module).__name__)
-        else:
-            total = self.total
-            out = inner(*(t.narrow(2, 0, total) for t in (q, k, v)))
-            if self.width > total:
-                out = torch.cat((out, out.new_zeros(*out.shape[:2], self.width - total,
-                                                    out.shape[3])), 2)
+        options = dict(scale=scale, window=window, dropout=dropout)
+        if self.exchange is None:  # every row of the forward here, then the padding rows
+            out = self.mixers.attend(module, *(t.narrow(2, 0, self.total) for t in (q, k, v)),
+                                     sinks=sinks, **options)
+            return self._padded(out.permute(2, 0, 1, 3)).reshape(self.width, 1, -1)
+        with self._own_stream(dropout):
+            if latent:  # the keys and values came as latents (.latent): the queries travel
+                mine = None if sinks is None else \
+                    sinks.chunk(self.exchange.size)[self.exchange.rank]
+                out = self.exchange.to_rows(self.mixers.attend(
+                    module, self.exchange.to_heads(q, 1, 2), k, v, sinks=mine, **options), 2, 1)
+            else:
+                out = self.sharded.attend(module, q, k, v, sinks=sinks, **options)
         return out.permute(2, 0, 1, 3).reshape(self.width, 1, -1)
 
     def conv(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treepack.core.compat import replaced
+from treepack.core.compat import mixed_in, replaced
 
 __all__ = ["LatentKeys", "install"]
 
@@ -191,9 +191,6 @@ class _TreeMLA:
         return query, keys, up["values"], q_compressed, kv_compressed
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def install(model) -> None:
     """Give each ``MLASelfAttention`` of ``model`` the latent exchange for tree forwards
     under CP (module doc), where its up-projection allows it; log the layers that exchange
@@ -210,11 +207,7 @@ def install(model) -> None:
             refused.setdefault(why, []).append(module.layer_number)
             module.core_attention.latent = None
             continue
-        cls = type(module)
-        if not issubclass(cls, _TreeMLA):
-            if cls not in _CLASSES:
-                _CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeMLA, cls), {})
-            module.__class__ = _CLASSES[cls]
+        mixed_in(module, _TreeMLA)
         module.core_attention.latent = LatentKeys(module)
     if refused and cp > 1:
         for why, layers in refused.items():

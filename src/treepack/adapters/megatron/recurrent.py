@@ -31,6 +31,7 @@ import sys
 
 import torch.nn.functional as F
 
+from treepack.core.compat import mixed_in
 from treepack.recurrent import level_chunk
 
 __all__ = ["install", "gated_delta_nets", "is_gated_delta_net"]
@@ -116,16 +117,9 @@ def _tree_forward(layer, tree, hidden_states):
     return layer.out_proj(normed.reshape(rows, 1, -1))
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def install(model) -> int:
     """Give each ``GatedDeltaNet`` of ``model`` the tree forward (module doc); how many."""
     found = gated_delta_nets(model)
     for layer in found:
-        cls = type(layer)
-        if not issubclass(cls, _TreeGDN):
-            if cls not in _CLASSES:
-                _CLASSES[cls] = type(f"Tree{cls.__name__}", (_TreeGDN, cls), {})
-            layer.__class__ = _CLASSES[cls]
+        mixed_in(layer, _TreeGDN)
     return len(found)

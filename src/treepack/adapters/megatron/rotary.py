@@ -34,6 +34,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     YarnRotaryEmbedding)
 
 from treepack.adapters.megatron.attention import UnsupportedMegatron
+from treepack.core.compat import mixed_in
 
 __all__ = ["TreeRows", "install", "position_kind", "POSITION_KINDS", "MLA_ROPE_TYPES"]
 
@@ -95,9 +96,6 @@ def _span(rows: TreeRows, offset: int) -> tuple[int, int]:
     return (int(rows.depths.max()) + 1 if rows.depths.numel() else 1), offset
 
 
-_CLASSES: dict[tuple[type, bool], type] = {}
-
-
 def install(model) -> None:
     """Give ``model``'s ``RotaryEmbedding`` (``rope``) depth positions for tree forwards
     (module doc); nothing for position ids Megatron reads per token.
@@ -118,14 +116,10 @@ def install(model) -> None:
 def _by_depth(rotary: RotaryEmbedding, squeezed: bool) -> None:
     """Give ``rotary`` (a ``RotaryEmbedding`` or ``YarnRotaryEmbedding``) the depth
     subclass of its class (``squeezed``: for multi-latent attention's layout)."""
-    cls = type(rotary)
-    if issubclass(cls, _TreeRotary):
+    if isinstance(rotary, _TreeRotary):
         return
-    if (cls, squeezed) not in _CLASSES:
-        mixin = _TreeYarn if issubclass(cls, YarnRotaryEmbedding) else _TreeRotary
-        _CLASSES[cls, squeezed] = type(f"Tree{cls.__name__}", (mixin, cls),
-                                       {"_squeezed": squeezed})
-    rotary.__class__ = _CLASSES[cls, squeezed]
+    mixin = _TreeYarn if isinstance(rotary, YarnRotaryEmbedding) else _TreeRotary
+    mixed_in(rotary, mixin, _squeezed=squeezed)
 
 
 def position_kind(model) -> str:
