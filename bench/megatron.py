@@ -34,6 +34,12 @@ torch kernel, ``deterministic_mode``). megatron-core cannot pack that layer (its
 ``GatedDeltaNet`` refuses packed sequences), so ``padding_free`` there is treepack's own path
 on every sequence's chain, the strongest packed baseline there is; ``padded`` is Megatron's.
 
+``--model mamba`` runs megatron-core's ``MambaModel`` (Nemotron-H's hybrid, small: a Mamba2
+layer, an MLP, attention, an MLP; the Mamba2 kernels mamba_ssm's where installed, else torch's
+SSD in chunks, ``megatron_cpu.mamba_without_ssm``, in the stock steps as in the tree's).
+megatron-core packs Mamba2 layers only through mamba_ssm's kernels, so on a CPU
+``padding_free`` is treepack's own path on every sequence's chain, as for ``gdn``.
+
 ``--model moe`` makes every MLP an MoE layer (8 experts, top-2, all-to-all dispatch) that
 replays the rollout's routes (``moe_enable_routing_replay``; routes a function of each
 token's context, so a shared prefix has one): the tree and padding-free packs carry them
@@ -48,7 +54,7 @@ process, TP = 1, and two parts.
   layers replaying the rollout's routes, which the reference replays through
   ``RouterReplay``; DeepSeek's multi-latent attention with yarn, its reference attention
   ``megatron_cpu.ReferenceAttention``; ``--model gdn``'s hybrid, on fla's kernels where fla
-  is installed), in
+  is installed; ``--model mamba``'s), in
   float32 (flex and segment: varlen refuses float32) and in bfloat16 inside Megatron's
   ``Float16Module`` (varlen and flex), and in parts under a quarter of the tree's rows
   (``treepack.megatron.backward_in_parts``). Log-probs and every parameter gradient (of a fixed
@@ -109,7 +115,11 @@ MOE = dict(num_moe_experts=8, moe_router_topk=2, moe_enable_routing_replay=True,
 GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
            linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
            linear_num_key_heads=4, linear_num_value_heads=8)
-FIELDS = {"dense": {}, "moe": MOE, "gdn": GDN}
+# --model mamba: Nemotron-H's hybrid, small: a Mamba2 layer, an MLP, attention, an MLP (8 heads
+# of 64, B and C in 2 groups of 64 states, chunks of 128), megatron-core's MambaModel
+MAMBA = dict(hybrid_override_pattern="M-*-", mamba_num_heads=8, mamba_head_dim=64,
+             mamba_num_groups=2, mamba_state_dim=64)
+FIELDS = {"dense": {}, "moe": MOE, "gdn": GDN, "mamba": MAMBA}
 STEPS = ("tree", "padding_free", "padded")
 
 
@@ -122,7 +132,8 @@ SHAPES = {"tiny": dict(MODEL, vocab=VOCAB),
 def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, device="cpu",
           **fields):
     """The bench's GPTModel (float32; in Megatron's ``Float16Module`` with ``bf16``), prepared
-    for trees; ``fields`` go to its ``TransformerConfig``."""
+    for trees; ``fields`` go to its ``TransformerConfig`` (with ``hybrid_override_pattern``:
+    a MambaModel of that pattern)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -133,6 +144,10 @@ def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, devic
 
     shape = dict(shape or SHAPES["tiny"])
     vocab = shape.pop("vocab")
+    fields = dict(fields)
+    pattern = fields.pop("hybrid_override_pattern", None)
+    if pattern is not None:
+        shape["num_layers"] = len(pattern)
     mla = bool(fields.get("multi_latent_attention"))
     make = TransformerConfig
     if mla:  # DeepSeek's shape of it, small: q and kv low-rank, a decoupled rope part
@@ -167,10 +182,20 @@ def build(tp: int, cp: int, shape: dict | None = None, bf16: bool = False, devic
         spec = TransformerBlockSubmodules(
             layer_specs=[gdn_layer(spec) if i % 2 == 0 else spec
                          for i in range(config.num_layers)])
-    spec = tm.layer_spec(spec)
-    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=1 << 16,
-                     position_embedding_type="rope")
+    if pattern is not None:  # mamba_ssm's kernels where installed, else torch's in chunks
+        from megatron.core.models.mamba.mamba_model import MambaModel
+        from megatron_cpu import hybrid_stack_spec
+
+        model = MambaModel(config, tm.layer_spec(hybrid_stack_spec(chunked=True)),
+                           vocab_size=vocab, max_sequence_length=1 << 16,
+                           hybrid_override_pattern=pattern, position_embedding_type="rope")
+    else:
+        model = GPTModel(config, tm.layer_spec(spec), vocab_size=vocab,
+                         max_sequence_length=1 << 16, position_embedding_type="rope")
     model.to(device)
+    if bf16 and pattern is not None:  # built in float32 as the float32 model is (the same
+        config.params_dtype = torch.bfloat16  # weights, rounded), then Megatron's bf16
+        # setting, which a Mamba layer casts its input to
     return tm.prepare(Float16Module(config, model) if bf16 else model)
 
 
@@ -412,7 +437,8 @@ def combine(name: str, every: list[dict], model: str = "dense") -> dict:
                 row[f"{top}/{base}"] = Spread.of(
                     a / b for a, b in zip(row[top]["rounds"], row[base]["rounds"]))._asdict()
         row["formula"] = formula_bytes(row["tree"]["rows"], layout["cp"], layout["tp"], 4) \
-            if model != "gdn" else None  # a Gated DeltaNet layer exchanges otherwise
+            if model not in ("gdn", "mamba") else None  # a recurrent layer exchanges
+        # otherwise
         rows[w] = row
     return rows
 
@@ -429,7 +455,9 @@ VERIFY = {"gqa-rope": {}, "window-64": dict(window_size=(63, 0), window_attn_ski
                            original_max_position_embeddings=256, mscale=1.0,
                            mscale_all_dim=1.0),
           # a Gated DeltaNet layer, then attention (--model gdn's)
-          "gdn-hybrid": GDN}
+          "gdn-hybrid": GDN,
+          # a Mamba2 layer, an MLP, attention, an MLP (--model mamba's)
+          "mamba-hybrid": MAMBA}
 
 
 def in_packs(sequences: list, budget: int) -> list[list]:
@@ -504,14 +532,17 @@ def errors(logp, grads, reference) -> dict:
 
 def verify_rows(device, quick: bool) -> list[dict]:
     """The tree against every sequence alone on the same model (module doc, ``verify``)."""
+    from megatron.core import tensor_parallel
+
     works = rl_workloads(scale=64 if quick else 16, vocab=VOCAB)[: 1 if quick else None]
     cuda = device.type == "cuda"
     rows = []
     for name, fields in VERIFY.items():
         models = {}
         try:  # a megatron-core that cannot build the model: its rows, not the run
-            for bf16 in (False, True):
-                torch.manual_seed(0)
+            for bf16 in (False, True):  # the same weights: both generators reseeded (the
+                torch.manual_seed(0)  # recurrent layers draw theirs from Megatron's tracker)
+                tensor_parallel.model_parallel_cuda_manual_seed(0)
                 models[bf16] = build(1, 1, bf16=bf16, device=device, **fields)
         except Exception as e:  # noqa: BLE001
             rows.append(dict(model=name, result="ERROR",
@@ -675,10 +706,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="lengths / 64, one round")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--layouts", nargs="*", default=None,
-                        help="default: TP=1 TP=2 CP=2 (dense, gdn), TP=1 EP=2 (--model moe)")
+                        help="default: TP=1 TP=2 CP=2 (dense, gdn, mamba), TP=1 EP=2 "
+                        "(--model moe)")
     parser.add_argument("--model", default="dense", choices=tuple(FIELDS),
                         help="moe: MoE layers replaying the rollout's routes; gdn: a Gated "
-                             "DeltaNet layer before the attention layer (module doc)")
+                             "DeltaNet layer before the attention layer; mamba: a Mamba2 "
+                             "hybrid (module doc)")
     parser.add_argument("--json", default=None, help="write every number here")
     parser.add_argument("--device", default=None,
                         help="one process on this device (cuda; cpu: a check of that path)")

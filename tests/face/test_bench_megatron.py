@@ -46,16 +46,18 @@ def test_megatron_bench_quick_run(tmp_path):
         assert same_loss(row["tree"]["loss"], results["TP=1"][workload]["tree"]["loss"])
 
 
-def test_megatron_bench_quick_run_of_a_gated_deltanet_hybrid(tmp_path):
-    """``--model gdn`` at TP = 1, lengths / 64: the tree's loss is Megatron's padded step's
-    (megatron-core cannot pack the layer; padding-free is treepack's path without sharing),
-    its rows fewer than padding-free's, and in parts the same loss again."""
-    out = tmp_path / "gdn.json"
+@pytest.mark.parametrize("model", ["gdn", "mamba"])
+def test_megatron_bench_quick_run_of_a_recurrent_hybrid(tmp_path, model):
+    """``--model gdn`` (Gated DeltaNet) and ``--model mamba`` (megatron-core's MambaModel)
+    at TP = 1, lengths / 64: the tree's loss is Megatron's padded step's (padding-free is
+    treepack's path without sharing: megatron-core packs neither layer on a CPU), its rows
+    fewer than padding-free's, and in parts the same loss again."""
+    out = tmp_path / f"{model}.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "megatron.py"), "--quick",
-                           "--model", "gdn", "--layouts", "TP=1", "--json", str(out)],
+                           "--model", model, "--layouts", "TP=1", "--json", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "model gdn" in done.stdout
+    assert f"model {model}" in done.stdout
     for workload, row in json.loads(out.read_text())["TP=1"].items():
         assert same_loss(row["tree"]["loss"], row["padded"]["loss"]), workload
         assert same_loss(row["padding_free"]["loss"], row["padded"]["loss"]), workload
@@ -76,8 +78,8 @@ def test_megatron_bench_one_device_verifies_and_steps(tmp_path):
     assert report["megatron_core"] and "transformer_engine" in report
     verify = report["verify"]
     assert {(r["model"], r["dtype"]) for r in verify} == {
-        (m, d) for m in ("gqa-rope", "window-64", "moe-replay", "mla-yarn", "gdn-hybrid")
-        for d in ("float32", "bfloat16")}
+        (m, d) for m in ("gqa-rope", "window-64", "moe-replay", "mla-yarn", "gdn-hybrid",
+                         "mamba-hybrid") for d in ("float32", "bfloat16")}
     assert {r["backend"] for r in verify} == {"segment", "parts"}  # on a CPU
     for row in verify:
         assert row["result"] == "PASS", row
@@ -106,7 +108,7 @@ def test_gpu_script_megatron_part(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu.json").read_text())["results"]["megatron"]
     assert not [r for r in rows if "error" in r], rows
-    assert sum(r.get("result") == "PASS" for r in rows) == 20  # 5 models x 2 dtypes x 2
+    assert sum(r.get("result") == "PASS" for r in rows) == 24  # 6 models x 2 dtypes x 2
     assert {r["workload"] for r in rows if r.get("model") == "megatron step"} == {
         "grpo_long", "low_sharing", "agent"}
-    assert "bar: megatron tree equals each sequence alone: PASS (20/20)" in done.stdout
+    assert "bar: megatron tree equals each sequence alone: PASS (24/24)" in done.stdout

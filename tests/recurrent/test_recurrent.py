@@ -205,3 +205,36 @@ def test_decayed_linear_attention_equals_the_recurrence(length, chunk, from_stat
     _, kept = decayed_linear_attention(*zeros, torch.zeros(B, 3, H, dtype=torch.float64),
                                        final, chunk=chunk)
     torch.testing.assert_close(kept, final, rtol=0, atol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([1, 4, 16]), st.booleans(), st.booleans(),
+       st.integers(0, 1000))
+def test_ssd_scan_equals_mamba2s_recurrence(length, chunk, from_state, per_channel, seed):
+    """Mamba2's SSD in chunks against ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``,
+    ``y_t = C_t h_t + D x_t`` token by token (two heads per group of B and C), from zeros or
+    a given state; zero steps (a level's padding) keep it."""
+    from treepack.recurrent import ssd_scan
+
+    from reference import naive_ssd
+
+    g = torch.Generator().manual_seed(seed)
+    b, heads, groups, P, N = 2, 4, 2, 3, 5
+    x = torch.randn(b, length, heads, P, generator=g, dtype=torch.float64)
+    dt = torch.rand(b, length, heads, generator=g, dtype=torch.float64)
+    A = -torch.rand(heads, generator=g, dtype=torch.float64) * 2
+    B, C = (torch.randn(b, length, groups, N, generator=g, dtype=torch.float64) for _ in "BC")
+    D = torch.randn(*((heads, P) if per_channel else (heads,)), generator=g,
+                    dtype=torch.float64)
+    start = torch.randn(b, heads, P, N, generator=g, dtype=torch.float64) if from_state \
+        else None
+    out, final = ssd_scan(x, dt, A, B, C, D, None if start is None else start.transpose(-1, -2),
+                          chunk=chunk)
+    want, last = naive_ssd(x, dt, A, B, C, D, start)
+    assert_within(out, want, FLOAT64_OP)
+    assert_within(final.transpose(-1, -2), last, FLOAT64_OP)
+    zeros = torch.zeros(b, 3, heads, P, dtype=torch.float64)
+    _, kept = ssd_scan(zeros, zeros[..., 0], A, *(torch.zeros(b, 3, groups, N,
+                                                              dtype=torch.float64),) * 2,
+                       D, final, chunk=chunk)
+    torch.testing.assert_close(kept, final, rtol=0, atol=0)

@@ -311,3 +311,144 @@ def gdn_layer(kind):
         GatedDeltaNetSubmodules(in_proj=fused_norm_linear(), out_norm=Norm,
                                 out_proj=RowParallelLinear)))
     return out
+
+
+def mamba_without_ssm(chunked: bool = False) -> None:
+    """megatron-core 0.16's ``MambaMixer`` refuses to build without mamba_ssm (Triton
+    kernels: no CPU) and its module imports Triton. Given here in torch:
+
+    - ``mamba_split_conv1d_scan_combined``, the fused training kernel (convolution, SSD
+      scan, ``D``, the output gate ``y * silu(z)``): the convolution by ``F.conv1d``, the
+      scan one token at a time (``reference.naive_ssd``, a reference that shares nothing with
+      the tree's chunked scan), or in chunks (``chunked``: ``treepack.recurrent.ssd_scan``,
+      the bench's stock runs, as fast as the tree's); at float32 or the inputs' precision if
+      wider, as mamba_ssm's computes in float32;
+    - ``RMSNormGated`` (the layer's grouped norm): RMS over each group of channels, times the
+      weight (``z`` gates before the norm, ``norm_before_gate=False``);
+    - the final norm (``TENorm`` in ``MambaStack``): :class:`Norm`;
+    - Megatron's Triton tensor ops of dynamic inference (never called in training): absent.
+    """
+    import sys
+    import types
+
+    name = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if name not in sys.modules:
+            stub = types.ModuleType(name)
+            stub.tensor_get_slice_after = stub.tensor_masked_update = stub.tensor_merge = None
+            sys.modules[name] = stub
+    from megatron.core.ssm import mamba_block, mamba_mixer
+
+    if mamba_mixer.HAVE_MAMBA_SSM and not getattr(mamba_mixer, "_treepack_stand_in", False):
+        return  # mamba_ssm's own kernels
+    mamba_mixer.HAVE_MAMBA_SSM = mamba_mixer._treepack_stand_in = True
+    mamba_mixer.mamba_split_conv1d_scan_combined = _split_conv1d_scan(chunked)
+    mamba_mixer.ExtendedRMSNorm = GatedNorm
+    mamba_block.TENorm = Norm
+
+
+def _split_conv1d_scan(chunked: bool):
+    import torch.nn.functional as F
+
+    def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D,
+                                         chunk_size, seq_idx=None, activation="silu",
+                                         headdim=None, ngroups=1, norm_before_gate=True,
+                                         dt_limit=(0.0, float("inf")), **kwargs):
+        assert seq_idx is None and activation == "silu", "a packed batch: not modelled here"
+        assert not {k for k, v in kwargs.items() if v not in (None, False)}, kwargs
+        b, length, _ = zxbcdt.shape
+        heads = dt_bias.shape[0]
+        width = headdim if D.dim() == 1 else D.shape[1]
+        inner, channels = heads * width, conv1d_weight.shape[0]
+        state = (channels - inner) // (2 * ngroups)
+        z, xbc, dt = zxbcdt.split((inner, channels, heads), -1)
+        xbc = F.conv1d(xbc.transpose(1, 2), conv1d_weight[:, None], conv1d_bias,
+                       padding=conv1d_weight.shape[1] - 1, groups=channels)[..., :length]
+        x, B, C = F.silu(xbc).transpose(1, 2).split((inner, ngroups * state,
+                                                     ngroups * state), -1)
+        compute = torch.promote_types(zxbcdt.dtype, torch.float32)
+        dt = F.softplus(dt.to(compute) + dt_bias.to(compute)).clamp(*dt_limit)
+        x = x.reshape(b, length, heads, width).to(compute)
+        B, C = (t.reshape(b, length, ngroups, state).to(compute) for t in (B, C))
+        if chunked:
+            from treepack.recurrent import ssd_scan
+
+            y, _ = ssd_scan(x, dt, A, B, C, D, chunk=chunk_size)
+        else:
+            from reference import naive_ssd
+
+            y, _ = naive_ssd(x, dt, A.to(compute), B, C, D.to(compute))
+        y = y.reshape(b, length, inner) * F.silu(z.to(compute))
+        return y.to(zxbcdt.dtype)
+
+    return mamba_split_conv1d_scan_combined
+
+
+class GatedNorm(torch.nn.Module):
+    """mamba_ssm's ``RMSNormGated`` (megatron-core's ``ExtendedRMSNorm``) in torch: RMS over
+    each ``group_size`` channels, times the weight; ``z``, if given, gates first
+    (``norm_before_gate=False``, which megatron-core asserts)."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=False,
+                 device=None, dtype=None):
+        super().__init__()
+        assert not norm_before_gate
+        self.eps, self.group_size = eps, group_size or hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def forward(self, x, z=None):
+        if z is not None:
+            x = x * torch.nn.functional.silu(z)
+        shape = x.shape
+        x = x.reshape(*shape[:-1], -1, self.group_size)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.reshape(shape) * self.weight
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.ssm.mamba_mixer import ExtendedRMSNorm
+
+        return ExtendedRMSNorm.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+
+def hybrid_stack_spec(pattern_fields: dict | None = None, chunked: bool = False):
+    """megatron-core's hybrid stack spec (``mamba_stack_spec``: Mamba2, attention, MLP and MoE
+    layers) from local modules, as its TransformerEngine spec lays them out: each layer's
+    input norm fused into its first linear (:func:`fused_norm_linear`), row-parallel second
+    linears, Megatron's local core attention (:func:`mamba_without_ssm` first, ``chunked``
+    as it takes it). ``pattern_fields``: extra ``params`` of the Mamba mixer (its
+    ``chunk_size``)."""
+    mamba_without_ssm(chunked)
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (TransformerLayer,
+                                                             TransformerLayerSubmodules)
+
+    fused = fused_norm_linear()
+    return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            mixer=ModuleSpec(module=MambaMixer, params=dict(pattern_fields or {}),
+                             submodules=MambaMixerSubmodules(in_proj=fused,
+                                                             out_proj=RowParallelLinear)),
+            mamba_bda=get_bias_dropout_add)),
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(linear_qkv=fused,
+                                                   core_attention=DotProductAttention,
+                                                   linear_proj=RowParallelLinear)),
+            self_attn_bda=get_bias_dropout_add)),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fused,
+                                                                linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add))))

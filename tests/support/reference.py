@@ -159,3 +159,27 @@ def float64_throughout():
             yield
     finally:
         torch.set_default_dtype(default)
+
+
+def naive_ssd(x, dt, A, B, C, D=None, initial_state=None):
+    """Mamba2's SSD one token at a time, in the inputs' dtype: h <- exp(dt A) h + dt x B^T
+    (h ``[b, heads, P, N]``, mamba_ssm's layout), y = h C + D x. ``x`` ``[b, L, heads, P]``,
+    ``dt`` ``[b, L, heads]`` (after bias and softplus), ``A`` ``[heads]``, ``B``, ``C``
+    ``[b, L, groups, N]`` (head h reads group h // (heads / groups)), ``D`` ``[heads]`` or
+    ``[heads, P]``. Returns (y, final state)."""
+    import torch
+
+    b, length, heads, P = x.shape
+    repeat = heads // B.shape[2]
+    B, C = B.repeat_interleave(repeat, 2), C.repeat_interleave(repeat, 2)
+    h = (torch.zeros(b, heads, P, B.shape[-1], dtype=x.dtype) if initial_state is None
+         else initial_state)
+    out = []
+    for t in range(length):
+        h = h * (dt[:, t] * A).exp()[..., None, None] \
+            + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        out.append((h * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(out, 1)
+    if D is not None:
+        y = y + x * (D[:, None] if D.dim() == 1 else D)
+    return y, h

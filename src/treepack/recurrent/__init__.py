@@ -11,9 +11,10 @@ an agent trajectory without forks one per step it extends.
 """
 
 from treepack.recurrent.conv import ancestor_table, ancestors, path_conv1d, tree_conv1d
-from treepack.recurrent.linear import decayed_linear_attention
+from treepack.recurrent.linear import decayed_linear_attention, ssd_scan
 from treepack.recurrent.scan import (Levels, level_chunk, level_scan, levels, row_levels,
                                      scan_levels)
 
 __all__ = ["ancestors", "ancestor_table", "tree_conv1d", "path_conv1d", "Levels", "levels",
-           "row_levels", "level_scan", "scan_levels", "level_chunk", "decayed_linear_attention"]
+           "row_levels", "level_scan", "scan_levels", "level_chunk", "decayed_linear_attention",
+           "ssd_scan"]

@@ -17,8 +17,8 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron_cpu import (Norm, ReferenceAttention, fused_norm_linear, gdn_layer, recorded,
-                          replaying)
+from megatron_cpu import (Norm, ReferenceAttention, fused_norm_linear, gdn_layer,
+                          hybrid_stack_spec, recorded, replaying)
 
 VOCAB = 128
 TEMPERATURES = (0.7, 1.0, 1.3)
@@ -131,6 +131,10 @@ def config(case: dict, tp: int = 1, cp: int = 1, pp: int = 1):
                       # megatron-core 0.16's config refuses CP with Gated DeltaNet (0.19 on
                       # takes it); the tree's CP group is parallel_state's either way
                       context_parallel_size=1)
+    if case.get("mamba"):  # a hybrid of Mamba2, attention and MLP layers (Nemotron-H's
+        # shape, small): 4 heads of 16 channels, B and C in 2 groups of 8 states
+        fields.update(num_layers=len(case["mamba"]), mamba_state_dim=8, mamba_head_dim=16,
+                      mamba_num_groups=2, mamba_num_heads=4)
     if pp > 1:  # packs differ in rows: the stages exchange their shapes
         fields.update(pipeline_dtype=torch.float64, variable_seq_lengths=True,
                       moe_token_dispatcher_type="alltoall")
@@ -147,6 +151,9 @@ def spec(case: dict, tree: bool = True, pp: int = 1):
 
     import treepack.megatron as tm
 
+    if case.get("mamba"):  # the hybrid stack (every stage's: the stack picks its layers),
+        stack = hybrid_stack_spec({"chunk_size": 32})  # chunks of 32 rows: the long
+        return tm.layer_spec(stack) if tree else stack  # prompt spans three
     experts = case.get("config", {}).get("num_moe_experts")
     kinds = {}
     for moe in (0, 1):
@@ -184,6 +191,16 @@ def build(case: dict, tp: int = 1, cp: int = 1, pp: int = 1, tree: bool = True,
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     spec_ = spec(case, tree, pp)
+    if case.get("mamba"):
+        from megatron.core.models.mamba.mamba_model import MambaModel
+
+        model = MambaModel(config(case, tp, cp, pp), spec_, vocab_size=VOCAB,
+                           max_sequence_length=128, hybrid_override_pattern=case["mamba"],
+                           position_embedding_type=case.get("positions", "rope"),
+                           share_embeddings_and_output_weights=case.get("tied", False),
+                           pre_process=_first(), post_process=_last(),
+                           pg_collection=pg_collection)
+        return model.double()
     model = GPTModel(config(case, tp, cp, pp), spec_, vocab_size=VOCAB, max_sequence_length=64,
                      position_embedding_type=case.get("positions", "rope"),
                      share_embeddings_and_output_weights=case.get("tied", False),
@@ -262,8 +279,16 @@ def _layout(param: torch.Tensor) -> tuple[int, int | list[int]] | None:
 
 def mark_head_split(model) -> None:
     """Mark each core attention's learnable softmax offset as split by heads, and each Gated
-    DeltaNet's parameters by their sections (``_layout``)."""
-    from treepack.adapters.megatron.recurrent import gated_delta_nets
+    DeltaNet's and Mamba2 mixer's parameters by their sections (``_layout``)."""
+    from treepack.adapters.megatron.recurrent import gated_delta_nets, mamba_mixers
+
+    for layer in mamba_mixers(model):  # z, x, B, C, dt; the convolution's x, B, C
+        inner, grouped, heads = layer.d_inner, layer.ngroups * layer.d_state, layer.nheads
+        layer.in_proj.weight._treepack_sections = [inner, inner, grouped, grouped, heads]
+        for p in (layer.conv1d.weight, layer.conv1d.bias):
+            p._treepack_sections = [inner, grouped, grouped]
+        for p in (layer.dt_bias, layer.A_log, layer.D, layer.norm.weight):
+            p._treepack_sections = [p.shape[0] * layer.tp_group.size()]
 
     for name, p in model.named_parameters():
         if name.endswith("softmax_offset"):
@@ -323,7 +348,12 @@ def canonical(case: dict):
     what every layout loads its shard of. Without activation recomputation, which changes
     no value: the reference cannot share a recomputation's mistake (Megatron's own routing
     replay, for one, routes the recomputed forward natively unless told otherwise)."""
+    from megatron.core import tensor_parallel
+
+    # Megatron's tracker too (the recurrent layers draw from it): weights that do not depend
+    # on the cases built before
     torch.manual_seed(case.get("seed", 0))
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     case = {**case, "config": {k: v for k, v in case.get("config", {}).items()
                                if not k.startswith("recompute")}}
     model = build(case, tree=False)

@@ -77,6 +77,11 @@ CASES = {
     "Gated DeltaNet layers": {"gdn": True, "batch": "long"},
     "in parts, Gated DeltaNet layers": {"gdn": True, "parts": 6},
     "Gated DeltaNet layers, every layer recomputed": {"gdn": True, "config": RECOMPUTE},
+    # a hybrid of Mamba2, attention and MLP layers (Nemotron-H's shape, without positions as
+    # Nemotron-H's attention): each Mamba2 layer's convolution along each row's path, its SSD
+    # scan from each parent's state, in chunks of 32 rows (the long prompt spans three)
+    "Mamba2 hybrid layers": {"mamba": "M*-M", "batch": "long", "positions": "none"},
+    "in parts, Mamba2 hybrid layers": {"mamba": "M*-M", "parts": 6},
     # a dense layer, then an MoE one; routes one per layer of the model, as vLLM records
     # them for verl's R3 (the dense layer's column unread)
     "MoE in the second layer, a route per layer": {
@@ -100,6 +105,10 @@ BROKEN = {
         ({"broken": "scan from zeros", "gdn": True}, lambda layout: True),
     "broken: each Gated DeltaNet convolution reads the packed rows before it":
         ({"broken": "packed convolution", "gdn": True}, lambda layout: True),
+    "broken: each Mamba2 scan chain starts from zeros":
+        ({"broken": "scan from zeros", "mamba": "M*-M"}, lambda layout: True),
+    "broken: each Mamba2 convolution reads the packed rows before it":
+        ({"broken": "packed convolution", "mamba": "M*-M"}, lambda layout: True),
     "broken: parts hand no gradient to the parts above":
         ({"broken": "carried gradient", "parts": 6}, lambda layout: True),
     "broken: the tree's routers route natively":
@@ -164,12 +173,19 @@ MOE_TOLERANCE = {"logprobs": FLOAT32_INSIDE, "grads": FLOAT32_RELATIVE}
 # (megatron_cpu.gdn_without_fla)
 GDN_TOLERANCE = {"logprobs": FLOAT32_INSIDE, "grads": FLOAT32_RELATIVE}
 
+# a Mamba2 layer computes in float64 here (megatron_cpu.mamba_without_ssm), but hands its
+# kernel A_log and dt_bias in float32 (``.float()``), whose gradients are rounded to float32
+# on their way back to the float64 parameters: FLOAT32_RELATIVE of every gradient
+MAMBA_TOLERANCE = {"logprobs": FLOAT64_EXACT, "grads": FLOAT32_RELATIVE}
+
 
 def tolerance(case: dict, key: str) -> float:
     """A case's tolerance for ``key`` (an output, or a parameter's gradient)."""
     kind = "logprobs" if key in ("logprobs", "entropy", "loss") else "grads"
     if case.get("gdn"):
         return GDN_TOLERANCE[kind]
+    if case.get("mamba"):
+        return MAMBA_TOLERANCE[kind]
     if "num_moe_experts" not in case.get("config", {}):
         return TOLERANCE
     return MOE_TOLERANCE[kind]
@@ -308,7 +324,7 @@ PIPELINES = {
 PIPELINE_CASES = ["grouped-query attention, rope", "per-sequence temperatures",
                   "sliding window", "MoE, routing replay",
                   "MoE in the second layer, a route per layer", "multi-latent attention, yarn",
-                  "Gated DeltaNet layers"]
+                  "Gated DeltaNet layers", "Mamba2 hybrid layers"]
 
 
 @pytest.fixture(scope="module", params=list(PIPELINES))
@@ -495,3 +511,37 @@ def test_mla_exchange_carries_the_smaller_of_latents_and_keys(tp, cp, latent):
     assert (why is None) == latent, why
     if not latent:
         assert "the expanded keys and values are the smaller (320 values" in why
+
+
+def test_layer_spec_takes_megatrons_te_hybrid_stack_spec():
+    """megatron-core's own hybrid stack spec (``mamba_stack_spec``: TransformerEngine's fused
+    norm + linear layers, TE's core attention): the attention layer's core attention becomes
+    the tree's with TE's as its stock path, everything else as it was, the original
+    untouched; a stack of Mamba2 layers only (no core attention) is a tree spec too."""
+    import dataclasses
+
+    import megatron_cpu
+
+    megatron_cpu.mamba_without_ssm()  # megatron-core's Mamba module imports Triton
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    import treepack.megatron as tm
+
+    stock = mamba_stack_spec.submodules
+    attention = stock.attention_layer.submodules.self_attention.submodules
+    out = tm.layer_spec(mamba_stack_spec).submodules
+    tree = out.attention_layer.submodules.self_attention.submodules
+    assert tree.core_attention.module is tm.TreeCoreAttention
+    assert tree.core_attention.params["stock"] is attention.core_attention
+    assert (tree.linear_qkv, tree.linear_proj) == (attention.linear_qkv, attention.linear_proj)
+    assert out.mamba_layer.submodules.mixer.module is stock.mamba_layer.submodules.mixer.module
+    assert attention.core_attention is not tm.TreeCoreAttention  # a copy was changed
+    mamba_only = dataclasses.replace(stock, attention_layer=IdentityOp)
+    spec = type(mamba_stack_spec)(module=mamba_stack_spec.module, submodules=mamba_only)
+    assert tm.layer_spec(spec).submodules.mamba_layer.submodules.mixer.module \
+        is stock.mamba_layer.submodules.mixer.module
+    neither = dataclasses.replace(mamba_only, mamba_layer=IdentityOp)
+    with pytest.raises(tm.UnsupportedMegatron, match="found no core_attention"):
+        tm.layer_spec(type(mamba_stack_spec)(module=mamba_stack_spec.module,
+                                             submodules=neither))

@@ -22,7 +22,6 @@ model.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
@@ -207,21 +206,23 @@ class TreeCoreAttention(MegatronModule):
 def layer_spec(spec):
     """``spec`` with every self-attention's core attention a :class:`TreeCoreAttention`
     (its stock module kept as the stock path): a layer spec (``ModuleSpec``), a block spec
-    (``TransformerBlockSubmodules``: several layer specs), or a list of layer specs.
+    (``TransformerBlockSubmodules``: several layer specs), a list of layer specs, or a hybrid
+    stack spec (``ModuleSpec(MambaStack, MambaStackSubmodules(...))``).
 
     Args:
         spec: what ``get_gpt_layer_local_spec(...)``, ``get_gpt_layer_with_transformer_engine
-            _spec(...)`` or ``get_gpt_decoder_block_spec(...)`` return.
+            _spec(...)``, ``get_gpt_decoder_block_spec(...)`` return, or megatron-core's
+            ``mamba_stack_spec`` (its TransformerEngine hybrid spec) or one like it.
 
     Returns:
-        A deep copy of ``spec``, the core attentions replaced; everything else (TE's fused
-        linears and norms, MoE) unchanged.
+        A copy of ``spec``, the core attentions replaced; everything else (TE's fused
+        linears and norms, MoE, the Mamba2 mixers) unchanged.
 
     Raises:
         UnsupportedMegatron: a spec with no core attention to replace and no Gated DeltaNet
-            layer.
+            or Mamba2 layer.
     """
-    out = copy.deepcopy(spec)
+    out = _copied(spec)
     if not _replace(out) and not _mixers(out):
         raise UnsupportedMegatron(
             f"found no core_attention in {type(spec).__name__}: pass a GPT layer spec "
@@ -230,16 +231,36 @@ def layer_spec(spec):
     return out
 
 
+def _copied(node):
+    """A copy of a spec's tree (``ModuleSpec``, the submodule dataclasses, their lists,
+    tuples and ``params`` dicts); its leaves (module classes, functions) shared. A deep copy
+    would copy whatever a spec holds, and cannot: TransformerEngine's classes are mocks where
+    TE is absent, and some specs hold closures."""
+    if isinstance(node, ModuleSpec):
+        return dataclasses.replace(node, params=_copied(node.params),
+                                   submodules=_copied(node.submodules))
+    if isinstance(node, (list, tuple)):
+        items = [_copied(n) for n in node]
+        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    if isinstance(node, dict):
+        return {k: _copied(v) for k, v in node.items()}
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(node, **{f.name: _copied(getattr(node, f.name))
+                                            for f in dataclasses.fields(node) if f.init})
+    return node
+
+
 def _mixers(node) -> int:
-    """How many Gated DeltaNet layers (token mixers :func:`treepack.megatron.prepare` runs
-    on a tree without a core attention) are below ``node``: a pipeline stage may hold only
-    those."""
+    """How many Gated DeltaNet and Mamba2 layers (token mixers
+    :func:`treepack.megatron.prepare` runs on a tree without a core attention) are below
+    ``node``: a pipeline stage, or a Mamba stack, may hold only those."""
     if isinstance(node, (list, tuple)):
         return sum(_mixers(n) for n in node)
     if isinstance(node, ModuleSpec):
-        from treepack.adapters.megatron.recurrent import is_gated_delta_net
+        from treepack.adapters.megatron.recurrent import is_gated_delta_net, is_mamba_mixer
 
-        return int(is_gated_delta_net(node.module)) + _mixers(node.submodules)
+        return int(is_gated_delta_net(node.module) or is_mamba_mixer(node.module)) \
+            + _mixers(node.submodules)
     if node is None or not dataclasses.is_dataclass(node):
         return 0
     return sum(_mixers(getattr(node, f.name)) for f in dataclasses.fields(node))

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.identity_op import IdentityOp
 
 from treepack.adapters.megatron import compat, latent, moe, recurrent, rotary
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
@@ -57,22 +58,36 @@ _PREPARED: weakref.WeakSet = weakref.WeakSet()
 
 
 def unwrap(model):
-    """The ``GPTModel`` inside Megatron's wrappers (DDP, ``Float16Module``, a list of one
-    virtual-pipeline chunk).
+    """The language model inside Megatron's wrappers (DDP, ``Float16Module``, a list of one
+    virtual-pipeline chunk): a ``GPTModel``, or a ``MambaModel`` (a hybrid of Mamba2,
+    attention and MLP layers; ``HybridModel`` from megatron-core 0.19 on).
 
     Raises:
-        TypeError: no ``GPTModel`` inside.
+        TypeError: no such model inside.
     """
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
+    kinds = _model_classes()
     inner = model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
     seen = 0
-    while not isinstance(inner, GPTModel) and hasattr(inner, "module") and seen < 8:
+    while not isinstance(inner, kinds) and hasattr(inner, "module") and seen < 8:
         inner, seen = inner.module, seen + 1
-    if not isinstance(inner, GPTModel):
-        raise TypeError(f"treepack.megatron runs a megatron-core GPTModel (or a wrapper of one: "
-                        f"DDP, Float16Module), got {type(model).__name__}")
+    if not isinstance(inner, kinds):
+        raise TypeError(f"treepack.megatron runs a megatron-core GPTModel or MambaModel (or a "
+                        f"wrapper of one: DDP, Float16Module), got {type(model).__name__}")
     return inner
+
+
+def _model_classes() -> tuple[type, ...]:
+    """The megatron-core language models :func:`unwrap` finds."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    try:  # megatron-core 0.19 on: HybridModel (MambaModel a subclass of it)
+        from megatron.core.models.hybrid.hybrid_model import HybridModel as Hybrid
+    except ImportError:
+        try:
+            from megatron.core.models.mamba.mamba_model import MambaModel as Hybrid
+        except ImportError:  # pragma: no cover - a megatron-core without either
+            return (GPTModel,)
+    return GPTModel, Hybrid
 
 
 def prepare(model):
@@ -89,11 +104,11 @@ def prepare(model):
 
     Raises:
         UnsupportedMegatron: multi-token prediction, CUDA graphs, YaRN as the model's
-            position embedding or MLA's fused rope (:func:`.rotary.position_kind`), a layer
-            without a core attention (a Mamba hybrid), or an MoE model
+            position embedding or MLA's fused rope (:func:`.rotary.position_kind`), a
+            token-mixing layer other than attention, Gated DeltaNet and Mamba2, or an MoE model
             with recomputed MoE layers, token dropping or a fused router under routing
             replay (:func:`.moe.check`).
-        TypeError: not a ``GPTModel``.
+        TypeError: not a ``GPTModel`` or ``MambaModel``.
     """
     compat.check()
     core = unwrap(model)
@@ -109,12 +124,15 @@ def prepare(model):
                                   "only, and a tree forward passes its tree to every layer")
     rotary.position_kind(core)
     layers = len(core.decoder.layers)
+    # a hybrid's MLP and MoE layers mix no tokens (their self-attention is an IdentityOp)
+    mixing = layers - sum(isinstance(getattr(layer, "self_attention", None), IdentityOp)
+                          for layer in core.decoder.layers)
     found = swap(core) + recurrent.install(core)
-    if found != layers:
+    if found != mixing:
         raise UnsupportedMegatron(
-            f"{type(core).__name__} has {layers} layers on this stage but {found} core "
-            "attentions and Gated DeltaNet layers: layers of another token mixer (Mamba) are "
-            "not routed yet")
+            f"{type(core).__name__} has {mixing} token-mixing layers on this stage but "
+            f"{found} core attentions, Gated DeltaNet and Mamba2 layers: a layer of another "
+            "token mixer would mix the packed rows of different sequences. Run it unpacked")
     rotary.install(core)
     if getattr(config, "multi_latent_attention", False):
         latent.install(core)
@@ -229,14 +247,17 @@ class MegatronForward:
             return self.sharded.conv(x, weight, bias)
         return self._padded(self.mixers.conv(x.narrow(0, 0, self.total), weight, bias))
 
-    def scan(self, kernel, inputs: dict[str, Tensor]) -> Tensor:
+    def scan(self, kernel, inputs: dict[str, Tensor], per_head: dict | None = None) -> Tensor:
         """A recurrent scan over every path, each chain from its parent's state
         (:meth:`treepack.forwards.TreeForward.scan`): ``inputs`` ``{name: [width, heads,
-        ...]}``, this rank's rows (under CP through the exchange to this rank's heads)."""
+        ...]}``, this rank's rows (under CP through the exchange to this rank's heads; an
+        input with fewer heads, Mamba2's ``B`` and ``C`` by groups, repeated up to them);
+        ``per_head``: per-head parameters the kernel reads in its batch (Mamba2's ``A``,
+        ``D``)."""
         if self.sharded is not None:
-            return self.sharded.scan(kernel, inputs)
+            return self.sharded.scan(kernel, inputs, per_head)
         return self._padded(self.mixers.scan(
-            kernel, {k: t.narrow(0, 0, self.total) for k, t in inputs.items()}))
+            kernel, {k: t.narrow(0, 0, self.total) for k, t in inputs.items()}, per_head))
 
     def _padded(self, out: Tensor) -> Tensor:
         """``out`` for every row of the forward, then zeros for the rows that pad it."""
@@ -418,11 +439,11 @@ def run_forward(model, forward: MegatronForward, tp: dict) -> tuple[Tensor, dict
         output = model(input_ids=forward.pack.input_ids[forward.rows][None],
                        position_ids=rotary.position_ids(kind, forward.depths),
                        attention_mask=None, packed_seq_params=forward.params())
-    layers = len(tree_layers(core)) + len(recurrent.gated_delta_nets(core))
+    layers = len(tree_layers(core)) + len(recurrent.tree_mixers(core))
     if forward.calls != layers:
         raise UnsupportedMegatron(
             f"{forward.calls} of the stage's {layers} tree token mixers ran: a layer "
-            "bypassed its core attention or its Gated DeltaNet")
+            "bypassed its core attention, its Gated DeltaNet or its Mamba2 mixer")
     return output, head
 
 
