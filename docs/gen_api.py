@@ -89,7 +89,11 @@ def _signature(obj) -> str:
 
 def _members(cls) -> list[str]:
     out = []
-    for name, value in vars(cls).items():
+    inherited = {}  # public members of treepack's own base classes, the subclass's first
+    for base in reversed(cls.__mro__):
+        if base is cls or base.__module__.startswith("treepack."):
+            inherited.update(vars(base))
+    for name, value in inherited.items():
         if name.startswith("_") or name in ("count", "index"):
             continue
         if isinstance(value, property):

@@ -2,24 +2,18 @@
 the placeholder rows that stand for it, each row at the position its token has in its own
 sequence.
 
-A vision-language model's processor turns an image into a run of placeholder tokens (one id,
-``<|image_pad|>``, for every image) and the pixels the vision tower encodes into one feature
-per placeholder. Three things make that exact on a pack:
+The rules (content keys on the placeholders, one feature index per placeholder token, each
+row at its token's multimodal position) are :mod:`treepack.forwards.images`', shared with the
+Megatron adapter; this module reads them off a transformers model and runs its vision tower:
 
-- **Content keys.** The tree is built over (id, key) pairs (:meth:`TreePack.from_sequences`'s
-  ``keys=``), each placeholder keyed by its image's content (a hash of its pixels and grid):
-  two prompts with the same text and different images never share a row; the same image in
-  two sequences does, wherever their contexts agree.
 - **One encoding per distinct image.** Inside the model's forward, when it embeds the pack's
   rows, the vision tower runs once over the distinct images this forward's rows need, with the
   model's own attention (never the tree's), and each placeholder row takes its image's
   feature. A shared row is one row, so its feature's gradient is the sum over the sequences
   through it, as unpacked; an image placeholder that appears in two unshared places reads the
   one encoding twice, so the vision tower's gradient collects both.
-- **Positions.** A model with multimodal rotary positions (Qwen2-VL's mrope: temporal, height
-  and width) gets, for each row, the positions the model itself gives that token in its own
-  sequence (``get_rope_index``, per sequence, mapped to rows; equal for a shared row, whose
-  context is the same). The attention's structure and sliding windows still count depth.
+- **Positions.** mrope positions come from the model's own ``get_rope_index``, per sequence;
+  the attention's structure and sliding windows still count depth.
 - **Image blocks.** Where an image's tokens see each other both ways (Gemma 3), each run of
   an image's placeholder rows is a block of the tree's attention (:class:`TreeAttention`'s
   ``blocks``): a run lies within one segment of the tree (its content key forbids a fork
@@ -33,9 +27,7 @@ and every other packed call take it as ``images=``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -43,9 +35,9 @@ from torch import Tensor
 
 from treepack.adapters.hf.prepare import unwrap
 from treepack.adapters.hf.routing import TREE_FORWARD, UnsupportedModel, text_config
-from treepack.core.derived import derived_from_pack
-from treepack.core.checks import validate_sequences
 from treepack.core.tree import TreePack
+from treepack.forwards import images as rules
+from treepack.forwards.images import content_key, placeholder_keys
 
 __all__ = ["Images", "MROPE_FAMILIES", "IMAGE_FAMILIES", "REFUSED_FAMILIES", "check_family",
            "vision_forward", "image_token_ids", "content_key", "placeholder_keys",
@@ -67,7 +59,6 @@ REFUSED_FAMILIES = {
     "paligemma": "PaliGemma's prefix (image and prompt) attends bidirectionally, which the "
                  "tree's ancestor-only attention does not express",
 }
-_KEY_MASK = (1 << 62) - 1
 
 
 def image_token_ids(config) -> dict[str, int]:
@@ -77,7 +68,7 @@ def image_token_ids(config) -> dict[str, int]:
     return {f: getattr(config, f) for f in fields if getattr(config, f, None) is not None}
 
 
-class Images:
+class Images(rules.Images):
     """The images of a batch of sequences, for a vision-language model on a pack.
 
     Build it from what the model's processor gives for the batch, then build the pack with its
@@ -90,7 +81,8 @@ class Images:
 
     Images are read in order: sequence 0's images first, each sequence's in the order of its
     placeholder runs (as processors lay them out). The same image given several times (each
-    GRPO rollout carries a copy) is stored and encoded once.
+    GRPO rollout carries a copy) is stored and encoded once. The rules are
+    :mod:`treepack.forwards.images`' (the Megatron adapter's images share them).
 
     Args:
         model: the vision-language model (prepared or not, or a wrapper of one): Qwen2-VL,
@@ -122,183 +114,41 @@ class Images:
             left over.
     """
 
-    def __init__(self, model, sequences, *, pixel_values: Tensor | None = None,
-                 image_grid_thw: Tensor | None = None, num_images: Sequence[int] | None = None,
-                 pixel_values_videos: Tensor | None = None,
-                 video_grid_thw: Tensor | None = None,
-                 second_per_grid_ts: Sequence[float] | Tensor | None = None):
+    def __init__(self, model, sequences, **kwargs):
         core = unwrap(model)
-        self.family = check_family(core)
-        config = core.config
-        self.image_token_id = int(config.image_token_id)
-        self.model_key = _model_key(core)
-        ids = validate_sequences(sequences)
-        videos = _videos(core, self.family, pixel_values_videos, video_grid_thw,
-                         second_per_grid_ts)
-        if pixel_values is None:  # videos only: no image rows, in the videos' dtype
-            pixel_values = (torch.zeros(0, *videos[1].shape[1:], dtype=videos[1].dtype)
-                            if videos else None)
-            image_grid_thw = torch.zeros(0, 3, dtype=torch.long) if videos else None
-            if pixel_values is None:
-                raise ValueError("hf.Images needs pixel_values (images) or "
-                                 "pixel_values_videos (videos)")
-        if self.family in MROPE_FAMILIES:
-            grid, pixel_values, tokens, starts = _patches(config, pixel_values, image_grid_thw)
-        else:
-            grid, pixel_values, tokens, starts = _per_image(config, pixel_values, image_grid_thw)
-        image_count = len(tokens)
-        runs = np.ones(image_count, dtype=np.int64)  # placeholder runs of each item
-        self.video_token_id = self.second_per_grid_ts = None
-        hosts = [pixel_values.detach().cpu()]  # each modality's pixels, in its own dtype
-        if videos:  # the items after the images: their grids, rows, tokens and runs
-            v_grid, v_pixels, v_tokens, v_starts, v_runs, self.video_token_id, seconds = videos
-            grid = np.concatenate((grid, v_grid))
-            starts = np.concatenate((starts, starts[-1] + v_starts[1:]))
-            hosts.append(v_pixels.detach().cpu())
-            # one table in the dtype both modalities widen to exactly (float32 for bfloat16
-            # beside float32, float64 beside anything): no video rounded to the images' dtype.
-            # The tower then casts all to its own dtype, as get_image_features and
-            # get_video_features each do with their modality.
-            wide = torch.promote_types(pixel_values.dtype, v_pixels.dtype)
-            pixel_values = torch.cat((pixel_values.to(wide), v_pixels.to(wide)))
-            tokens, runs = np.concatenate((tokens, v_tokens)), np.concatenate((runs, v_runs))
-            self.second_per_grid_ts = seconds
-        # one content key per image or video: its pixels (in their own dtype) and grid (and kind)
-        base = (0, starts[image_count])  # where the images' and the videos' rows start
+        super().__init__(vision_model(core, check_family(core)), sequences, **kwargs)
 
-        def pixels_of(i):
-            kind = int(i >= image_count)
-            return hosts[kind][starts[i] - base[kind]:starts[i + 1] - base[kind]]
 
-        keys = np.array([content_key(pixels_of(i),
-                                     np.zeros(0, np.int64) if grid is None else grid[i],
-                                     video=i >= image_count)
-                         for i in range(len(tokens))], dtype=np.int64)
-        self.unique_key, first, occurrence = np.unique(keys, return_index=True,
-                                                       return_inverse=True)
-        self.occurrence = occurrence.reshape(-1)
-        self.grid = None if grid is None else torch.as_tensor(grid[first])  # [U, 3]
-        self.tokens = tokens[first]  # [U]
-        self.feature_start = np.concatenate(([0], np.cumsum(self.tokens)))  # [U + 1]
-        # each distinct image's rows of pixel_values (patches; one for a whole image)
-        self.patch_start = np.concatenate(([0], np.cumsum(np.diff(starts)[first])))
-        self.pixel_values = (torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in first])
-                             if len(first) else pixel_values[:0])
-        self.keys, self.features, self.images_of = _assign(
-            ids, self.image_token_id, tokens[:image_count], keys[:image_count],
-            self.occurrence[:image_count], self.feature_start, num_images,
-            separated=self.family in MROPE_FAMILIES)
-        self.videos_of = [[] for _ in ids]
-        self.grids_in_order = grid  # every image's, then every video's (rope positions)
-        self.image_count = image_count
-        if videos:
-            v_keys, v_features, videos_of = _assign(
-                ids, self.video_token_id, tokens[image_count:], keys[image_count:],
-                self.occurrence[image_count:], self.feature_start, None, separated=True,
-                runs=runs[image_count:], what="video")
-            self.keys = [a + b for a, b in zip(self.keys, v_keys)]  # disjoint placeholders
-            self.features = [np.maximum(a, b) for a, b in zip(self.features, v_features)]
-            self.videos_of = [[image_count + v for v in mine] for mine in videos_of]
-        self.sequences = ids
-        self.positions = (_rope_positions(core, ids, grid[:image_count], self.image_token_id,
-                                          self.video_token_id, grid[image_count:],
-                                          self.second_per_grid_ts)
-                          if self.family in MROPE_FAMILIES else None)
+def vision_model(core, family: str) -> rules.VisionModel:
+    """What the image rules read of a transformers vision-language model (``core``, of
+    ``family``)."""
+    config = core.config
+    vision = config.vision_config
+    if family not in MROPE_FAMILIES:  # LLaVA, Gemma 3: a fixed number of tokens an image
+        tokens = getattr(config, "mm_tokens_per_image", None) or (  # Gemma 3: pooled
+            (vision.image_size // vision.patch_size) ** 2
+            + (config.vision_feature_select_strategy == "full"))
+        return rules.VisionModel(
+            family, int(config.image_token_id), _model_key(core),
+            image_shape=(vision.num_channels, vision.image_size, vision.image_size),
+            tokens_per_image=int(tokens), error=UnsupportedModel)
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", None))
+    width = None if channels is None else \
+        int(channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+    image_id = int(config.image_token_id)
+    video_id = getattr(config, "video_token_id", None)
 
-    # ------------------------------------------------------------------ batches
+    def positions(ids, grid, video_grid, seconds):
+        return _rope_positions(core, ids, grid, image_id,
+                               video_id if len(video_grid) else None, video_grid, seconds)
 
-    @property
-    def num_sequences(self) -> int:
-        """N, the sequences these images belong to."""
-        return len(self.sequences)
-
-    @property
-    def num_images(self) -> int:
-        """Distinct images (each encoded once per forward that needs it)."""
-        return len(self.unique_key)
-
-    def pack(self, **kwargs) -> TreePack:
-        """The pack of these sequences, keyed by their images.
-
-        Args:
-            **kwargs: as :meth:`TreePack.from_sequences` (``layout``, ``device``, ...).
-
-        Returns:
-            ``TreePack.from_sequences(sequences, keys=self.keys, **kwargs)``.
-        """
-        return TreePack.from_sequences(self.sequences, keys=self.keys, **kwargs)
-
-    def select(self, indices) -> Images:
-        """The images of sequences ``indices`` (a micro-batch, a plan's pack's ``seq_ids``).
-
-        Args:
-            indices: sequence indices into this batch.
-
-        Returns:
-            An :class:`Images` over those sequences, in that order (the distinct-image table
-            is shared, and only the images a forward's rows need are encoded).
-        """
-        out = object.__new__(Images)
-        out.__dict__.update(self.__dict__)
-        index = [int(i) for i in np.asarray(torch.as_tensor(indices).cpu()).reshape(-1)]
-        bad = [i for i in index if not 0 <= i < self.num_sequences]
-        if bad:
-            raise ValueError(f"select({bad[:4]}...): these images hold sequences 0 .. "
-                             f"{self.num_sequences - 1}")
-        for name in ("sequences", "keys", "features", "images_of", "videos_of", "positions"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(out, name, [value[i] for i in index])
-        return out
-
-    def __repr__(self) -> str:
-        return (f"Images(sequences={self.num_sequences}, images={sum(map(len, self.images_of))}, "
-                f"distinct={self.num_images}, family={self.family!r})")
+    return rules.VisionModel(
+        family, image_id, _model_key(core), merge=int(vision.spatial_merge_size),
+        patch_width=width, video_token_id=None if video_id is None else int(video_id),
+        video_runs=family.startswith("qwen3"), positions=positions, error=UnsupportedModel)
 
 
 # ---------------------------------------------------------------------- the forward
-
-
-class _RowTables(NamedTuple):
-    """An :class:`Images` laid out on a pack's rows."""
-
-    feature: np.ndarray  # [T'] feature index of each row, -1 for a text row
-    positions: np.ndarray | None  # [3, T'] multimodal rotary positions, or None
-
-
-@derived_from_pack
-def _row_tables(pack: TreePack, images: Images) -> _RowTables:
-    h = pack.host
-    if images.num_sequences != pack.num_sequences:
-        raise ValueError(f"images holds {images.num_sequences} sequences but the pack "
-                         f"{pack.num_sequences}: pass the images of the pack's sequences, in "
-                         "its order (images.select(pack.seq_ids) for a plan's pack)")
-    rows = ([h.rows[a:b] for a, b in zip(h.offsets[:-1], h.offsets[1:])]
-            if pack.layout == "flat" else [h.rows[s, :n] for s, n in enumerate(h.lengths)])
-    for s, (r, seq) in enumerate(zip(rows, images.sequences)):
-        if len(r) != len(seq) or not np.array_equal(h.input_ids[r], seq):
-            raise ValueError(f"sequence {s} of the pack is not sequence {s} of the images: "
-                             "build the pack with images.pack() (or images.select(...) for a "
-                             "subset)")
-    every = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    keys = np.concatenate(images.keys) if rows else np.zeros(0, np.int64)
-    if keys.any() and (h.row_keys is None or not np.array_equal(h.row_keys[every], keys)):
-        raise ValueError("the pack was built without these images' content keys, so rows of "
-                         "different images may have merged: build it with images.pack(), or "
-                         "TreePack.from_sequences(sequences, keys=images.keys)")
-    feature = np.full(pack.num_rows, -1, dtype=np.int64)
-    positions = None
-    if rows:
-        wanted = np.concatenate(images.features)
-        feature[every] = wanted
-        _check_rows_agree(feature[every], wanted)
-    if images.positions is not None:
-        positions = np.zeros((3, pack.num_rows), dtype=np.int64)
-        if rows:
-            wanted = np.concatenate(images.positions, axis=1)
-            positions[:, every] = wanted
-            _check_rows_agree(positions[:, every], wanted)
-    return _RowTables(feature, positions)
 
 
 def _placeholder_runs(h, feature: np.ndarray) -> np.ndarray:
@@ -336,16 +186,8 @@ def image_blocks(model, pack: TreePack, images: Images | None) -> Tensor | None:
     tokens see each other both ways (:data:`BIDIRECTIONAL_FAMILIES`), else None."""
     if images is None or images.family not in BIDIRECTIONAL_FAMILIES:
         return None
-    runs = _placeholder_runs(pack.host, _row_tables(pack, images).feature)
+    runs = _placeholder_runs(pack.host, rules.row_tables(pack, images).feature)
     return torch.as_tensor(runs, device=pack.device)
-
-
-def _check_rows_agree(placed: np.ndarray, wanted: np.ndarray) -> None:
-    """Every token's row holds that token's feature and position: no row stands for two
-    images, or for two contexts."""
-    if not np.array_equal(placed, wanted):
-        raise ValueError("rows of the pack hold placeholders of different images (its keys "
-                         "do not tell the images apart): build it with images.pack()")
 
 
 @contextlib.contextmanager
@@ -373,7 +215,7 @@ def vision_forward(model, pack: TreePack, images: Images | None, rows: Tensor | 
                          "family, image token id, tokens per patch grid, feature width), not "
                          f"{type(core).__name__} ({_model_key(core)}): build hf.Images with "
                          "the model that runs them")
-    tables = _row_tables(pack, images)
+    tables = rules.row_tables(pack, images)
     index = slice(None) if rows is None else rows.cpu().numpy()
     feature = tables.feature[index]
     positions = None
@@ -570,227 +412,6 @@ def check_family(core) -> str:
                                f"{list(MROPE_FAMILIES + IMAGE_FAMILIES)} on a pack; run this "
                                "model's image prompts unpacked")
     return kind
-
-
-def _patches(config, pixel_values, image_grid_thw):
-    """Qwen-VL's layout: one pixel row per patch, a (t, h, w) grid per image, merged
-    ``spatial_merge_size``² patches to a token. Returns the grids, the pixels, each image's
-    tokens and where its rows start (``[images + 1]``)."""
-    if image_grid_thw is None:
-        raise ValueError(f"{config.model_type} images need image_grid_thw (the processor's "
-                         "[images, 3] patch grids) beside pixel_values")
-    vision = config.vision_config
-    merge = int(vision.spatial_merge_size)
-    grid = _as_grid(image_grid_thw)
-    pixel_values = _as_pixels(pixel_values, grid)
-    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", None))
-    if channels is not None:
-        width = int(channels) * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
-        if pixel_values.shape[1] != width:
-            raise ValueError(
-                f"pixel_values has rows of {pixel_values.shape[1]} values, but "
-                f"{config.model_type}'s vision tower takes patches of {width} (channels "
-                f"{channels} x temporal_patch_size {vision.temporal_patch_size} x patch_size "
-                f"{vision.patch_size}²): use this model's own processor")
-    patches = grid.prod(1)
-    bad = np.flatnonzero((grid[:, 1:] % merge != 0).any(1)) if len(grid) else []
-    if len(bad):
-        raise ValueError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: height and "
-                         f"width must be multiples of the spatial merge size {merge} (the "
-                         "processor's own output is)")
-    return grid, pixel_values, patches // merge ** 2, np.concatenate(([0], np.cumsum(patches)))
-
-
-def _per_image(config, pixel_values, image_grid_thw):
-    """LLaVA's layout: ``pixel_values`` ``[images, C, H, W]``, each image the same number of
-    placeholder tokens (the config's ``image_seq_length``)."""
-    if image_grid_thw is not None:
-        raise ValueError(f"{config.model_type} images take no image_grid_thw: pixel_values is "
-                         "[images, channels, height, width]")
-    if not isinstance(pixel_values, Tensor) or pixel_values.ndim != 4:
-        raise ValueError(f"{config.model_type} pixel_values must be the processor's [images, "
-                         "channels, height, width] tensor, got "
-                         f"{getattr(pixel_values, 'shape', type(pixel_values))}")
-    vision = config.vision_config
-    want = (vision.num_channels, vision.image_size, vision.image_size)
-    if tuple(pixel_values.shape[1:]) != want:
-        raise ValueError(f"pixel_values has images of shape {tuple(pixel_values.shape[1:])}, "
-                         f"but {config.model_type}'s vision tower takes {want} (channels, "
-                         "height, width): use this model's own processor")
-    tokens = getattr(config, "mm_tokens_per_image", None) or (  # Gemma 3: pooled to a count
-        (vision.image_size // vision.patch_size) ** 2
-        + (config.vision_feature_select_strategy == "full"))
-    n = pixel_values.shape[0]
-    return None, pixel_values.detach(), np.full(n, tokens, dtype=np.int64), np.arange(n + 1)
-
-
-def _as_grid(image_grid_thw) -> np.ndarray:
-    grid = np.asarray(torch.as_tensor(image_grid_thw).detach().cpu(), dtype=np.int64)
-    if grid.ndim != 2 or grid.shape[1] != 3:
-        raise ValueError(f"image_grid_thw must be [images, 3] (t, h, w) patch counts, got "
-                         f"shape {tuple(grid.shape)}")
-    bad = np.flatnonzero((grid < 1).any(1))
-    if bad.size:
-        raise ValueError(f"image_grid_thw[{bad[0]}] = {grid[bad[0]].tolist()}: image "
-                         f"{bad[0]}'s (t, h, w) patch counts must each be at least 1 (the "
-                         "processor's own output is)")
-    return grid
-
-
-def _as_pixels(pixel_values, grid: np.ndarray) -> Tensor:
-    if not isinstance(pixel_values, Tensor) or pixel_values.ndim != 2:
-        raise ValueError("pixel_values must be the processor's [patches, D] tensor (one row "
-                         f"per patch), got {getattr(pixel_values, 'shape', type(pixel_values))}")
-    want = int(grid.prod(1).sum())
-    if pixel_values.shape[0] != want:
-        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patch rows but "
-                         f"image_grid_thw's {len(grid)} grids make {want}: pass the "
-                         "processor's pixel_values and image_grid_thw of the same images")
-    return pixel_values.detach()
-
-
-def placeholder_keys(sequences, image_token_id: int, images) -> list[np.ndarray]:
-    """Per-token content keys without the model, for code that holds a batch's ids and
-    images but not the model (verl's trainer): each sequence's image placeholders keyed by
-    their image, as :class:`Images` keys them, text 0.
-
-    Args:
-        sequences: N token-id sequences.
-        image_token_id: the placeholder id (the processor's ``image_token_id``).
-        images: per sequence, its images in order, each ``(pixels, grid)``: an image's pixel
-            rows and its ``(t, h, w)`` grid (Qwen-VL), or its ``[1, C, H, W]`` pixels and
-            None (LLaVA).
-
-    Returns:
-        N int64 arrays, one key per token.
-
-    Raises:
-        ValueError: a sequence whose placeholders cannot be split into its images (neither
-            one run per image nor equal shares).
-    """
-    ids = validate_sequences(sequences)
-    if len(images) != len(ids):
-        raise ValueError(f"images has {len(images)} entries for {len(ids)} sequences: give "
-                         "each sequence its (possibly empty) list of images")
-    out = []
-    for s, (seq, mine) in enumerate(zip(ids, images)):
-        key = np.zeros(len(seq), dtype=np.int64)
-        at = np.flatnonzero(seq == image_token_id)
-        runs = np.split(at, np.flatnonzero(np.diff(at) > 1) + 1) if at.size else []
-        if len(runs) != len(mine):  # adjacent images in one run (LLaVA): equal shares
-            if len(runs) > len(mine) or at.size % len(mine):
-                raise ValueError(f"sequence {s} has {at.size} placeholders (id "
-                                 f"{image_token_id}) in {len(runs)} runs for {len(mine)} "
-                                 "images: give each sequence its images, in order")
-            runs = np.split(at, len(mine))
-        for run, (pixels, grid) in zip(runs, mine):
-            grid = np.zeros(0, np.int64) if grid is None else \
-                np.asarray(torch.as_tensor(grid).cpu(), dtype=np.int64).reshape(-1)
-            key[run] = content_key(torch.as_tensor(pixels), grid)
-        out.append(key)
-    return out
-
-
-def content_key(pixels: Tensor, grid: np.ndarray, video: bool = False) -> int:
-    """A 62-bit non-zero key of an image's (or a video's) pixels and grid (equal images, equal
-    keys; a video never keys as an image)."""
-    digest = hashlib.blake2b(grid.tobytes(), digest_size=8, person=b"video" if video else b"")
-    digest.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return (int.from_bytes(digest.digest(), "little") & _KEY_MASK) % _KEY_MASK + 1
-
-
-def _assign(ids: list[np.ndarray], image_id: int, tokens: np.ndarray, keys: np.ndarray,
-            occurrence: np.ndarray, feature_start: np.ndarray, num_images,
-            separated: bool = False, runs: np.ndarray | None = None, what: str = "image"):
-    """Each sequence's images in order, their placeholder runs checked: per-token content
-    keys, per-token feature indices (-1 for text), the distinct image of each of its images.
-    ``separated``: each image's run is a whole run of placeholders (Qwen-VL's processors
-    put vision_start / vision_end around each, and its rope index reads runs). ``runs``: how
-    many equal runs each item's placeholders come in (Qwen3-VL's videos: one a temporal
-    patch, timestamps between), 1 by default."""
-    runs = np.ones(len(tokens), dtype=np.int64) if runs is None else runs
-    if num_images is not None:
-        num_images = [int(n) for n in num_images]
-        if len(num_images) != len(ids) or sum(num_images) != len(tokens):
-            raise ValueError(f"num_images={num_images} must give each of the {len(ids)} "
-                             f"sequences its image count, {len(tokens)} in all")
-    out_keys, out_features, images_of = [], [], []
-    nxt = 0
-    for s, seq in enumerate(ids):
-        at = np.flatnonzero(seq == image_id)
-        key = np.zeros(len(seq), dtype=np.int64)
-        feature = np.full(len(seq), -1, dtype=np.int64)
-        mine, used = [], 0
-        while used < len(at):
-            if nxt >= len(tokens):
-                raise ValueError(f"sequence {s} has {len(at) - used} {what} placeholder tokens "
-                                 f"(id {image_id}) beyond the {len(tokens)} {what}s given: "
-                                 f"every placeholder needs its {what}'s pixels and grid")
-            n, pieces = int(tokens[nxt]), int(runs[nxt])
-            each = n // pieces
-            u = occurrence[nxt]
-            for piece in range(pieces):
-                run = at[used:used + each]
-                if len(run) < each or run[-1] - run[0] != each - 1:
-                    raise ValueError(
-                        f"sequence {s}: {what} {nxt} of the batch needs {each} consecutive "
-                        f"placeholders (its grid's tokens{' a run' if pieces > 1 else ''}) at "
-                        f"its turn, but the sequence has {len(run)} there, from position "
-                        f"{int(run[0])}: the sequence's placeholders and the {what}s' grids "
-                        "disagree")
-                if separated and ((run[0] > 0 and seq[run[0] - 1] == image_id) or (
-                        run[-1] + 1 < len(seq) and seq[run[-1] + 1] == image_id)):
-                    raise ValueError(
-                        f"sequence {s}: {what} {nxt} of the batch ({each} tokens) is not a "
-                        f"whole run of placeholders at position {int(run[0])}: each {what} "
-                        "needs its own run (vision_start, its placeholders, vision_end), as "
-                        "the processor writes it")
-                key[run] = keys[nxt]
-                first = feature_start[u] + piece * each
-                feature[run] = np.arange(first, first + each)
-                used += each
-            mine.append(nxt)
-            nxt += 1
-        if num_images is not None and len(mine) != num_images[s]:
-            raise ValueError(f"sequence {s}: num_images says {num_images[s]} images but its "
-                             f"placeholders hold {len(mine)}")
-        out_keys.append(key)
-        out_features.append(feature)
-        images_of.append(mine)
-    if nxt != len(tokens):
-        raise ValueError(f"{len(tokens) - nxt} of the {len(tokens)} {what}s given have no "
-                         f"placeholders in the sequences: pass the {what}s of these sequences "
-                         "only, in order")
-    return out_keys, out_features, images_of
-
-
-def _videos(core, family: str, pixel_values_videos, video_grid_thw, second_per_grid_ts):
-    """A batch's videos as items after its images: ``(grids, pixel rows, tokens, row starts,
-    placeholder runs, video_token_id, seconds per grid)``, or None without videos."""
-    if pixel_values_videos is None and video_grid_thw is None:
-        if second_per_grid_ts is not None:
-            raise ValueError("second_per_grid_ts without videos: pass pixel_values_videos "
-                             "and video_grid_thw too")
-        return None
-    config = core.config
-    video_id = getattr(config, "video_token_id", None)
-    if family not in MROPE_FAMILIES or video_id is None:
-        raise UnsupportedModel(f"{type(core).__name__} ({family}): treepack runs videos of "
-                               f"{list(MROPE_FAMILIES)} on a pack; run this model's video "
-                               "prompts unpacked")
-    if pixel_values_videos is None or video_grid_thw is None:
-        raise ValueError("videos need both pixel_values_videos and video_grid_thw (the "
-                         "processor's fields)")
-    grid, pixels, tokens, starts = _patches(config, pixel_values_videos, video_grid_thw)
-    # Qwen3-VL's processor writes a video a temporal patch at a time, timestamps between
-    runs = grid[:, 0] if family.startswith("qwen3") else np.ones(len(grid), dtype=np.int64)
-    seconds = None
-    if second_per_grid_ts is not None:
-        seconds = torch.as_tensor(second_per_grid_ts, dtype=torch.float64).reshape(-1)
-        if seconds.shape[0] != len(grid):
-            raise ValueError(f"second_per_grid_ts has {seconds.shape[0]} values for "
-                             f"{len(grid)} videos: one a video, as the processor gives")
-    return grid, pixels, tokens, starts, runs, int(video_id), seconds
 
 
 def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray, image_id: int,
