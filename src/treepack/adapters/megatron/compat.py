@@ -44,6 +44,21 @@ Replaced on each instance of the model being prepared (never on the classes):
   ``value_head_dim``, ``use_qk_l2norm``, ``act_fn``, and its module's ``l2norm`` and
   ``torch_chunk_gated_delta_rule`` / ``chunk_gated_delta_rule`` (or the layer's
   ``gated_delta_rule``, megatron-core 0.19 on) (:mod:`.recurrent`).
+- ``MambaMixer.__class__`` (``megatron.core.ssm.mamba_mixer``): swapped for a subclass whose
+  ``forward``, in a tree forward, runs the layer's ``in_proj``, ``conv1d``, ``act``,
+  ``dt_bias``, ``A_log``, ``D``, ``norm`` and ``out_proj`` and reads ``d_inner_local_tp``,
+  ``ngroups_local_tp``, ``nheads_local_tp``, ``d_state``, ``headdim``, ``D_has_hdim``,
+  ``rmsnorm``, ``chunk_size`` and its module's ``mamba_chunk_scan_combined`` (mamba_ssm's, where
+  installed) (:mod:`.recurrent`).
+- A vision-language model (mbridge's ``Qwen2_5VLModel``: ``vision_model``,
+  ``language_model``, ``image_token_id``, ``video_token_id``): a tree forward calls its
+  ``vision_model(vision_data=, grid_thw=)`` (reading ``spatial_merge_size`` and its config's
+  ``in_channels``, ``temporal_patch_size``, ``patch_size``), ``language_model.embedding`` and
+  ``language_model(decoder_input=...)``, and reads positions from the model's
+  ``get_rope_index`` or its package's ``rope_utils.get_rope_index``; where its attention is
+  mbridge's (which drops the batch dimension of q and k given ``packed_seq_params``),
+  ``language_model.rotary_pos_emb.forward`` is replaced for the forward to return
+  ``[rows, 1, d]`` (:mod:`.vision`).
 - ``GPTModel.output_layer.forward``: for one forward, returns its input and records the weight
   (:mod:`.forward`), so no ``[T', V]`` logits exist.
 - ``<layer>.self_attention.core_attention``: the tree core attention around the built module

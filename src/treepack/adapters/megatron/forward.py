@@ -38,7 +38,7 @@ from torch import Tensor
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.identity_op import IdentityOp
 
-from treepack.adapters.megatron import compat, latent, moe, recurrent, rotary
+from treepack.adapters.megatron import compat, latent, moe, recurrent, rotary, vision
 from treepack.adapters.megatron.attention import (TreePackedSeqParams, UnsupportedMegatron,
                                                   swap, tree_layers)
 from treepack.attention.exchange import HeadExchange, rank_stream, sum_over
@@ -60,7 +60,9 @@ _PREPARED: weakref.WeakSet = weakref.WeakSet()
 def unwrap(model):
     """The language model inside Megatron's wrappers (DDP, ``Float16Module``, a list of one
     virtual-pipeline chunk): a ``GPTModel``, or a ``MambaModel`` (a hybrid of Mamba2,
-    attention and MLP layers; ``HybridModel`` from megatron-core 0.19 on).
+    attention and MLP layers; ``HybridModel`` from megatron-core 0.19 on); in a
+    vision-language model (a ``vision_model`` beside a ``language_model``), its language
+    model (:mod:`.vision`).
 
     Raises:
         TypeError: no such model inside.
@@ -68,11 +70,17 @@ def unwrap(model):
     kinds = _model_classes()
     inner = model[0] if isinstance(model, (list, tuple)) and len(model) == 1 else model
     seen = 0
-    while not isinstance(inner, kinds) and hasattr(inner, "module") and seen < 8:
+    while not isinstance(inner, kinds) and seen < 8:
+        if isinstance(getattr(inner, "language_model", None), kinds):  # a vision-language
+            inner = inner.language_model  # model: its language model (.vision)
+            break
+        if not hasattr(inner, "module"):
+            break
         inner, seen = inner.module, seen + 1
     if not isinstance(inner, kinds):
         raise TypeError(f"treepack.megatron runs a megatron-core GPTModel or MambaModel (or a "
-                        f"wrapper of one: DDP, Float16Module), got {type(model).__name__}")
+                        f"wrapper of one: DDP, Float16Module; or a vision-language model "
+                        f"around one), got {type(model).__name__}")
     return inner
 
 
@@ -192,6 +200,7 @@ class MegatronForward:
         # channels and heads
         self.sharded = None if cp is None else ShardedForward(mixers, self.exchange)
         self.routing: moe.Routing | None = None  # what its MoE routers read (run_forward)
+        self.images = None  # a vision-language model's images of the pack (.vision)
         self.calls = 0
 
     @property
@@ -316,7 +325,7 @@ def _hidden_out(model):
 
 def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
              align: str = "label", backend: str = "auto", chunk_size: int | None = None,
-             block_size: int = 128) -> TokenLogprobs:
+             block_size: int = 128, images=None) -> TokenLogprobs:
     """Every next-token log-prob (and entropy) of the pack's sequences, from one forward of a
     prepared ``GPTModel`` over the tree, in the ``[N, L]`` layout :func:`treepack.hf.logprobs`
     gives.
@@ -336,6 +345,9 @@ def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
         backend, block_size: the tree attention backend (``"auto"``: FlashAttention varlen
             on a GPU where it applies, else flex, else segment).
         chunk_size: rows per chunk of the vocabulary-parallel log-softmax.
+        images: a vision-language model's images of the pack's sequences
+            (:class:`treepack.megatron.Images`; the pack built with ``images.pack()``), or
+            None for text.
 
     Returns:
         :class:`treepack.TokenLogprobs`: ``logprobs`` ``[N, L]`` (flat: ``[total]``), 0 where
@@ -361,8 +373,8 @@ def logprobs(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
             "pipeline parallelism use treepack.megatron.forward_step (a forward_step_func for "
             "Megatron's get_forward_backward_func)")
     return forward_stage(model, pack, temperature=temperature, entropy=entropy, align=align,
-                         backend=backend, chunk_size=chunk_size,
-                         block_size=block_size).logprobs()
+                         backend=backend, chunk_size=chunk_size, block_size=block_size,
+                         images=images).logprobs()
 
 
 class StageOutput:
@@ -387,7 +399,7 @@ class StageOutput:
 
 def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = False,
                   align: str = "label", backend: str = "auto", chunk_size: int | None = None,
-                  block_size: int = 128) -> StageOutput:
+                  block_size: int = 128, images=None) -> StageOutput:
     """This pipeline stage's forward of ``pack`` (the whole model without pipeline
     parallelism): what :func:`logprobs` and :func:`forward_step` run.
 
@@ -395,7 +407,7 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
     arguments first (one all-gather), or every one of them refuses.
 
     Args:
-        model, pack, temperature, entropy, align, backend, chunk_size, block_size: as
+        model, pack, temperature, entropy, align, backend, chunk_size, block_size, images: as
             :func:`logprobs`.
 
     Returns:
@@ -409,11 +421,14 @@ def forward_stage(model, pack: TreePack, *, temperature=1.0, entropy: bool = Fal
     with agreement(_agreement_group(tp, cp), "tensor- and context-parallel group",
                    {"pack": "every rank of a group must pass the same pack"}) as fields:
         temps = _check(core, pack, temperature, align)
+        vision.check(model, pack, images)
         fields.update(call="forward_stage", pack=pack_identity(pack), temperature=temps,
                       align=align, entropy=entropy, backend=backend,
-                      gradients=torch.is_grad_enabled(), training=core.training)
+                      gradients=torch.is_grad_enabled(), training=core.training,
+                      images=None if images is None else images.num_images)
     forward = MegatronForward(PackForward(pack, backend, block_size), cp["group"], cp["rank"],
                               cp["size"], tp["size"] if core.config.sequence_parallel else 1)
+    forward.images = images
     output, head = run_forward(model, forward, tp)
     if not core.post_process:
         return StageOutput(output, None)
@@ -434,11 +449,15 @@ def run_forward(model, forward: MegatronForward, tp: dict) -> tuple[Tensor, dict
     forward.routing = moe.Routing(core, forward.weights, routes, tp["rank"], tp["size"],
                                   core.config.sequence_parallel, unrecorded)
     routed = moe.active(core, forward.routing)
+    vl = vision.vision_language(model)
     with _hidden_out(core) if core.post_process else contextlib.nullcontext({}) as head, \
             routed:
-        output = model(input_ids=forward.pack.input_ids[forward.rows][None],
-                       position_ids=rotary.position_ids(kind, forward.depths),
-                       attention_mask=None, packed_seq_params=forward.params())
+        if vl is not None:  # its vision tower, then its language model (.vision)
+            output = vision.run(vl, forward)
+        else:
+            output = model(input_ids=forward.pack.input_ids[forward.rows][None],
+                           position_ids=rotary.position_ids(kind, forward.depths),
+                           attention_mask=None, packed_seq_params=forward.params())
     layers = len(tree_layers(core)) + len(recurrent.tree_mixers(core))
     if forward.calls != layers:
         raise UnsupportedMegatron(
@@ -453,7 +472,8 @@ def forward_step(loss_fn, **options):
     the last stage's loss is ``loss_fn(logprobs, pack)``.
 
     Every stage must draw the same packs in the same order (Megatron's schedules assume it of
-    any data); set ``config.variable_seq_lengths = True``, since packs differ in rows.
+    any data); set ``config.variable_seq_lengths = True``, since packs differ in rows. A
+    vision-language model's micro-batches are ``(pack, images)`` pairs.
 
         step = treepack.megatron.forward_step(my_loss, temperature=1.0, entropy=True)
         get_forward_backward_func()(forward_step_func=step, data_iterator=iter(packs),
@@ -473,7 +493,10 @@ def forward_step(loss_fn, **options):
     """
     def step(data_iterator, model):
         pack = next(data_iterator)
-        stage = forward_stage(model, pack, **options)
+        images = None
+        if isinstance(pack, tuple):  # a vision-language model's (pack, images)
+            pack, images = pack
+        stage = forward_stage(model, pack, images=images, **options)
         return stage.output, lambda output_tensor: loss_fn(stage.logprobs(), pack)
 
     return step
