@@ -37,7 +37,7 @@ from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 
 __all__ = ["VisionModel", "Images", "RowTables", "row_tables", "content_key",
-           "placeholder_keys"]
+           "placeholder_keys", "padded_ids"]
 
 _KEY_MASK = (1 << 62) - 1
 
@@ -279,6 +279,18 @@ def row_tables(pack: TreePack, images: Images) -> RowTables:
             positions[:, every] = wanted
             _check_rows_agree(positions[:, every], wanted)
     return RowTables(feature, positions)
+
+
+def padded_ids(ids: list[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """Sequences as one right-padded batch, as a model's ``get_rope_index`` takes them:
+    ``input_ids`` ``[N, L]`` (0 past each end) and its ``attention_mask`` (1 on tokens)."""
+    n, longest = len(ids), max(len(a) for a in ids)
+    input_ids = torch.zeros(n, longest, dtype=torch.long)
+    mask = torch.zeros(n, longest, dtype=torch.long)
+    for s, seq in enumerate(ids):
+        input_ids[s, :len(seq)] = torch.as_tensor(seq)
+        mask[s, :len(seq)] = 1
+    return input_ids, mask
 
 
 def _check_rows_agree(placed: np.ndarray, wanted: np.ndarray) -> None:

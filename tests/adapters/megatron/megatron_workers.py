@@ -424,11 +424,24 @@ def alone(model, case: dict, tp: int = 1) -> dict:
         if tp > 1:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         t = TEMPERATURES[s % 3] if case.get("temperatures") else 1.0
-        logp = (logits / t).log_softmax(-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        at = (torch.tensor([s]), torch.arange(1, len(seq)))
-        logps = logps.index_put(at, logp[:-1].gather(-1, torch.tensor(seq)[1:, None])[:, 0])
-        ents = ents.index_put(at, ent[:-1])
+        logps, ents = put(logps, ents, s, seq, logits / t)
+    return weighted_backward(model, logps, ents, w, v)
+
+
+def put(logps: torch.Tensor, ents: torch.Tensor, s: int, seq: list, logits: torch.Tensor):
+    """``[N, L]`` log-probs and entropies with sequence ``s``'s next-token ones from its
+    logits ``[len(seq), V]``."""
+    logp = logits.log_softmax(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    at = (torch.tensor([s]), torch.arange(1, len(seq)))
+    return (logps.index_put(at, logp[:-1].gather(-1, torch.tensor(seq)[1:, None])[:, 0]),
+            ents.index_put(at, ent[:-1]))
+
+
+def weighted_backward(model, logps: torch.Tensor, ents: torch.Tensor, w: torch.Tensor,
+                      v: torch.Tensor) -> dict:
+    """The backward of ``(logps * w).sum() + (ents * v).sum()``: the outputs, the loss and
+    every parameter's gradient."""
     loss = (logps * w).sum() + (ents * v).sum()
     loss.backward()
     return {"logprobs": logps.detach(), "entropy": ents.detach(), "loss": loss.detach(),

@@ -204,17 +204,8 @@ def reference_worker(rank: int, world: int, port: int, out: str) -> None:
             pixels, grids = pixels_of(images)
             logits = model(torch.tensor(seq)[None], None, None, pixel_values=pixels,
                            image_grid_thw=grids)[0]
-            logp = logits.log_softmax(-1)
-            ent = -(logp.exp() * logp).sum(-1)
-            at = (torch.tensor([s]), torch.arange(1, len(seq)))
-            logps = logps.index_put(at, logp[:-1].gather(-1, torch.tensor(seq)[1:, None])[:, 0])
-            ents = ents.index_put(at, ent[:-1])
-        loss = (logps * w).sum() + (ents * v).sum()
-        loss.backward()
-        torch.save({"state": state, "logprobs": logps.detach(), "entropy": ents.detach(),
-                    "loss": loss.detach(), "grads": {k: p.grad.clone() for k, p in
-                                                     model.named_parameters()
-                                                     if p.grad is not None}},
+            logps, ents = mw.put(logps, ents, s, seq, logits)
+        torch.save({"state": state, **mw.weighted_backward(model, logps, ents, w, v)},
                    f"{out}/vision-reference.pt")
     finally:
         mw.shutdown()

@@ -423,12 +423,7 @@ def _rope_positions(core, ids: list[np.ndarray], grid: np.ndarray, image_id: int
     if not ids:
         return []
     inner = getattr(core, "model", core)
-    n, longest = len(ids), max(len(a) for a in ids)
-    input_ids = torch.zeros(n, longest, dtype=torch.long)
-    mask = torch.zeros(n, longest, dtype=torch.long)
-    for s, seq in enumerate(ids):
-        input_ids[s, :len(seq)] = torch.as_tensor(seq)
-        mask[s, :len(seq)] = 1
+    input_ids, mask = rules.padded_ids(ids)
     kwargs = dict(image_grid_thw=torch.as_tensor(grid), attention_mask=mask)
     takes = inspect.signature(inner.get_rope_index).parameters
     videos = video_id is not None

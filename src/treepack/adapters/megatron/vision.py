@@ -99,12 +99,7 @@ def describe(vl) -> rules.VisionModel:
     rope = _rope_index(vl)
 
     def positions(ids, grid, video_grid, seconds):
-        n, longest = len(ids), max(len(a) for a in ids)
-        input_ids = torch.zeros(n, longest, dtype=torch.long)
-        mask = torch.zeros(n, longest, dtype=torch.long)
-        for s, seq in enumerate(ids):
-            input_ids[s, :len(seq)] = torch.as_tensor(seq)
-            mask[s, :len(seq)] = 1
+        input_ids, mask = rules.padded_ids(ids)
         out = rope(input_ids, image_grid_thw=torch.as_tensor(grid) if len(grid) else None,
                    video_grid_thw=torch.as_tensor(video_grid) if len(video_grid) else None,
                    second_per_grid_ts=seconds, attention_mask=mask)[0]  # [3, N, L]
