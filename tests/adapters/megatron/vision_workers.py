@@ -1,4 +1,4 @@
-"""A Megatron vision-language model on a tree, for test_vision.py (spawned ranks import this
+"""A Megatron vision-language model on a tree, for test_megatron_vision.py (spawned ranks import this
 module): mbridge's ``Qwen2_5VLModel`` (what verl's Megatron engine builds for Qwen2.5-VL),
 tiny, in float64, built from megatron-core's local specs.
 
