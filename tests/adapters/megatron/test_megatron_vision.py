@@ -75,3 +75,28 @@ def test_what_a_vision_tree_cannot_run_is_refused(layout):
             "ValueError: the pack was built without these images' content keys"), refused
         assert refused["images of other sequences"].startswith(
             "ValueError: images holds 3 sequences but the pack 10"), refused
+        for case in ("image placeholders without images", "image placeholders in parts"):
+            assert refused[case].startswith(
+                "UnsupportedMegatron: the pack holds image placeholders (id 151655) but no "
+                "images were given"), refused
+
+
+def test_images_through_megatrons_pipeline_schedule(reference):
+    """PP = 2 (the vision tower on the first stage): two (pack, images) micro-batches through
+    get_forward_backward_func with treepack.megatron.forward_step; the last stage's log-probs
+    and every stage's gradients (times the micro-batches the schedule divides by) are the
+    reference's."""
+    spawn(vision_workers.pipeline_worker, str(reference), {"name": "pp2", "pp": 2}, world=2,
+          timeout=600)
+    results = [torch.load(reference / f"vision-pp2-rank{r}.pt") for r in range(2)]
+    want = torch.load(reference / "vision-reference.pt")
+    grads = {}
+    for got in results:
+        grads.update(got["grads"])
+        if got["last"]:
+            error = (got["logprobs"] - want["logprobs"]).abs().max() / want["logprobs"].abs().max()
+            assert within(error.item(), FLOAT64_EXACT), error
+    assert grads.keys() == want["grads"].keys()
+    for k, g in want["grads"].items():
+        error = ((grads[k] - g).abs().max() / g.abs().max()).item()
+        assert within(error, FLOAT64_EXACT), (k, error)

@@ -72,7 +72,8 @@ def _shim() -> None:
     vl.Qwen2_5VLSelfAttention = Qwen2_5VLSelfAttention
 
 
-def build(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, tree: bool = True):
+def build(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, tree: bool = True,
+          pp: int = 1):
     """The tiny Qwen2.5-VL (float64): 2 language layers (hidden 64, 4 query / 2 key-value
     heads of 16, mrope sections 2 / 3 / 3), a vision tower of 2 layers (hidden 32, windows of
     2 x 2 tokens, the second layer whole images), patches of 2 x 2 x 2 x 3 values merged
@@ -100,7 +101,9 @@ def build(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, tree: bool 
         hidden_dropout=0.0, params_dtype=torch.float64, init_method_std=0.05,
         attention_softmax_in_fp32=False, mrope_section=[2, 3, 3], transformer_impl="local",
         tensor_model_parallel_size=tp, context_parallel_size=cp,
-        sequence_parallel=sequence_parallel and tp > 1)
+        sequence_parallel=sequence_parallel and tp > 1, pipeline_model_parallel_size=pp,
+        **(dict(pipeline_dtype=torch.float64, variable_seq_lengths=True,
+                moe_token_dispatcher_type="alltoall") if pp > 1 else {}))
     vision = get_vision_model_config(copy.deepcopy(config))
     vision.num_layers, vision.hidden_size, vision.num_attention_heads = 2, 32, 2
     vision.num_query_groups, vision.kv_channels, vision.ffn_hidden_size = 2, 16, 64
@@ -117,11 +120,14 @@ def build(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, tree: bool 
     language.layer_norm = Norm
     tower = get_vit_layer_with_local_spec()
     tower.submodules.self_attention.submodules.core_attention = BlockAttention
+    from megatron.core import parallel_state as ps
+
     model = Qwen2_5VLModel(
         config, tm.layer_spec(language) if tree else language, VOCAB, 1024, vision, tower,
         projection, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                   linear_fc2=RowParallelLinear),
-        language_rotary_base=10000)
+        language_rotary_base=10000, pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage())
     return model.double()
 
 
@@ -259,6 +265,65 @@ def tree_worker(rank: int, world: int, port: int, out: str, layout: dict) -> Non
         mw.shutdown()
 
 
+def pipeline_worker(rank: int, world: int, port: int, out: str, layout: dict) -> None:
+    """The batch through Megatron's pipeline schedule (``pp`` stages: the vision tower on the
+    first; two micro-batches, each a ``(pack, images)`` pair for
+    ``treepack.megatron.forward_step``): the log-probs from the last stage, and every
+    parameter's full gradient by its canonical name, each stage its own."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import treepack.megatron as tm
+
+    pp = layout["pp"]
+    mw.init(rank, world, port, pp=pp)
+    try:
+        reference = torch.load(f"{out}/vision-reference.pt")
+        model = build(pp=pp)
+        from megatron.core.transformer.enums import ModelType
+
+        model.model_type = ModelType.encoder_or_decoder  # what Megatron's schedules read
+        names = {}
+        for name, _ in model.named_parameters():  # layers are numbered on their stage
+            key = name
+            if name.startswith("language_model.decoder.layers."):
+                local = int(name.split(".")[3])
+                number = model.language_model.decoder.layers[local].layer_number - 1
+                key = name.replace(f"layers.{local}.", f"layers.{number}.", 1)
+            names[name] = key
+        with torch.no_grad():
+            for k, p in model.named_parameters():
+                p.copy_(reference["state"][names[k]])
+        tm.prepare(model)
+        seqs = batch()
+        pixels, grids = pixels_of([img for _, images in seqs for img in images])
+        every = tm.Images(model, [s for s, _ in seqs], pixel_values=pixels,
+                          image_grid_thw=grids)
+        w, v = mw.weights(tuple(reference["logprobs"].shape))
+        groups = [list(range(i, len(seqs), 2)) for i in range(2)]
+        items = [(every.select(g).pack(), every.select(g)) for g in groups]
+        group_of = {id(pack): g for (pack, _), g in zip(items, groups)}
+
+        def loss_fn(got, pack):
+            g = group_of[id(pack)]
+            width = got.logprobs.shape[1]
+            loss = (got.logprobs * w[g, :width]).sum() + (got.entropy * v[g, :width]).sum()
+            return loss, {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach()}
+
+        reduced = get_forward_backward_func()(
+            forward_step_func=tm.forward_step(loss_fn, entropy=True), data_iterator=iter(items),
+            model=[model], num_microbatches=len(items), seq_length=1, micro_batch_size=1,
+            forward_only=False)
+        grads = {names[k]: p.grad * len(items) for k, p in model.named_parameters()}
+        logprobs = torch.zeros_like(reference["logprobs"])
+        for g, r in zip(groups, reduced or []):
+            logprobs[g, :r["logprobs"].shape[1]] = r["logprobs"]
+        torch.save({"grads": grads, "last": ps.is_pipeline_last_stage(), "logprobs": logprobs},
+                   f"{out}/vision-{layout['name']}-rank{rank}.pt")
+    finally:
+        mw.shutdown()
+
+
 def _refusals(model, seqs, images, pack) -> dict:
     """What a tree refuses of a vision-language batch, by name."""
     import treepack
@@ -271,6 +336,9 @@ def _refusals(model, seqs, images, pack) -> dict:
                 [s for s, _ in seqs]), images=images),
         "images of other sequences":
             lambda: tm.logprobs(model, pack, images=images.select(np.arange(3))),
+        "image placeholders without images": lambda: tm.logprobs(model, pack),
+        "image placeholders in parts": lambda: tm.logprobs_in_parts(model, pack,
+                                                                    max_tokens=40),
     }
     for name, call in cases.items():
         try:

@@ -91,11 +91,13 @@ class Images(rules.Images):
 
 def describe(vl) -> rules.VisionModel:
     """What the image rules read of a vision-language model ``vl``."""
-    tower = vl.vision_model
-    config = tower.config
-    merge = int(tower.spatial_merge_size)
-    width = int(config.in_channels) * int(config.temporal_patch_size) \
-        * int(config.patch_size) ** 2
+    tower = vl.vision_model  # None past the first pipeline stage: its pixels go unread there
+    if tower is not None:
+        config = tower.config
+        merge, patch = int(tower.spatial_merge_size), int(config.patch_size)
+        width = int(config.in_channels) * int(config.temporal_patch_size) * patch ** 2
+    else:  # merge² patches to a token, as the model's own square_merge_size says
+        merge, patch, width = round(vl.square_merge_size ** 0.5), None, None
     rope = _rope_index(vl)
 
     def positions(ids, grid, video_grid, seconds):
@@ -109,7 +111,7 @@ def describe(vl) -> rules.VisionModel:
     hidden = vl.language_model.config.hidden_size
     return rules.VisionModel(
         type(vl).__name__, int(vl.image_token_id),
-        (type(vl).__name__, int(vl.image_token_id), merge, int(config.patch_size), hidden),
+        (type(vl).__name__, int(vl.image_token_id), merge, patch, hidden),
         merge=merge, patch_width=width, video_token_id=None if video is None else int(video),
         positions=positions, error=UnsupportedMegatron)
 
@@ -158,6 +160,8 @@ def run(vl, forward) -> Tensor:
     ``images`` are the pack's, or None for text rows)."""
     lm = vl.language_model
     pack, images = forward.pack, forward.images
+    if images is None:
+        _no_placeholders(vl, pack)
     index = forward.rows.cpu().numpy()
     tables = None if images is None else rules.row_tables(pack, images)
     if tables is not None and tables.positions is not None:
@@ -174,6 +178,20 @@ def run(vl, forward) -> Tensor:
     with _squeezed_rotary(lm):
         return lm(input_ids=None, position_ids=positions, attention_mask=None,
                   decoder_input=embeds, packed_seq_params=forward.params())
+
+
+def _no_placeholders(vl, pack) -> None:
+    """A forward without images must hold no image or video placeholder: its rows would be
+    the placeholder token's embedding, not the image's features."""
+    ids = pack.host.input_ids[:pack.num_packed_rows]
+    for name in ("image_token_id", "video_token_id"):
+        token = getattr(vl, name, None)
+        if token is not None and (ids == token).any():
+            raise UnsupportedMegatron(
+                f"the pack holds {name.split('_')[0]} placeholders (id {token}) but no images "
+                "were given: build treepack.megatron.Images(model, sequences, pixel_values=..., "
+                "image_grid_thw=...) and pass images= (parts and other calls without images= "
+                "run text only)")
 
 
 def _placed(vl, images: rules.Images, feature: np.ndarray, embeds: Tensor) -> Tensor:
