@@ -38,11 +38,17 @@ def layout(request, reference):
         torch.load(reference / "vision-reference.pt")
 
 
-def test_the_tree_equals_every_sequence_alone_with_its_images(layout):
+@pytest.mark.parametrize("how", ["one forward", "in parts"])
+def test_the_tree_equals_every_sequence_alone_with_its_images(layout, how):
     """Log-probs, entropies, the loss and every gradient (the vision tower's, its projector's
-    and the language model's) within FLOAT64_EXACT of each one's largest."""
+    and the language model's) within FLOAT64_EXACT of each one's largest: in one forward, and
+    in parts of at most 40 rows (backward_in_parts with images=, each part encoding the
+    images its rows need)."""
     name, results, reference = layout
     for rank, got in enumerate(results):
+        if how == "in parts":
+            assert got["parts"]["parts"] > 2, got["parts"]["parts"]
+            got = got["parts"]
         errors = {}
         for key in ("logprobs", "entropy", "loss"):
             scale = reference[key].abs().max()
@@ -75,7 +81,8 @@ def test_what_a_vision_tree_cannot_run_is_refused(layout):
             "ValueError: the pack was built without these images' content keys"), refused
         assert refused["images of other sequences"].startswith(
             "ValueError: images holds 3 sequences but the pack 10"), refused
-        for case in ("image placeholders without images", "image placeholders in parts"):
+        for case in ("image placeholders without images",
+                     "image placeholders in parts without images"):
             assert refused[case].startswith(
                 "UnsupportedMegatron: the pack holds image placeholders (id 151655) but no "
                 "images were given"), refused

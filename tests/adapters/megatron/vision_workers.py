@@ -246,19 +246,13 @@ def tree_worker(rank: int, world: int, port: int, out: str, layout: dict) -> Non
         w, v = mw.weights(tuple(pack.rows.shape))
         loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
         loss.backward()
-        grads = {}
-        for k, p in model.named_parameters():
-            g = p.grad.clone()
-            if cp > 1:
-                dist.all_reduce(g, group=ps.get_context_parallel_group())
-            if getattr(p, "sequence_parallel", False) and tp > 1:
-                dist.all_reduce(g, group=group)
-            grads[k] = mw.full_of(p, g, group, tp)
         result = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
-                  "loss": loss.detach(), "grads": grads, "calls": calls,
+                  "loss": loss.detach(), "grads": _full_grads(model, tp, cp, group),
+                  "calls": list(calls),
                   "distinct": images.num_images, "rows": pack.num_rows,
                   "tokens": sum(len(s) for s, _ in seqs),
                   "unkeyed_rows": treepack.TreePack.from_sequences([s for s, _ in seqs]).num_rows}
+        result["parts"] = _in_parts(model, pack, images, w, v, tp, cp, group)
         result["refused"] = _refusals(model, seqs, images, pack)
         torch.save(result, f"{out}/vision-{layout['name']}-rank{rank}.pt")
     finally:
@@ -324,6 +318,39 @@ def pipeline_worker(rank: int, world: int, port: int, out: str, layout: dict) ->
         mw.shutdown()
 
 
+def _full_grads(model, tp: int, cp: int, group) -> dict:
+    """Every parameter's full gradient on this rank: each CP rank's share summed, each TP
+    shard gathered, the sequence-parallel norms' shares summed as Megatron does."""
+    from megatron.core import parallel_state as ps
+
+    grads = {}
+    for k, p in model.named_parameters():
+        g = p.grad.clone()
+        if cp > 1:
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+        if getattr(p, "sequence_parallel", False) and tp > 1:
+            dist.all_reduce(g, group=group)
+        grads[k] = mw.full_of(p, g, group, tp)
+    return grads
+
+
+def _in_parts(model, pack, images, w, v, tp, cp, group) -> dict:
+    """The same loss in parts of at most 40 rows (each part encoding the images its rows
+    need): log-probs, entropies, full gradients, the parts."""
+    import treepack.megatron as tm
+
+    model.zero_grad(set_to_none=True)
+
+    def loss_fn(out, mask):
+        return (out.logprobs * w).where(mask, 0).sum() + (out.entropy * v).where(mask, 0).sum()
+
+    got = tm.backward_in_parts(model, pack, loss_fn, max_tokens=40, entropy=True,
+                               images=images)
+    return {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
+            "loss": got.loss.detach(), "grads": _full_grads(model, tp, cp, group),
+            "parts": got.parts}
+
+
 def _refusals(model, seqs, images, pack) -> dict:
     """What a tree refuses of a vision-language batch, by name."""
     import treepack
@@ -337,8 +364,8 @@ def _refusals(model, seqs, images, pack) -> dict:
         "images of other sequences":
             lambda: tm.logprobs(model, pack, images=images.select(np.arange(3))),
         "image placeholders without images": lambda: tm.logprobs(model, pack),
-        "image placeholders in parts": lambda: tm.logprobs_in_parts(model, pack,
-                                                                    max_tokens=40),
+        "image placeholders in parts without images":
+            lambda: tm.logprobs_in_parts(model, pack, max_tokens=40),
     }
     for name, call in cases.items():
         try:

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from megatron.core import parallel_state, tensor_parallel
 
-from treepack.adapters.megatron import moe
+from treepack.adapters.megatron import moe, vision
 from treepack.adapters.megatron.attention import UnsupportedMegatron
 from treepack.adapters.megatron.forward import (MegatronForward, _agreement_group, _check,
                                                 _groups, _place, run_forward, unwrap)
@@ -52,8 +52,9 @@ class _Run:
     layout, ``loss`` the sum of the parts' losses."""
 
     def __init__(self, model, parts: Parts, temps, *, entropy: bool, align: str, train: bool,
-                 loss_fn, recompute, chunk_size):
+                 loss_fn, recompute, chunk_size, images=None):
         self.model, self.core, self.parts = model, unwrap(model), parts
+        self.images = images
         self.temps, self.want_entropy, self.align = temps, entropy, align
         self.train, self.loss_fn, self.chunk_size = train, loss_fn, chunk_size
         self.tp, self.cp = _groups()
@@ -76,6 +77,7 @@ class _Run:
         rows = torch.from_numpy(self.parts.parts[i].rows).to(self.parts.pack.device)
         forward = MegatronForward(PartForward(self.carried, i, UnsupportedMegatron),
                                   cp["group"], cp["rank"], cp["size"], self.multiple, rows=rows)
+        forward.images = self.images  # each part encodes the images its rows need
         return (forward, *run_forward(self.model, forward, self.tp))
 
     def _outputs(self, i: int, forward, output, head) -> Tensor | None:
@@ -121,7 +123,7 @@ def _set_rng_state(state: tuple) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state[2]))
 
 
-def _parts_of(sequences, max_tokens, device) -> Parts:
+def _parts_of(sequences, max_tokens, device, images=None) -> Parts:
     if isinstance(sequences, Parts):
         if max_tokens is not None and max_tokens != sequences.max_rows:
             raise ValueError(f"max_tokens={max_tokens} but the Parts were cut at "
@@ -130,13 +132,13 @@ def _parts_of(sequences, max_tokens, device) -> Parts:
     if max_tokens is None:
         raise ValueError("max_tokens is required (the most rows one forward computes), unless "
                          "sequences is a Parts from treepack.planning.parts.split")
-    pack = sequences if isinstance(sequences, TreePack) else \
-        TreePack.from_sequences(sequences, device=device)
+    pack = sequences if isinstance(sequences, TreePack) else TreePack.from_sequences(
+        sequences, device=device, keys=None if images is None else images.keys)
     return split(pack, max_tokens)
 
 
 def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, entropy,
-                  recompute, train: bool):
+                  recompute, train: bool, images=None):
     """The checks every rank of the TP x CP group agrees on; the parts and temperatures."""
     core = unwrap(model)
     tp, cp = _groups()
@@ -157,11 +159,13 @@ def _prepare_call(name: str, model, sequences, max_tokens, temperature, align, e
         refusal = parts_refusal(core, train)
         if refusal is not None:
             raise UnsupportedMegatron(f"treepack.megatron.{name}: {refusal}")
-        parts = _parts_of(sequences, max_tokens, device)
+        parts = _parts_of(sequences, max_tokens, device, images)
         temps = _check(core, parts.pack, temperature, align)
+        vision.check(model, parts.pack, images)
         fields.update(call=name, pack=pack_identity(parts.pack), max_rows=parts.max_rows,
                       temperature=temps, align=align, entropy=entropy, recompute=recompute,
-                      training=core.training)
+                      training=core.training,
+                      images=None if images is None else images.num_images)
     return parts, temps
 
 
@@ -199,8 +203,8 @@ def router_losses(config) -> str | None:
 
 def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                       temperature=1.0, entropy: bool = False, align: str = "label",
-                      recompute: bool | str = "auto", chunk_size: int | None = None
-                      ) -> PartsResult:
+                      recompute: bool | str = "auto", chunk_size: int | None = None,
+                      images=None) -> PartsResult:
     """One step's forward and backward over a tree too large for one forward, each row
     computed once (module doc): the loss and every gradient of one forward over the tree.
 
@@ -217,7 +221,9 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
             sum over parts, so it must be a sum over predictions (for any other loss use
             :func:`step_in_parts`).
         max_tokens: the most rows one forward computes.
-        temperature, entropy, align, chunk_size: as :func:`treepack.megatron.logprobs`.
+        temperature, entropy, align, chunk_size, images: as
+            :func:`treepack.megatron.logprobs` (with ``images``, raw ``sequences`` are packed
+            with their keys; each part encodes the images its rows need).
         recompute: ``"auto"`` (a part with grandchildren runs its forward twice, keeping only
             what it hands below in between), ``True`` (every part with children) or ``False``.
 
@@ -234,9 +240,10 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
     if not torch.is_grad_enabled():
         raise RuntimeError("backward_in_parts needs gradients: call it outside torch.no_grad()")
     parts, temps = _prepare_call("backward_in_parts", model, sequences, max_tokens,
-                                 temperature, align, entropy, recompute, train=True)
+                                 temperature, align, entropy, recompute, train=True,
+                                 images=images)
     run = _Run(model, parts, temps, entropy=entropy, align=align, train=True, loss_fn=loss_fn,
-               recompute=recompute, chunk_size=chunk_size)
+               recompute=recompute, chunk_size=chunk_size, images=images)
     run.all()
     return PartsResult(run.loss, run.logprobs, run.entropy, len(parts.parts),
                        parts.rows_computed)
@@ -244,14 +251,14 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
 
 def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temperature=1.0,
                       entropy: bool = False, align: str = "label",
-                      chunk_size: int | None = None) -> TokenLogprobs:
+                      chunk_size: int | None = None, images=None) -> TokenLogprobs:
     """:func:`treepack.megatron.logprobs` of a tree too large for one forward, without
     gradients: every row computed once, in parts of at most ``max_tokens`` rows (arguments as
     :func:`backward_in_parts`)."""
     parts, temps = _prepare_call("logprobs_in_parts", model, sequences, max_tokens,
-                                 temperature, align, entropy, False, train=False)
+                                 temperature, align, entropy, False, train=False, images=images)
     run = _Run(model, parts, temps, entropy=entropy, align=align, train=False, loss_fn=None,
-               recompute=False, chunk_size=chunk_size)
+               recompute=False, chunk_size=chunk_size, images=images)
     with torch.no_grad():
         run.all()
     return TokenLogprobs(run.logprobs, run.entropy, align)
@@ -259,8 +266,8 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temper
 
 def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                   temperature=1.0, entropy: bool = False, align: str = "label",
-                  recompute: bool | str = "auto", chunk_size: int | None = None
-                  ) -> PartsResult:
+                  recompute: bool | str = "auto", chunk_size: int | None = None,
+                  images=None) -> PartsResult:
     """:func:`backward_in_parts` for any loss of the whole batch's outputs (a per-sequence
     mean, a sequence-level ratio): every log-prob (and entropy) without gradients, in parts;
     ``loss_fn(out, mask)`` once on them as leaves (``out`` the whole pack's
@@ -270,9 +277,9 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
     if not torch.is_grad_enabled():
         raise RuntimeError("step_in_parts needs gradients: call it outside torch.no_grad()")
     parts, temps = _prepare_call("step_in_parts", model, sequences, max_tokens, temperature,
-                                 align, entropy, recompute, train=True)
+                                 align, entropy, recompute, train=True, images=images)
     first = _Run(model, parts, temps, entropy=entropy, align=align, train=False,
-                 loss_fn=None, recompute=False, chunk_size=chunk_size)
+                 loss_fn=None, recompute=False, chunk_size=chunk_size, images=images)
     replay = _rng_state()  # the second pass draws the first's dropout masks
     with torch.no_grad():
         first.all()
@@ -298,7 +305,7 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
         return total
 
     second = _Run(model, parts, temps, entropy=entropy, align=align, train=True,
-                  loss_fn=surrogate, recompute=recompute, chunk_size=chunk_size)
+                  loss_fn=surrogate, recompute=recompute, chunk_size=chunk_size, images=images)
     after = _rng_state()
     _set_rng_state(replay)
     second.all()

@@ -190,8 +190,7 @@ def _no_placeholders(vl, pack) -> None:
             raise UnsupportedMegatron(
                 f"the pack holds {name.split('_')[0]} placeholders (id {token}) but no images "
                 "were given: build treepack.megatron.Images(model, sequences, pixel_values=..., "
-                "image_grid_thw=...) and pass images= (parts and other calls without images= "
-                "run text only)")
+                "image_grid_thw=...) and pass images= to this call")
 
 
 def _placed(vl, images: rules.Images, feature: np.ndarray, embeds: Tensor) -> Tensor:
