@@ -493,8 +493,9 @@ def _videos(model: VisionModel, pixel_values_videos, video_grid_thw, second_per_
                              "and video_grid_thw too")
         return None
     if model.merge is None or model.video_token_id is None:
-        raise model.error(f"{model.family}: treepack runs videos of the Qwen-VL families on a "
-                          "pack; run this model's video prompts unpacked")
+        raise model.error(f"{model.family}: treepack runs videos of transformers' Qwen-VL "
+                          "families on a pack, not this model's; run its video prompts "
+                          "unpacked")
     if pixel_values_videos is None or video_grid_thw is None:
         raise ValueError("videos need both pixel_values_videos and video_grid_thw (the "
                          "processor's fields)")

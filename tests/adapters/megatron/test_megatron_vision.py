@@ -86,6 +86,8 @@ def test_what_a_vision_tree_cannot_run_is_refused(layout):
             assert refused[case].startswith(
                 "UnsupportedMegatron: the pack holds image placeholders (id 151655) but no "
                 "images were given"), refused
+        assert refused["videos"].startswith("UnsupportedMegatron: Qwen2_5VLModel: treepack "
+                                            "runs videos of"), refused
 
 
 def test_images_through_megatrons_pipeline_schedule(reference):

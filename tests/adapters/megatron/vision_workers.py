@@ -28,7 +28,7 @@ import megatron_workers as mw
 from megatron_cpu import Norm
 
 VOCAB = 151936
-VISION_START, VISION_END, IMAGE = 151652, 151653, 151655
+VISION_START, VISION_END, IMAGE, VIDEO = 151652, 151653, 151655, 151656
 PATCH = 3 * 2 * 2 * 2  # channels x temporal patch x patch²: values a pixel row
 
 
@@ -366,6 +366,10 @@ def _refusals(model, seqs, images, pack) -> dict:
         "image placeholders without images": lambda: tm.logprobs(model, pack),
         "image placeholders in parts without images":
             lambda: tm.logprobs_in_parts(model, pack, max_tokens=40),
+        "videos": lambda: tm.Images(model, [[5, VISION_START, VIDEO, VIDEO, VIDEO, VIDEO,
+                                             VISION_END]],
+                                    pixel_values_videos=image(3)[0].repeat(2, 1),
+                                    video_grid_thw=torch.tensor([[2, 4, 4]])),
     }
     for name, call in cases.items():
         try:

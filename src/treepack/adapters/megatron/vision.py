@@ -72,11 +72,12 @@ class Images(rules.Images):
             patch, as the processor gives).
         image_grid_thw: ``[images, 3]``, each image's (temporal, height, width) patch grid.
         num_images: optional, images per sequence, checked against the placeholders.
-        pixel_values_videos, video_grid_thw, second_per_grid_ts: the batch's videos.
+        pixel_values_videos, video_grid_thw, second_per_grid_ts: refused (videos do not run
+            on a Megatron tree yet).
 
     Raises:
         TypeError: not a vision-language model.
-        UnsupportedMegatron: a model whose rotary positions treepack cannot read.
+        UnsupportedMegatron: videos; a model whose rotary positions treepack cannot read.
         ValueError: as :class:`treepack.forwards.images.Images`.
     """
 
@@ -107,13 +108,11 @@ def describe(vl) -> rules.VisionModel:
                    second_per_grid_ts=seconds, attention_mask=mask)[0]  # [3, N, L]
         return [out[:, s, :len(seq)].numpy().astype(np.int64) for s, seq in enumerate(ids)]
 
-    video = getattr(vl, "video_token_id", None)
     hidden = vl.language_model.config.hidden_size
-    return rules.VisionModel(
+    return rules.VisionModel(  # no video_token_id: videos are refused by name (untested here)
         type(vl).__name__, int(vl.image_token_id),
         (type(vl).__name__, int(vl.image_token_id), merge, patch, hidden),
-        merge=merge, patch_width=width, video_token_id=None if video is None else int(video),
-        positions=positions, error=UnsupportedMegatron)
+        merge=merge, patch_width=width, positions=positions, error=UnsupportedMegatron)
 
 
 def _rope_index(vl):
@@ -190,7 +189,8 @@ def _no_placeholders(vl, pack) -> None:
             raise UnsupportedMegatron(
                 f"the pack holds {name.split('_')[0]} placeholders (id {token}) but no images "
                 "were given: build treepack.megatron.Images(model, sequences, pixel_values=..., "
-                "image_grid_thw=...) and pass images= to this call")
+                "image_grid_thw=...) and pass images= to this call (videos do not run on a "
+                "Megatron tree yet)")
 
 
 def _placed(vl, images: rules.Images, feature: np.ndarray, embeds: Tensor) -> Tensor:
