@@ -226,6 +226,24 @@ class Images:
                 setattr(out, name, [value[i] for i in index])
         return out
 
+    def pixels(self, needed: np.ndarray) -> tuple[Tensor, Tensor | None]:
+        """The pixel rows of distinct images ``needed``, concatenated in that order, and
+        their grids (None where images have none), as a vision tower takes them."""
+        pixels = torch.cat([self.pixel_values[self.patch_start[u]:self.patch_start[u + 1]]
+                            for u in needed])
+        return pixels, None if self.grid is None else self.grid[torch.as_tensor(needed)]
+
+    def encoding(self, feature: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What a forward encodes for its placeholder rows (``feature``: their global
+        feature indices): the distinct images they need, in order (each encoded once), and
+        each row's index into those images' concatenated features."""
+        image_of = np.searchsorted(self.feature_start, feature, side="right") - 1
+        needed = np.unique(image_of)
+        start = np.concatenate(([0], np.cumsum(self.tokens[needed])))
+        local = np.empty(len(self.unique_key), dtype=np.int64)
+        local[needed] = start[:-1] - self.feature_start[needed]
+        return needed, feature + local[image_of]
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(sequences={self.num_sequences}, "
                 f"images={sum(map(len, self.images_of))}, distinct={self.num_images}, "

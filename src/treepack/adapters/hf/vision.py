@@ -260,13 +260,9 @@ def _place(core, images: Images, feature: np.ndarray, where: np.ndarray, out: Te
            deepstack: list) -> Tensor:
     """The embedding output ``[1, n, H]`` with the image rows ``where`` set to their features
     (global indices ``feature``), from one encoding of the images they belong to."""
-    image_of = np.searchsorted(images.feature_start, feature, side="right") - 1
-    needed = np.unique(image_of)
+    needed, pick = images.encoding(feature)
     encoded, layers = _encode(core, images, needed, out.device)
-    local_start = np.concatenate(([0], np.cumsum(images.tokens[needed])))
-    local = np.empty(len(images.unique_key), dtype=np.int64)
-    local[needed] = local_start[:-1] - images.feature_start[needed]
-    pick = torch.as_tensor(feature + local[image_of], device=out.device)
+    pick = torch.as_tensor(pick, device=out.device)
     at = torch.as_tensor(where, device=out.device)
     deepstack[:] = [layer[pick] for layer in layers]
     return out.index_put((torch.zeros_like(at), at), encoded[pick].to(out.dtype))
@@ -292,10 +288,7 @@ def _encode(core, images: Images, needed: np.ndarray,
             device: torch.device) -> tuple[Tensor, list[Tensor]]:
     """The distinct images ``needed`` through the vision tower (and projector), with its own
     attention: the features ``[tokens, H]`` and any deepstack features (each ``[tokens, H]``)."""
-    parts = [images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
-             for u in needed]
-    grid = None if images.grid is None else images.grid[torch.as_tensor(needed)]
-    return _tower(core, torch.cat(parts), grid, device)
+    return _tower(core, *images.pixels(needed), device)
 
 
 @contextlib.contextmanager

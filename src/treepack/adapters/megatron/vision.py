@@ -24,6 +24,7 @@ row once, an image read in two unshared places twice, as unpacked.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import numpy as np
@@ -200,18 +201,13 @@ def _placed(vl, images: rules.Images, feature: np.ndarray, embeds: Tensor) -> Te
     where = np.flatnonzero(feature >= 0)
     if not len(where):
         return embeds
-    image_of = np.searchsorted(images.feature_start, feature[where], side="right") - 1
-    needed = np.unique(image_of)
+    needed, pick = images.encoding(feature[where])
     tower = vl.vision_model
-    pixels = torch.cat([images.pixel_values[images.patch_start[u]:images.patch_start[u + 1]]
-                        for u in needed])
-    pixels = pixels.to(device=embeds.device, dtype=next(tower.parameters()).dtype)
-    encoded = tower(vision_data=pixels,
-                    grid_thw=images.grid[torch.as_tensor(needed)].to(embeds.device))
-    local_start = np.concatenate(([0], np.cumsum(images.tokens[needed])))
-    local = np.empty(len(images.unique_key), dtype=np.int64)
-    local[needed] = local_start[:-1] - images.feature_start[needed]
-    pick = torch.as_tensor(feature[where] + local[image_of], device=embeds.device)
+    pixels, grid = images.pixels(needed)
+    encoded = tower(vision_data=pixels.to(device=embeds.device,
+                                          dtype=next(tower.parameters()).dtype),
+                    grid_thw=grid.to(embeds.device))
+    pick = torch.as_tensor(pick, device=embeds.device)
     at = torch.as_tensor(where, device=embeds.device)
     return embeds.index_put((at, torch.zeros_like(at)), encoded[pick].to(embeds.dtype))
 
@@ -222,8 +218,6 @@ def _squeezed_rotary(lm):
     them as they are: for a tree forward its embedding is ``[rows, 1, d]`` (the
     ``[rows, 1, 1, d]`` Megatron makes would broadcast over the rows twice). Nothing for
     attention that keeps the batch dimension."""
-    import contextlib
-
     layers = getattr(lm.decoder, "layers", [])
     if not any(c.__module__.startswith("mbridge.")
                for layer in layers for c in type(getattr(layer, "self_attention", None)).__mro__):
