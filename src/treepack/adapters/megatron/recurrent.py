@@ -42,6 +42,7 @@ inputs and states across parts (:class:`treepack.forwards.PartForward`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -133,6 +134,13 @@ def _kernels(layer):
     return getattr(module, "l2norm", None), rule
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_chunk(rule) -> bool:
+    """Whether a gated delta rule takes ``chunk_size`` (megatron-core's torch kernel does,
+    fla's does not); looked up once per kernel."""
+    return "chunk_size" in inspect.signature(rule).parameters
+
+
 def _tree_forward(layer, tree, hidden_states):
     """One ``GatedDeltaNet`` layer over a tree forward's rows: ``hidden_states``
     ``[rows, 1, hidden]`` (this TP rank's share of them under sequence parallelism) in,
@@ -157,7 +165,7 @@ def _tree_forward(layer, tree, hidden_states):
         query = query.repeat_interleave(repeat, 1)
         key = key.repeat_interleave(repeat, 1)
     g = -layer.A_log.exp() * F.softplus(alpha.float() + layer.dt_bias)  # float32, as the layer
-    chunked = "chunk_size" in inspect.signature(rule).parameters  # the torch kernel
+    chunked = _takes_chunk(rule)  # the torch kernel
 
     def kernel(batch, state):
         extra = {"chunk_size": level_chunk(64, batch["q"].shape[1])} if chunked else {}
