@@ -406,11 +406,6 @@ class GatedNorm(torch.nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.reshape(shape) * self.weight
 
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        from megatron.core.ssm.mamba_mixer import ExtendedRMSNorm
-
-        return ExtendedRMSNorm.sharded_state_dict(self, prefix, sharded_offsets, metadata)
-
 
 def hybrid_stack_spec(pattern_fields: dict | None = None, chunked: bool = False):
     """megatron-core's hybrid stack spec (``mamba_stack_spec``: Mamba2, attention, MLP and MoE

@@ -578,8 +578,6 @@ def cases_worker(rank: int, world: int, port: int, out: str, cases: dict, layout
 
 def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: int) -> dict:
     """One case on this rank: the packed forward's outputs and every full gradient."""
-    from megatron.core import parallel_state as ps
-
     import treepack
     import treepack.megatron as tm
 
@@ -616,16 +614,8 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
                               backend=case.get("backend", "auto"))
         loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
         loss.backward()
-    grads = {}
-    for k, p in model.named_parameters():
-        g = p.grad.clone()
-        if cp > 1:  # each CP rank holds its rows' share: their sum is the pack's
-            dist.all_reduce(g, group=ps.get_context_parallel_group())
-        if getattr(p, "sequence_parallel", False) and tp > 1:  # as Megatron's
-            dist.all_reduce(g, group=tp_group)  # finalize_model_grads does
-        grads[k] = full_of(p, g, tp_group, tp)
     out = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
-           "loss": loss.detach(), "grads": grads}
+           "loss": loss.detach(), "grads": full_grads(model, tp, cp, tp_group)}
     if (case.get("mla") or case.get("gdn")) and tp > 1:  # (stock_at)
         out["reference"] = stock_at(case, reference, tp, tp_group, tp_rank, cp)
     if case.get("config", {}).get("softmax_type") == "learnable":  # its checkpoint shards
@@ -655,13 +645,24 @@ def stock_at(case: dict, reference: dict, tp: int, tp_group, tp_rank: int,
         for k, p in model.named_parameters():
             p.copy_(shard_of(p, reference["state"][k], tp_rank, tp))
     out = alone(model, case, tp)
+    return {**out, "grads": full_grads(model, tp, 1, tp_group)}
+
+
+def full_grads(model, tp: int, cp: int, tp_group) -> dict:
+    """Every parameter's full gradient on this rank, by name: each CP rank's share summed
+    (their sum is the pack's), the sequence-parallel norms' shares summed over TP as
+    Megatron's finalize_model_grads does, each TP shard gathered."""
+    from megatron.core import parallel_state as ps
+
     grads = {}
     for k, p in model.named_parameters():
         g = p.grad.clone()
-        if getattr(p, "sequence_parallel", False):
+        if cp > 1:
+            dist.all_reduce(g, group=ps.get_context_parallel_group())
+        if getattr(p, "sequence_parallel", False) and tp > 1:
             dist.all_reduce(g, group=tp_group)
         grads[k] = full_of(p, g, tp_group, tp)
-    return {**out, "grads": grads}
+    return grads
 
 
 @contextlib.contextmanager

@@ -22,7 +22,6 @@ import copy
 import mbridge.models.qwen2_5_vl.model  # noqa: F401  (transformers first: the CUDA stand-ins
 import numpy as np  # replace torch.cuda.Stream, which transformers annotates with)
 import torch
-import torch.distributed as dist
 
 import megatron_workers as mw
 from megatron_cpu import Norm
@@ -247,7 +246,7 @@ def tree_worker(rank: int, world: int, port: int, out: str, layout: dict) -> Non
         loss = (got.logprobs * w).sum() + (got.entropy * v).sum()
         loss.backward()
         result = {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
-                  "loss": loss.detach(), "grads": _full_grads(model, tp, cp, group),
+                  "loss": loss.detach(), "grads": mw.full_grads(model, tp, cp, group),
                   "calls": list(calls),
                   "distinct": images.num_images, "rows": pack.num_rows,
                   "tokens": sum(len(s) for s, _ in seqs),
@@ -318,22 +317,6 @@ def pipeline_worker(rank: int, world: int, port: int, out: str, layout: dict) ->
         mw.shutdown()
 
 
-def _full_grads(model, tp: int, cp: int, group) -> dict:
-    """Every parameter's full gradient on this rank: each CP rank's share summed, each TP
-    shard gathered, the sequence-parallel norms' shares summed as Megatron does."""
-    from megatron.core import parallel_state as ps
-
-    grads = {}
-    for k, p in model.named_parameters():
-        g = p.grad.clone()
-        if cp > 1:
-            dist.all_reduce(g, group=ps.get_context_parallel_group())
-        if getattr(p, "sequence_parallel", False) and tp > 1:
-            dist.all_reduce(g, group=group)
-        grads[k] = mw.full_of(p, g, group, tp)
-    return grads
-
-
 def _in_parts(model, pack, images, w, v, tp, cp, group) -> dict:
     """The same loss in parts of at most 40 rows (each part encoding the images its rows
     need): log-probs, entropies, full gradients, the parts."""
@@ -347,7 +330,7 @@ def _in_parts(model, pack, images, w, v, tp, cp, group) -> dict:
     got = tm.backward_in_parts(model, pack, loss_fn, max_tokens=40, entropy=True,
                                images=images)
     return {"logprobs": got.logprobs.detach(), "entropy": got.entropy.detach(),
-            "loss": got.loss.detach(), "grads": _full_grads(model, tp, cp, group),
+            "loss": got.loss.detach(), "grads": mw.full_grads(model, tp, cp, group),
             "parts": got.parts}
 
 

@@ -21,10 +21,11 @@ places its features on the rows that stand for it (:class:`Images`, :mod:`.visio
 
     images = treepack.megatron.Images(model, sequences, pixel_values=..., image_grid_thw=...)
     out = treepack.megatron.logprobs(model, images.pack(), images=images)
- Log-probs come from the vocabulary-parallel output layer's
-weight, normalised on each TP rank's share of the vocabulary (:mod:`.forward`). Tensor,
-Megatron sequence and context parallelism follow ``megatron.core.parallel_state``. Every
-megatron-core internal treepack touches is in :mod:`.compat`.
+
+Log-probs come from the vocabulary-parallel output layer's weight, normalised on each TP
+rank's share of the vocabulary (:mod:`.forward`). Tensor, Megatron sequence and context
+parallelism follow ``megatron.core.parallel_state``. Every megatron-core internal treepack
+touches is in :mod:`.compat`.
 """
 
 from treepack.adapters.megatron import compat  # first: says what is missing  # noqa: F401

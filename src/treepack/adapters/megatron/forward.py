@@ -18,7 +18,8 @@ The model sees the pack's rows as one sequence (``[1, rows]``) at their depths
   (:class:`treepack.attention.exchange.HeadExchange`), runs the tree over every row for its
   heads, and exchanges back. A multi-latent attention layer's keys and values travel as
   latents instead, up-projected on each rank for its heads (:mod:`.latent`); a Gated
-  DeltaNet layer's convolution and scan go through the same exchange (:mod:`.recurrent`).
+  DeltaNet or Mamba2 layer's convolution and scan go through the same exchange
+  (:mod:`.recurrent`).
   Each rank's predictions are placed in ``[N, L]`` and summed over the CP group, whose
   backward hands each rank its own share: each CP rank's parameter gradients are its rows'
   share, and their sum over the group (what Megatron's DDP reduces over data x context

@@ -43,7 +43,6 @@ inputs and states across parts (:class:`treepack.forwards.PartForward`).
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import sys
 
@@ -63,13 +62,10 @@ _CLASSES = {"gdn": ("megatron.core.ssm.gated_delta_net", "GatedDeltaNet"),
 
 def _stock(kind: str):
     """megatron-core's ``GatedDeltaNet`` or ``MambaMixer`` class (:data:`_CLASSES`), or None
-    where it cannot be imported (a megatron-core without the experimental layer; Mamba's
-    module needs Triton, and then no Mamba model was built)."""
+    where its module was never imported: a model or spec holding the class imported it, so
+    nothing is imported here (Mamba's module needs Triton, and a forward asks every time)."""
     module, name = _CLASSES[kind]
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError:
-        return None
+    return getattr(sys.modules.get(module), name, None)
 
 
 def _is(kind: str, module) -> bool:
@@ -106,8 +102,8 @@ def mamba_mixers(model) -> list:
 
 def tree_mixers(model) -> list:
     """The model's recurrent layers a tree forward runs (:func:`install`), in order."""
-    every = set(map(id, gated_delta_nets(model) + mamba_mixers(model)))
-    return [m for m in model.modules() if id(m) in every]
+    classes = tuple(c for c in map(_stock, _CLASSES) if c is not None)
+    return [m for m in model.modules() if isinstance(m, classes)] if classes else []
 
 
 class _TreeRecurrent:
