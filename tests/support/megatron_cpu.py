@@ -14,7 +14,8 @@ CUDA in a few places that have nothing to do with what the tests check.
   schedule's buffers).
 
 :class:`Norm` is the RMSNorm the tests' layer specs use (torch's refuses Megatron's sequence
-parallelism on a CPU).
+parallelism on a CPU). For mbridge's Qwen2.5-VL: :class:`BlockAttention`, its vision tower's
+core attention, and :func:`mbridge_vl_attention`, its attention on megatron-core 0.16.
 """
 
 from __future__ import annotations
@@ -447,3 +448,45 @@ def hybrid_stack_spec(pattern_fields: dict | None = None, chunked: bool = False)
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=fused,
                                                                 linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add))))
+
+
+# ------------------------------------------------------------- vision-language models
+
+class BlockAttention(torch.nn.Module):
+    """The vision tower's core attention on a CPU: each ``cu_seqlens`` block attends within
+    itself both ways (``[t, heads, d]`` or ``[t, 1, heads, d]`` in, ``[t, 1, heads x d]``
+    out)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, **kwargs):
+        super().__init__()
+        self.scale = softmax_scale or config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        if query.dim() == 4:
+            query, key, value = query[:, 0], key[:, 0], value[:, 0]
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        out = torch.zeros_like(query)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            scores = torch.einsum("qhd,khd->hqk", query[a:b], key[a:b]) * self.scale
+            out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value[a:b])
+        return out.reshape(out.shape[0], 1, -1)
+
+
+def mbridge_vl_attention() -> None:
+    """mbridge's Qwen2.5-VL attention, taking (and dropping) ``rotary_pos_cos_sin``."""
+    from mbridge.models.qwen2_5_vl import model as vl
+
+    base = vl.Qwen2_5VLSelfAttention
+    if getattr(base, "_treepack_shim", False):
+        return
+
+    class Qwen2_5VLSelfAttention(base):
+        _treepack_shim = True
+
+        def forward(self, *args, rotary_pos_cos_sin=None, **kwargs):
+            assert rotary_pos_cos_sin is None, "fused rotary cos / sin: not in training"
+            return super().forward(*args, **kwargs)
+
+    vl.Qwen2_5VLSelfAttention = Qwen2_5VLSelfAttention

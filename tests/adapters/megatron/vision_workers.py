@@ -4,12 +4,12 @@ tiny, in float64, built from megatron-core's local specs.
 
 The test-only adjustments, none of which changes mbridge's or megatron-core's code on disk:
 
-- the vision tower's core attention :class:`BlockAttention`: each of the tower's windows (its
+- the vision tower's core attention :class:`megatron_cpu.BlockAttention`: each of the tower's windows (its
   ``cu_seqlens``) attends within itself both ways, as TransformerEngine's attention does on a
   GPU (megatron-core's local attention refuses packed sequences);
 - mbridge 0.15.1's ``Qwen2_5VLSelfAttention.forward`` takes no ``rotary_pos_cos_sin``, which
   megatron-core 0.16's ``TransformerLayer`` passes (None outside inference): a subclass drops
-  it (:func:`_shim`), so the stock model runs at all.
+  it (:func:`megatron_cpu.mbridge_vl_attention`), so the stock model runs at all.
 
 mbridge's ``get_rope_index`` and the model's forward read Qwen's token ids (151,652 vision
 start, 151,653 vision end, 151,655 image), so the vocabulary is Qwen's.
@@ -24,51 +24,11 @@ import numpy as np  # replace torch.cuda.Stream, which transformers annotates wi
 import torch
 
 import megatron_workers as mw
-from megatron_cpu import Norm
+from megatron_cpu import BlockAttention, Norm, mbridge_vl_attention
 
 VOCAB = 151936
 VISION_START, VISION_END, IMAGE, VIDEO = 151652, 151653, 151655, 151656
 PATCH = 3 * 2 * 2 * 2  # channels x temporal patch x patch²: values a pixel row
-
-
-class BlockAttention(torch.nn.Module):
-    """The vision tower's core attention on a CPU: each ``cu_seqlens`` block attends within
-    itself both ways (``[t, heads, d]`` or ``[t, 1, heads, d]`` in, ``[t, 1, heads x d]``
-    out)."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, **kwargs):
-        super().__init__()
-        self.scale = softmax_scale or config.kv_channels ** -0.5
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **kwargs):
-        if query.dim() == 4:
-            query, key, value = query[:, 0], key[:, 0], value[:, 0]
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        out = torch.zeros_like(query)
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            scores = torch.einsum("qhd,khd->hqk", query[a:b], key[a:b]) * self.scale
-            out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value[a:b])
-        return out.reshape(out.shape[0], 1, -1)
-
-
-def _shim() -> None:
-    """mbridge's Qwen2.5-VL attention, taking (and dropping) ``rotary_pos_cos_sin``."""
-    from mbridge.models.qwen2_5_vl import model as vl
-
-    base = vl.Qwen2_5VLSelfAttention
-    if getattr(base, "_treepack_shim", False):
-        return
-
-    class Qwen2_5VLSelfAttention(base):
-        _treepack_shim = True
-
-        def forward(self, *args, rotary_pos_cos_sin=None, **kwargs):
-            assert rotary_pos_cos_sin is None, "fused rotary cos / sin: not in training"
-            return super().forward(*args, **kwargs)
-
-    vl.Qwen2_5VLSelfAttention = Qwen2_5VLSelfAttention
 
 
 def build(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, tree: bool = True,
@@ -89,7 +49,7 @@ def build(tp: int = 1, cp: int = 1, sequence_parallel: bool = False, tree: bool 
 
     import treepack.megatron as tm
 
-    _shim()
+    mbridge_vl_attention()
     config = Qwen2VLTransformerConfig(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=96, kv_channels=16, use_cpu_initialization=True,

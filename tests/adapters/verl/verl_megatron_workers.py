@@ -77,6 +77,9 @@ class THDAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None and attention_mask is not None and \
+                attention_mask.dim() == 2 and attention_mask.dtype == torch.bool:
+            return _causal_rows(query, key, value, attention_mask, self.softmax_scale)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return super().forward(query, key, value, attention_mask, attn_mask_type,
                                    attention_bias, packed_seq_params)
@@ -107,6 +110,21 @@ class THDAttention(DotProductAttention):
                 q, k, v, attn_mask=mask, scale=self.softmax_scale)
             out[a:b] = o.transpose(0, 1)
         return out.reshape(out.shape[0], -1)
+
+
+def _causal_rows(query, key, value, keep, scale) -> torch.Tensor:
+    """verl's ``bshd`` vision-language micro-batches (``[length, batch, heads, d]``, ``keep``
+    ``[batch, length]`` True on each row's tokens): causal, grouped query heads repeated; a
+    row's padding sits at its tail, where no token of the row reads it."""
+    lengths = keep.sum(-1)
+    assert torch.equal(keep, torch.arange(keep.shape[1])[None] < lengths[:, None]), \
+        "padding before a row's end"
+    repeat = query.shape[2] // key.shape[2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key.repeat_interleave(repeat, 2),
+                                                value.repeat_interleave(repeat, 2)))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                           scale=scale)
+    return out.permute(2, 0, 1, 3).flatten(2)
 
 
 def _zigzag(rank: int, cp: int, length: int) -> torch.Tensor:
@@ -550,14 +568,16 @@ def megatron_overrides(tp: int = 1, pp: int = 1, cp: int = 1) -> list[str]:
 
 def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_path: str,
                     out_path: str, tp: int = 1, pp: int = 1, cp: int = 1,
-                    budget: int | None = None, replay: bool = False) -> None:
+                    budget: int | None = None, replay: bool = False,
+                    stock_extra: list[str] = ()) -> None:
     """Stock verl's Megatron engine and treepack's through verl's ``ActorRolloutRefWorker``
     (``model_engine=megatron`` on the docs' command), on the trainer's v1 batches of each
     data-parallel rank; rank 0 saves every output of both (rows in global batch order, from
     the last stage) and the update's metrics; ``budget``: the worker's token budgets;
     ``replay``: the actor replays the rollout's routes (``router_replay.mode=R3``; each row's
     last entropy left out: it predicts nothing of its row, and under replay verl routes that
-    token natively where a tree may share a longer row's recorded route)."""
+    token natively where a tree may share a longer row's recorded route); ``stock_extra``:
+    overrides of the stock worker only (the lines of the docs' command they set dropped)."""
     import verl_trainer_path as path
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
@@ -575,8 +595,12 @@ def compare_workers(rank: int, world: int, port: int, model_dir: str, batches_pa
             extra = megatron_overrides(tp, pp, cp) + (
                 path.budget_overrides(budget) if budget is not None else []) + (
                 ["actor_rollout_ref.actor.megatron.router_replay.mode=R3"] if replay else [])
+            drop = FSDP_ONLY
+            if label == "stock" and stock_extra:
+                extra += list(stock_extra)
+                drop += tuple(o.split("=")[0] + "=" for o in stock_extra)
             config = path.compose_config(model_dir, treepack=label == "tree", world=world,
-                                         extra=extra, drop=FSDP_ONLY)
+                                         extra=extra, drop=drop)
             actor, ref = path._workers(config, engine, ("megatron",))
             result[f"engines_{label}"] = (type(actor.actor.engine).__name__,
                                           type(ref.ref.engine).__name__)

@@ -104,7 +104,7 @@ def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None,
     ``routed_experts`` as the agent loop writes them (:func:`verl_workers.row_routes`; one
     GRPO session's prompt routed differently)."""
     g = torch.Generator().manual_seed(seed)
-    images = _ImagePrompts(model_dir) if model_dir is not None else None
+    images = _image_prompts(model_dir) if model_dir is not None else None
 
     def tokens(n):
         top = VOCAB if images is None else 100  # text below the image placeholders
@@ -166,6 +166,18 @@ def agent_loop_rows(seed: int = 0, scale: int = 1, model_dir: str | None = None,
                      [1] * len(said) + [0] * len(tool) + [1] * len(more), p)
                 history = history + said + tool + more + tokens(2)
     return keys, fields, tags
+
+
+def _image_prompts(model_dir: str):
+    """The image prompts for the vision-language model at ``model_dir``: mbridge's Qwen2.5-VL
+    (verl's Megatron engine; Qwen's ids) or a transformers one."""
+    from transformers import AutoConfig
+
+    if AutoConfig.from_pretrained(model_dir).model_type == "qwen2_5_vl":
+        from verl_megatron_vision import ImagePrompts
+
+        return ImagePrompts()
+    return _ImagePrompts(model_dir)
 
 
 class _ImagePrompts:

@@ -347,7 +347,7 @@ def rollout_routes(rows, shape: tuple[int, int, int],
 
 
 def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=None,
-               ref_log_prob=None, advantages=None, routes=None, **flags):
+               ref_log_prob=None, advantages=None, routes=None, positions=None, **flags):
     """The batch verl's trainer and worker hand to ``forward_backward_batch``: nested
     ``input_ids`` / ``position_ids`` / ``prompts`` / ``responses`` / ``loss_mask``, per-row
     ``uid``, the rollout's ``routed_experts`` (``routes``), the trainer's and the worker's
@@ -355,8 +355,9 @@ def make_batch(rows, engine, forward_only: bool, temperature=0.7, old_log_probs=
     ids = [torch.tensor(r["prompt"] + r["response"]) for r in rows]
     mask = [torch.tensor(r["mask"]) for r in rows]
     images = "images" in rows[0]
-    positions = (_mrope_positions(engine, rows) if images
-                 else [torch.arange(len(i)) for i in ids])
+    if positions is None:  # (a Megatron model's mrope ids: the caller's)
+        positions = (_mrope_positions(engine, rows) if images
+                     else [torch.arange(len(i)) for i in ids])
     tensors = {
         "input_ids": _nested(ids), "position_ids": _nested(positions),
         "prompts": _nested(torch.tensor(r["prompt"]) for r in rows),

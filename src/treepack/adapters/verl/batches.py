@@ -15,7 +15,8 @@ from treepack.planning import sharing
 
 __all__ = ["verl_device", "host_sequences", "host_routes", "token_budget", "micro_batches",
            "collect", "output_refusal", "positions_refusal", "temperature_refusal",
-           "text_positions", "log_sharing", "turn_order", "note_pass"]
+           "text_positions", "IMAGE_INPUTS", "image_refusal", "image_inputs", "log_sharing",
+           "turn_order", "note_pass"]
 
 
 def verl_device() -> torch.device:
@@ -126,6 +127,48 @@ def text_positions(positions):
     """Row 0 (the text positions) of verl's nested ``[rows, 4, length]`` mrope ids, nested."""
     values, offsets = positions.values(), positions.offsets()
     return torch.nested.nested_tensor_from_jagged(values[0], offsets)
+
+
+# what verl's multi_modal_inputs carry for an image model (images_seqlens: verl's own count)
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "images_seqlens")
+
+
+def image_refusal(inputs: dict) -> str | None:
+    """Why a batch with these multi-modal inputs (verl's, joined) keeps the stock path on a
+    model that packs images (videos, audio: inputs other than :data:`IMAGE_INPUTS`), or
+    None."""
+    other = sorted(set(inputs) - set(IMAGE_INPUTS))
+    if other:
+        return f"multi-modal inputs {other} (treepack packs images: {list(IMAGE_INPUTS)})"
+    return None
+
+
+def image_inputs(data) -> dict | None:
+    """The batch's images as its rows carry them (each row's ``multi_modal_inputs``, ``{}``
+    for a row without): ``pixel_values`` and ``image_grid_thw`` of every row in order (None
+    where no row has one) and ``num_images`` per row, the keyword arguments of
+    ``treepack.hf.Images`` and ``treepack.megatron.Images``; None for a batch without images.
+    """
+    stack = data.get("multi_modal_inputs", None)
+    per_row = [] if stack is None else [r or {} for r in stack.tolist()]
+    if not any(r.get("pixel_values") is not None for r in per_row):
+        return None
+
+    def joined(key):
+        values = [r[key] for r in per_row if r.get(key) is not None]
+        return torch.cat(values) if values else None
+
+    return dict(pixel_values=joined("pixel_values"), image_grid_thw=joined("image_grid_thw"),
+                num_images=[_image_count(r) for r in per_row])
+
+
+def _image_count(inputs: dict) -> int:
+    """Images of one row's ``multi_modal_inputs``: its grids (Qwen-VL), else its pixel
+    tensors (one ``[C, H, W]`` an image)."""
+    if inputs.get("pixel_values") is None:
+        return 0
+    grids = inputs.get("image_grid_thw")
+    return len(inputs["pixel_values"] if grids is None else grids)
 
 
 def log_sharing(collected: dict, data, sequences, pack_of, group, keys=None,

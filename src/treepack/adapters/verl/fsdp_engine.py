@@ -16,10 +16,11 @@ from treepack.adapters.hf import vision
 from treepack.adapters.hf.forwarding import inside_refusal
 from treepack.adapters.verl import compat
 from treepack.adapters.verl.batches import in_parts as vb_in_parts
-from treepack.adapters.verl.batches import (collect, host_sequences, log_sharing,
-                                            micro_batches, note_pass, output_refusal,
-                                            positions_refusal, temperature_refusal,
-                                            text_positions, token_budget, verl_device)
+from treepack.adapters.verl.batches import (collect, host_sequences, image_inputs,
+                                            image_refusal, log_sharing, micro_batches,
+                                            note_pass, output_refusal, positions_refusal,
+                                            temperature_refusal, text_positions, token_budget,
+                                            verl_device)
 from treepack.adapters.verl.compat import (FSDPEngineWithLMHead, detach_tree,
                                            extract_multi_modal_inputs, get_device_id,
                                            get_device_name, transformers_forwards, tu)
@@ -159,25 +160,13 @@ class TreepackEngine(FSDPEngineWithLMHead):
             vision.check_family(hf.unwrap(self.module))
         except hf.UnsupportedModel as e:
             return f"multi-modal inputs ({e})"
-        other = sorted(set(inputs) - set(_IMAGE_INPUTS))
-        if other:
-            return f"multi-modal inputs {other} (treepack packs images: {list(_IMAGE_INPUTS)})"
-        return None
+        return image_refusal(inputs)
 
     def _images(self, data, sequences):
         """The batch's images as :class:`treepack.hf.Images` (each row's
         ``multi_modal_inputs``), or None for a batch without any."""
-        stack = data.get("multi_modal_inputs", None)
-        per_row = [] if stack is None else [r or {} for r in stack.tolist()]
-        if not any(r.get("pixel_values") is not None for r in per_row):
-            return None
-        def joined(key):  # the rows' values of ``key``, in order (None where none has one)
-            values = [r[key] for r in per_row if r.get(key) is not None]
-            return torch.cat(values) if values else None
-
-        return hf.Images(self.module, sequences, pixel_values=joined("pixel_values"),
-                         image_grid_thw=joined("image_grid_thw"),
-                         num_images=[_image_count(r) for r in per_row])
+        inputs = image_inputs(data)
+        return None if inputs is None else hf.Images(self.module, sequences, **inputs)
 
     def _budget(self, data) -> int:
         """Packed rows per micro-batch: verl's token budget, which a pack never exceeds."""
@@ -334,19 +323,6 @@ class TreepackEngine(FSDPEngineWithLMHead):
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=get_device_name(), dtype=dtype)
-
-
-# what verl's multi_modal_inputs carry for an image model (images_seqlens: verl's own count)
-_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "images_seqlens")
-
-
-def _image_count(inputs: dict) -> int:
-    """Images of one row's ``multi_modal_inputs``: its grids (Qwen-VL), else its pixel
-    tensors (one ``[C, H, W]`` an image)."""
-    if inputs.get("pixel_values") is None:
-        return 0
-    grids = inputs.get("image_grid_thw")
-    return len(inputs["pixel_values"] if grids is None else grids)
 
 
 def _model_name(module) -> str:

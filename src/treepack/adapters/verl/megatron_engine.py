@@ -33,17 +33,25 @@ What changes, and what does not:
   route through :mod:`treepack.megatron`'s replay. A batch verl does not replay
   (``compute_ref_log_prob``: its ``enable_routing_replay`` flag off) routes natively (routes
   -1 throughout), as verl's does.
+- **Images.** On a vision-language model (mbridge's ``Qwen2_5VLModel``, what verl's
+  ``vanilla_mbridge`` builds for Qwen2.5-VL) a batch's images (each row's
+  ``multi_modal_inputs``: ``pixel_values``, ``image_grid_thw``) pack with its rows as
+  :class:`treepack.megatron.Images`: rows keyed by each placeholder's image content, every
+  distinct image a pack's rows need encoded once per forward, the mrope positions (verl's
+  ``[4, length]`` ids: their text row must be ``0 .. length - 1``) from the model's own
+  ``get_rope_index`` per sequence; in parts, each part encodes the images its rows need.
 - **verl's fused kernels** (``use_fused_kernels``) are served by treepack's lean head; where
   verl replaced each chunk's ``forward`` with its fused one (megatron-core before 0.18),
   packed steps run megatron-core's own and verl's is put back after.
 - **Transparent fallback, by name.** verl's stock path runs (one log line, logger
   ``treepack.verl``) for a model :func:`treepack.megatron.prepare` refuses on any stage
-  (multi-token prediction, CUDA graphs, YaRN as the model's embedding, Mamba layers, MoE
-  layers recomputed alone, token dropping), routing replay R2 (it records routes in a
-  log-prob pass), dynamic context parallelism,
-  multi-modal inputs, distillation outputs, position ids other than ``0 .. length - 1``, a
-  temperature that is not finite and > 0, and a data-parallel rank without rows. The decision is all-reduced over every
-  rank, since a refusal can hold on one pipeline stage only.
+  (multi-token prediction, CUDA graphs, YaRN as the model's embedding, MoE layers
+  recomputed alone, token dropping), routing replay R2 (it records routes in a log-prob
+  pass), dynamic context parallelism, multi-modal inputs or mrope ids for a text model,
+  multi-modal inputs other than images (videos), distillation outputs, position ids other
+  than ``0 .. length - 1``, a temperature that is not finite and > 0, and a data-parallel
+  rank without rows. The decision is all-reduced over every rank, since a refusal can hold
+  on one pipeline stage only.
 - **Trees over the budget run in parts** (:func:`treepack.megatron.step_in_parts`, every row
   once) where a rank's plan would repeat rows: the rank's batch is one micro-batch of
   Megatron's schedule, whose forward step runs the parts (the log-probs without gradients,
@@ -69,6 +77,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from treepack.adapters import megatron as tm
 from treepack.adapters.megatron import parts as tm_parts
+from treepack.adapters.megatron import vision
 from treepack.adapters.verl import batches as vb
 from treepack.adapters.verl import compat
 from treepack.adapters.verl.compat import extract_multi_modal_inputs, get_device_id, tu
@@ -91,6 +100,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
     def initialize(self):
         super().initialize()
         self._treepack_refused = None
+        # a vision-language model (mbridge's Qwen2.5-VL): its images pack with its rows
+        self._vision = any(vision.vision_language(chunk) is not None for chunk in self.module)
         try:
             for chunk in self.module:  # each virtual pipeline chunk of this stage
                 tm.prepare(chunk)
@@ -126,11 +137,19 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
             return "a data-parallel rank without rows"
         inputs = extract_multi_modal_inputs(data.get("multi_modal_inputs", []))
         if inputs:
-            return (f"multi-modal inputs {sorted(inputs)} (treepack.megatron runs text "
-                    "models)")
+            if not self._vision:
+                return (f"multi-modal inputs {sorted(inputs)} of a text model "
+                        f"({type(tm.unwrap(self.module[0])).__name__})")
+            refusal = vb.image_refusal(inputs)
+            if refusal:
+                return refusal
         positions = data["position_ids"]
         if positions.dim() == 3:
-            return "multi-dimensional (mrope) position ids"
+            # verl's mrope ids, [4, length] a row: text positions, then (t, h, w); the tree
+            # gives the text ones (depths), the model's get_rope_index the others
+            if not self._vision:
+                return "multi-dimensional (mrope) position ids of a model without images"
+            positions = vb.text_positions(positions)
         return (vb.output_refusal(data, served=("use_fused_kernels",))
                 or vb.positions_refusal(positions) or vb.temperature_refusal(data))
 
@@ -172,16 +191,18 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         self._loss_normalisers(data, group)
         sequences = vb.host_sequences(data)
         routes = self._routes(data, sequences)
+        images = self._images(data, sequences)
+        keys = None if images is None else images.keys
         budget = vb.token_budget(data, cp)
-        planned = plan(sequences, max_tokens=budget, routes=routes)
+        planned = plan(sequences, max_tokens=budget, routes=routes, keys=keys)
         with compat.unfused(self.module):  # verl's fused head: treepack's serves it
             if self._in_parts(planned, forward_only):
                 micro = [np.arange(len(sequences))]
-                losses = self._parts_step(data, sequences, routes, budget, loss_function,
-                                          forward_only)
+                losses = self._parts_step(data, sequences, routes, images, budget,
+                                          loss_function, forward_only)
             else:
-                micro, losses = self._tree_steps(data, sequences, routes, budget, planned,
-                                                 loss_function, forward_only, group)
+                micro, losses = self._tree_steps(data, sequences, routes, images, budget,
+                                                 planned, loss_function, forward_only, group)
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return {}  # as verl's stock engine: outputs on the last stage
         keep = forward_only or tu.get_non_tensor_data(data=data, key="return_model_output",
@@ -194,13 +215,21 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
             pack_of = np.zeros(len(sequences), dtype=np.int64)
             for j, rows in enumerate(micro):
                 pack_of[rows] = j
-            vb.log_sharing(collected, data, sequences, pack_of, group, routes=routes)
+            vb.log_sharing(collected, data, sequences, pack_of, group, keys=keys,
+                           routes=routes)
         packed, tokens = np.sum([out["sizes"] for out in losses if "sizes" in out] or [[0, 0]],
                                 axis=0)
         vb.note_pass(self, collected, forward_only, packed / max(tokens, 1))
         return collected
 
-    def _tree_steps(self, data, sequences, routes, budget, planned, loss_function,
+    def _images(self, data, sequences) -> vision.Images | None:
+        """The batch's images (each row's ``multi_modal_inputs``) as
+        :class:`treepack.megatron.Images` of this stage's model, or None for a batch without
+        any."""
+        inputs = vb.image_inputs(data)
+        return None if inputs is None else vision.Images(self.module[0], sequences, **inputs)
+
+    def _tree_steps(self, data, sequences, routes, images, budget, planned, loss_function,
                     forward_only, group):
         """The rank's rows as tree packs under the budget, each a micro-batch of Megatron's
         schedule: the packs (rows per micro-batch) and the schedule's outputs."""
@@ -212,7 +241,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         count = -(-count // group_size) * group_size  # the interleaved schedule's groups
         if len(micro) < count:  # as many real micro-batches as the others where it can
             micro = vb.micro_batches(plan(sequences, max_tokens=budget, min_packs=count,
-                                          routes=routes))
+                                          routes=routes,
+                                          keys=None if images is None else images.keys))
         items = []
         for i in range(count):  # past its packs, a rank reruns one at weight 0
             real = i < len(micro)
@@ -220,7 +250,8 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
             batch = tu.index_select_tensor_dict(data, torch.from_numpy(picked))
             tu.assign_non_tensor(batch, num_micro_batch=count)
             items.append((batch, [sequences[r] for r in picked],
-                          None if routes is None else [routes[r] for r in picked], real))
+                          None if routes is None else [routes[r] for r in picked],
+                          None if images is None else images.select(picked), real))
         step = functools.partial(self._tree_forward_step, loss_function=loss_function,
                                  forward_only=forward_only)
         return micro, get_forward_backward_func()(
@@ -251,7 +282,7 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
                 return refusal
         return None
 
-    def _parts_step(self, data, sequences, routes, budget, loss_function,
+    def _parts_step(self, data, sequences, routes, images, budget, loss_function,
                     forward_only) -> list:
         """The rank's batch as one micro-batch of Megatron's schedule, its trees in parts of
         at most ``budget`` rows (module doc): the schedule's outputs."""
@@ -261,9 +292,12 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
         batch = data.to(get_device_id())
         offsets = batch["input_ids"].offsets()
         parts = split(TreePack.from_sequences(sequences, layout="flat", device=offsets.device,
-                                              routes=routes), budget)
+                                              routes=routes,
+                                              keys=None if images is None else images.keys),
+                      budget)
         cp = mpu.get_context_parallel_world_size()
-        settings = dict(temperature=temperature, entropy=entropy, align="prediction")
+        settings = dict(temperature=temperature, entropy=entropy, align="prediction",
+                        images=images)
         state = {}
 
         def postprocess(out, only: bool):
@@ -340,15 +374,17 @@ class TreepackMegatronEngine(MegatronEngineWithLMHead):
     def _tree_forward_step(self, batch_iter, model, loss_function, forward_only):
         """Megatron's ``forward_step_func`` on a tree micro-batch: this stage's forward of
         the pack, and on the last stage verl's loss on its log-probs."""
-        batch, sequences, routes, real = next(batch_iter)
+        batch, sequences, routes, images, real = next(batch_iter)
         temperature = per_sequence_temperature(batch["temperature"], len(sequences))
         batch = batch.to(get_device_id())
         offsets = batch["input_ids"].offsets()
         entropy = bool(tu.get_non_tensor_data(batch, key="calculate_entropy", default=False))
         pack = TreePack.from_sequences(sequences, layout="flat", device=offsets.device,
-                                       routes=routes)
+                                       routes=routes,
+                                       keys=None if images is None else images.keys)
         stage = tm.forward_stage(model, pack, temperature=temperature, entropy=entropy,
-                                 align="prediction", backend=self.treepack_backend)
+                                 align="prediction", backend=self.treepack_backend,
+                                 images=images)
 
         def loss_func(output_tensor):
             out = stage.logprobs()
