@@ -3,12 +3,25 @@ the tests and workers of every folder)."""
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def run_python(code: str, timeout: float = 600) -> str:
+    """``code`` in a fresh Python with this one's import path (Ray and TransferQueue, say,
+    kept out of the test process); its stdout. Fails the test, with stderr's tail, where it
+    fails."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-5000:]
+    return done.stdout
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 TreepackEngine, built from the same checkpoint, must give the same log-probs, entropies,
 losses and gradients. Runs where verl is installed (`.ci/run` makes a `.venv-verl`)."""
 
-import os
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ warnings.filterwarnings("ignore", message=".* engine is not available")
 
 import verl_trainer_path  # noqa: E402
 import verl_workers  # noqa: E402  (installs the CPU platform)
-from launch import free_port  # noqa: E402
+from launch import free_port, run_python  # noqa: E402
 from tolerance import FLOAT64_OP, within  # noqa: E402
 from verl_workers import TOLERANCE  # noqa: E402
 
@@ -44,10 +43,7 @@ def trainer_batches(model_dir, tmp_path_factory):
             f"    t.trainer_batches({model_dir!r}, world, f'{root}/batches{{world}}.pt')\n"
             f"t.trainer_batches({model_dir!r}, 2, '{root}/long2.pt', scale=4)\n"
             f"t.trainer_batches({model_dir!r}, 1, '{root}/long1.pt', scale=4)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_python(code)
     return {**{world: str(root / f"batches{world}.pt") for world in (1, 2)},
             "long": str(root / "long2.pt"), "long1": str(root / "long1.pt")}
 
@@ -371,12 +367,8 @@ def test_verl_worker_with_images_on_the_trainers_batches_equals_stock(vision_mod
     each row's multi_modal_inputs, [4, length] mrope position ids): compute_log_prob,
     compute_ref_log_prob, update_actor and compute_log_prob again pack and equal stock verl."""
     batches = tmp_path / "batches.pt"
-    code = ("import verl_trainer_path as t\n"
-            f"t.trainer_batches({vision_model_dir!r}, 2, {str(batches)!r}, images=True)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_python("import verl_trainer_path as t\n"
+               f"t.trainer_batches({vision_model_dir!r}, 2, {str(batches)!r}, images=True)\n")
     out = tmp_path / "result.pt"
     spawn(verl_trainer_path.compare_workers, 2, vision_model_dir, str(batches), str(out))
     r = torch.load(out, weights_only=False)
@@ -474,11 +466,8 @@ def test_verl_external_lib_switches_the_engine(model_dir):
         "print(*(EngineRegistry.get_engine_cls('language_model', b).__name__\n"
         "        for b in ('fsdp', 'fsdp2')))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-2:] == ["TreepackEngine", "TreepackEngine"], done.stdout
+    stdout = run_python(code, timeout=300)
+    assert stdout.split()[-2:] == ["TreepackEngine", "TreepackEngine"], stdout
 
 
 def test_the_docs_command_runs_verls_entry_point_with_treepack_on():

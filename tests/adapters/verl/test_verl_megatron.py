@@ -4,9 +4,6 @@ checkpoint through mbridge, must give the same log-probs, entropies, losses and 
 Runs where verl and megatron-core are installed together (`.ci/run` makes a `.venv-verl`
 with both)."""
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -21,7 +18,7 @@ warnings.filterwarnings("ignore", message=".* engine is not available")
 
 import verl_megatron_workers  # noqa: E402  (the CPU platform, megatron-core and mbridge)
 import verl_workers  # noqa: E402
-from launch import free_port  # noqa: E402
+from launch import free_port, run_python  # noqa: E402
 from tolerance import within  # noqa: E402
 from verl_workers import TOLERANCE  # noqa: E402  (float32: FLOAT32_RELATIVE)
 
@@ -248,10 +245,7 @@ def moe_trainer_batches(moe_dir, tmp_path_factory):
 def in_subprocess(code: str) -> None:
     """Run ``code`` (``verl_trainer_path`` imported as ``t``) in a fresh Python, as the v1
     trainer's batches are made: Ray and TransferQueue in a process of their own."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-c", "import verl_workers, verl_trainer_path as t\n"
-                           + code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-5000:]
+    run_python("import verl_workers, verl_trainer_path as t\n" + code)
 
 
 def test_verl_megatron_worker_replays_the_rollouts_routes_as_stock(moe_dir, moe_trainer_batches,
