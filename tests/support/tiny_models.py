@@ -1,8 +1,24 @@
-"""Tiny models the zoo does not build, shared by the tests that need them."""
+"""Tiny models the zoo does not build, and the tokenizer over the zoo's vocabulary, shared by
+the tests that need them."""
 
 from __future__ import annotations
 
 import torch
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the zoo's vocabulary: ``w<i>`` is token ``i + 3`` after
+    ``<pad>``, ``<bos>``, ``<eos>`` (TRL reads its pad token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from treepack import zoo
+
+    words = ["<pad>", "<bos>", "<eos>"] + [f"w{i}" for i in range(zoo.VOCAB - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>")
 
 
 def gpt_oss(dtype=torch.float32):

@@ -9,8 +9,7 @@ import torch
 
 pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import treepack.trl  # noqa: E402
@@ -18,6 +17,7 @@ from treepack.adapters.trl import seam, shuffle  # noqa: E402
 from treepack import zoo  # noqa: E402
 
 from reference import exact_kernel, float64_throughout  # noqa: E402
+from tiny_models import word_tokenizer  # noqa: E402
 from tolerance import (  # noqa: E402
     FLOAT32_RELATIVE,
     FLOAT64_EXACT,
@@ -32,11 +32,7 @@ from tolerance import (  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    words = ["<pad>", "<bos>", "<eos>"] + [f"w{i}" for i in range(zoo.VOCAB - 3)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>")
+    return word_tokenizer()
 
 
 @pytest.fixture(scope="module")

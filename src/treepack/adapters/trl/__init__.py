@@ -31,10 +31,18 @@ families of :class:`treepack.hf.Images`, Qwen-VL and LLaVA) packs too: the seam 
 by image content and encodes each distinct image once per forward, and whole groups are found
 by prompt and image together.
 
+TRL's asynchronous GRPO trainer (``trl.AsyncGRPOTrainer``; ``trl.experimental.async_grpo`` in
+TRL 1.16) has its packed counterpart, imported on first use so that this module imports
+without it::
+
+    from treepack.trl import TreepackAsyncGRPOTrainer  # an AsyncGRPOTrainer, packed by treepack
+
+(:mod:`.async_grpo`: one pack per process, exact forks, hybrids and attention sinks).
+
 One module per job: :mod:`.seam` (the log-prob seam), :mod:`.shuffle` (the group-keeping
 shuffle), :mod:`.patch` (:func:`patch`: the trainer patch), :mod:`.trainer`
-(:class:`TreepackGRPOTrainer`), and :mod:`.compat` (every TRL internal treepack touches, and
-the version it was written against).
+(:class:`TreepackGRPOTrainer`), :mod:`.async_grpo` (``TreepackAsyncGRPOTrainer``), and
+:mod:`.compat` (every TRL internal treepack touches, and the version it was written against).
 """
 
 from treepack.adapters.trl.patch import patch
@@ -44,3 +52,13 @@ from treepack.adapters.trl.trainer import TreepackGRPOTrainer
 
 __all__ = ["TreepackGRPOTrainer", "patch", "per_token_logps_and_entropies",
            "shuffle_whole_groups"]
+
+
+def __getattr__(name: str):
+    """``TreepackAsyncGRPOTrainer``, imported on first use: TRL's asynchronous trainer (and its
+    dependencies) may be absent where the rest of this module works."""
+    if name == "TreepackAsyncGRPOTrainer":
+        from treepack.adapters.trl.async_grpo import TreepackAsyncGRPOTrainer
+
+        return TreepackAsyncGRPOTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
