@@ -42,6 +42,12 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              then tree vs padding-free vs padded training steps on the Qwen2.5-0.5B shape,
              and the tree under a quarter of its rows: in parts against the plan's split.
              Not in the default parts.
+11. e2e      ``treepack bench --e2e`` on the GPU: whole GRPO runs with generation through
+             transformers, stock TRL and TreepackGRPOTrainer taking their steps in turn, on
+             the Qwen2.5-0.5B shape (the task's character vocabulary) in bfloat16 autocast;
+             seconds per phase, the steps both runs sampled alike, the training and whole-run
+             ratios. Needs TRL (the device image has none: carry its wheels, and datasets'
+             and accelerate's where missing, in ``.whl``). Not in the default parts.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
@@ -452,6 +458,61 @@ def part_vlm(device, dry):
                    vision_share=row["vision_share"]["tree"])
 
 
+def part_e2e(device, dry, steps: int):
+    """``treepack bench --e2e`` in a subprocess held to the time budget; one row per
+    workload. TRL and what it needs come from ``.whl`` where the image lacks them."""
+    import subprocess
+
+    out = os.path.join(os.environ.get("OUT") or ".", "e2e.json")
+    path = [os.path.join(ROOT, "src"), *wheel_folders(("trl", "datasets", "accelerate"))]
+    argv = ["bench", "--e2e", "--e2e-steps", str(steps), "--json", out, "--plot",
+            out[:-len(".json")] + ".png", "--device", device.type]
+    argv += (["--workloads", "long_prompt"] if dry else
+             ["--model", "qwen2.5-0.5b", "--dtype", "bfloat16"])
+    code = (f"import sys; sys.path[:0] = {path!r}; from treepack.face.cli import main; "
+            f"sys.exit(main({argv!r}))")
+    timeout = min(480.0, max(60.0, BUDGET[0] - elapsed()))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              path + [os.environ.get("PYTHONPATH", "")])})
+    print(done.stdout, flush=True)  # the e2e report
+    if done.returncode:
+        record("e2e", error=f"treepack bench --e2e exited {done.returncode}: "
+                            f"{done.stderr[-600:]}")
+        return
+    with open(out) as f:
+        result = json.load(f)
+    for w in result["workloads"]:
+        a = w["agreement"]
+        record("e2e", workload=w["workload"], model=result["model"], dtype=result["dtype"],
+               steps=a["steps"], same_samples=a["identical_steps"],
+               token_ratio=a.get("token_ratio"),
+               training_ratio=a["training_ratio_per_step"]["median"],
+               run_ratio=a["run_ratio_per_step"]["median"],
+               stock_training_share=a["stock_training_share"],
+               **{f"{run}_{phase}_s": w["runs"][run]["seconds"][phase]
+                  for run in ("stock", "treepack")
+                  for phase in ("generate", "logprobs", "update")})
+
+
+def wheel_folders(names) -> list[str]:
+    """For each of ``names`` the image cannot import, the wheels in ``.whl`` unzipped into
+    folders of their own (pure-Python wheels: TRL, datasets, accelerate)."""
+    import importlib.util
+    import zipfile
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    folders, wheels = [], os.path.join(ROOT, ".whl")
+    for name in missing:
+        for wheel in sorted(os.listdir(wheels)) if os.path.isdir(wheels) else []:
+            if wheel.startswith(f"{name}-") and wheel.endswith(".whl"):
+                folder = os.path.join(os.environ.get("OUT") or "/tmp", wheel[:-4])
+                with zipfile.ZipFile(os.path.join(wheels, wheel)) as z:
+                    z.extractall(folder)
+                folders.append(folder)
+    return folders
+
+
 def megatron_versions() -> list[tuple[str, str | None]]:
     """``(name, folder)`` per megatron-core to run: each wheel in .whl/ unzipped into a folder
     of its own (a wheel is a zip; nothing to install), else the installed one (folder None)."""
@@ -547,7 +608,8 @@ def fmt(x, spec=".3f"):
 
 # a row without its part's key: the part failed whole
 ROW_KEYS = {"verify": "family", "attention": "workload", "lean": "variant", "flex": "pack",
-            "step": "workload", "sp": "workload", "vlm": "workload", "megatron": "workload"}
+            "step": "workload", "sp": "workload", "vlm": "workload", "megatron": "workload",
+            "e2e": "workload"}
 
 
 def summary() -> list[str]:
@@ -600,6 +662,9 @@ def summary() -> list[str]:
     for row in rows_of("megatron"):
         cells = ", ".join(f"{k} {fmt(v, '.3g')}" for k, v in row.items() if k != "workload")
         lines.append(f"megatron  {row['workload']:<12}{cells}")
+    for row in rows_of("e2e"):
+        cells = ", ".join(f"{k} {fmt(v, '.3g')}" for k, v in row.items() if k != "workload")
+        lines.append(f"e2e       {row['workload']:<12}{cells}")
     return lines
 
 
@@ -713,6 +778,8 @@ def main():
                         help="verify only these families (a rerun of what failed)")
     parser.add_argument("--no-flex-step", action="store_true",
                         help="the step part on the auto backend only")
+    parser.add_argument("--e2e-steps", type=int, default=12,
+                        help="the e2e part's optimizer steps per run")
     parser.add_argument("--megatron-parts", nargs="+", default=["verify", "step"],
                         help="the megatron part's own parts (bench/megatron.py --parts)")
     args = parser.parse_args()
@@ -744,6 +811,8 @@ def main():
         "vlm": lambda: part_vlm(device, dry),
         # megatron-core (bench/megatron.py --device): tree vs each sequence alone, then steps
         "megatron": lambda: part_megatron(device, dry, args.megatron_parts),
+        # a whole GRPO run, stock TRL vs treepack (treepack bench --e2e): not by default
+        "e2e": lambda: part_e2e(device, dry, 2 if dry else args.e2e_steps),
     }
     for name in args.parts:
         if elapsed() > BUDGET[0]:

@@ -41,7 +41,7 @@ PATHS = {  # short public path -> the module's place in its part
     "verl_trainer": "adapters.verl.trainer", "verl_megatron": "adapters.verl.megatron_engine",
     "megatron": "adapters.megatron",
     "cli": "face.cli", "verification": "face.verification", "benchmark": "face.benchmark",
-    "synthetic": "data.synthetic",
+    "synthetic": "data.synthetic", "tasks": "data.tasks",
 }
 
 _EXPORTS = {  # public name -> the module that defines it

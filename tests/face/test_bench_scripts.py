@@ -192,3 +192,17 @@ def test_padding_free_packs_keep_every_sequence_in_order_within_the_budget():
     for p in packs:
         assert p.num_packed_rows == p.num_original_tokens  # nothing shared
         assert p.num_original_tokens <= 8 or len(p.host.lengths) == 1
+
+
+def test_gpu_script_dry_run_e2e(tmp_path):
+    """The e2e part (not in the default parts): treepack bench --e2e in a subprocess, a row
+    per workload with the runs' agreement and ratios."""
+    pytest.importorskip("trl")
+    result = run_script([str(ROOT / "bench" / "gpu.py"), "--dry-run", "--parts", "e2e"],
+                        tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "gpu.json").read_text())["results"]["e2e"]
+    assert "error" not in row, row
+    assert row["workload"] == "long_prompt" and row["same_samples"] == row["steps"] == 2
+    assert 0 < row["token_ratio"] < 1 and row["training_ratio"] > 0
+    assert (tmp_path / "e2e.png").stat().st_size > 0

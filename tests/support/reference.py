@@ -5,7 +5,6 @@ No sorting, no LCP, no intervals: every prefix is a dict path, ancestors are par
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 
@@ -132,33 +131,11 @@ def exact_kernel(monkeypatch, model):
             monkeypatch.setattr(module, name, naive_gated_delta_rule)
 
 
-@contextlib.contextmanager
-def float64_throughout():
-    """While it lasts, whatever asks for float32 gets float64: a float64 model's norms, gates,
-    scans and eager softmax, which transformers computes in float32 even in a float64 model,
-    stay float64, so that two runs compare to float64's rounding (tolerance.FLOAT64_EXACT;
-    tolerance.inside sees it). Tensors made without a dtype are float64 too."""
-    import torch
-    from torch.overrides import TorchFunctionMode
+# whatever asks for float32 gets float64 while it lasts: the library's, which treepack bench
+# --e2e runs its float64 runs under
+from treepack.face.benchmark import precision  # noqa: E402
 
-    def f64(x):
-        return torch.float64 if x is torch.float32 else x
-
-    class Float64(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func is torch.Tensor.float:
-                func = torch.Tensor.double
-            args = tuple(f64(a) for a in args)
-            kwargs = {k: f64(v) for k, v in (kwargs or {}).items()}
-            return func(*args, **kwargs)
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        with Float64():
-            yield
-    finally:
-        torch.set_default_dtype(default)
+float64_throughout = precision.float64_throughout
 
 
 def naive_ssd(x, dt, A, B, C, D=None, initial_state=None):

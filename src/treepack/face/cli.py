@@ -170,6 +170,10 @@ BENCH_TOLERANCE = 1e-4  # largest relative gradient error accepted from a float3
 QUICK_CPU_SCALE = 64  # --quick on a CPU: lengths / 64, so 3 timed rounds fit in about a minute
 
 
+E2E_QUICK_STEPS = 24  # --e2e --quick: the reward visibly rises, both workloads in ~2 min
+E2E_STEPS = 100
+
+
 def _bench(args) -> int:
     import time
 
@@ -182,6 +186,9 @@ def _bench(args) -> int:
     except ImportError:
         raise InputError("treepack bench runs a transformers model: pip install "
                          "'treepack[bench]'") from None
+    stem = "treepack-e2e" if args.e2e else "treepack-bench"
+    args.json = args.json or f"{stem}.json"
+    args.plot = args.plot or f"{stem}.png"
     for option, path in (("--json", args.json), ("--plot", None if args.no_plot else args.plot)):
         if path is not None:  # checked now: writing fails only after the whole run
             folder = os.path.dirname(os.path.abspath(path))
@@ -192,6 +199,19 @@ def _bench(args) -> int:
         raise InputError("--device cuda: this torch sees no CUDA device (torch "
                          f"{torch.__version__}); leave --device out to run on the CPU")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.e2e:
+        return _bench_e2e(args, device)
+    if args.dtype == "float64":
+        raise InputError("--dtype float64 is for --e2e (whole runs that must sample alike); "
+                         "the step benchmark runs float32 or bfloat16")
+    if args.model == "qwen2-1m":
+        raise InputError("--model qwen2-1m is --e2e's CPU model (a character vocabulary); the "
+                         "step benchmark runs qwen2-40m, qwen2.5-0.5b or qwen3.5-40m")
+    args.model = args.model or "qwen2-40m"
+    e2e_only = sorted(set(args.workloads or ()) & {"long_prompt", "long_completion"})
+    if e2e_only:
+        raise InputError(f"--workloads {' '.join(e2e_only)}: these are --e2e's; the step "
+                         "benchmark runs grpo_long, low_sharing, agent")
     scale = args.scale or ((8 if args.quick else 1) if device.type == "cuda" else
                            (QUICK_CPU_SCALE if args.quick else 8))
     custom = {k: getattr(args, k) for k in ("prompts", "rollouts", "steps", "prefix_len",
@@ -219,20 +239,67 @@ def _bench(args) -> int:
     except (RuntimeError, ValueError) as e:
         raise InputError(str(e)) from None
     progress("done")
-    print(benchmark.render(result))
+    _report(args, result, benchmark.render, benchmark.plot)
+    worst = max(x["grad_max_rel_error"] for w in result["workloads"] for x in w["steps"].values())
+    if args.dtype == "float32" and worst > BENCH_TOLERANCE:
+        print(f"  FAIL: gradients differ by more than {BENCH_TOLERANCE:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args, result: dict, render, plot) -> None:
+    """Print a benchmark's report, write its JSON and (unless --no-plot) its plot."""
+    print(render(result))
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     written = [args.json]
     if not args.no_plot:
         try:
-            benchmark.plot(result, args.plot)
+            plot(result, args.plot)
             written.append(args.plot)
         except ImportError:
             print("  (no plot: pip install matplotlib, or 'treepack[bench]')", file=sys.stderr)
     print(f"\n  wrote {', '.join(written)}")
-    worst = max(x["grad_max_rel_error"] for w in result["workloads"] for x in w["steps"].values())
-    if args.dtype == "float32" and worst > BENCH_TOLERANCE:
-        print(f"  FAIL: gradients differ by more than {BENCH_TOLERANCE:g}", file=sys.stderr)
+
+
+def _bench_e2e(args, device) -> int:
+    """``treepack bench --e2e``: a whole GRPO run, stock TRL and treepack, steps in turn."""
+    import time
+
+    import torch
+
+    from treepack.face.benchmark import e2e
+
+    try:
+        import trl  # noqa: F401  (is it installed?)
+    except ImportError:
+        raise InputError("treepack bench --e2e runs TRL's GRPOTrainer: pip install "
+                         "'treepack[bench]'") from None
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        raise InputError("--e2e --dtype bfloat16 trains under a GPU's bfloat16 autocast; on a "
+                         "CPU use float32 or float64")
+    steps = args.e2e_steps or (E2E_QUICK_STEPS if args.quick else E2E_STEPS)
+    model = args.model or ("qwen2.5-0.5b" if device.type == "cuda" else "qwen2-1m")
+    start = time.perf_counter()
+
+    def progress(msg):
+        print(f"treepack bench --e2e [{time.perf_counter() - start:4.0f} s] {msg}",
+              file=sys.stderr, flush=True)
+
+    works = [w for w in e2e.E2E_WORKLOADS if not args.workloads or w.name in args.workloads]
+    if not works:
+        raise InputError(f"--workloads {' '.join(args.workloads)}: --e2e runs "
+                         f"{', '.join(w.name for w in e2e.E2E_WORKLOADS)}")
+    progress(f"{len(works)} workloads x 2 runs x {steps} steps, model {model}, {args.dtype}")
+    result = e2e.run_e2e(works, model=model, dtype=dtype, steps=steps, device=device,
+                         backend=args.backend, progress=progress)
+    _report(args, result, e2e.render_e2e, e2e.plot_e2e)
+    parted = [w["workload"] for w in result["workloads"]
+              if w["agreement"]["identical_steps"] < steps]
+    if dtype == torch.float64 and parted:
+        print(f"  FAIL: in float64 the runs sampled different completions ({', '.join(parted)}): "
+              "their weights differ by more than rounding", file=sys.stderr)
         return 1
     return 0
 
@@ -356,8 +423,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="8x shorter sequences (lengths / "
                        "64 on a CPU, / 8 on a GPU) and no full-logits tree step (about a minute "
                        "on 2 CPU cores)")
-    bench.add_argument("--workloads", nargs="+", choices=("grpo_long", "low_sharing", "agent"),
-                       help="run only these of the three workloads")
+    bench.add_argument("--e2e", action="store_true",
+                       help="a whole GRPO run instead of one step: TRL's GRPOTrainer with "
+                       "generation on a built-in task with a rule reward, stock and "
+                       "TreepackGRPOTrainer from one seed taking their steps in turn; reward "
+                       "and loss curves, seconds per phase (generate, score, no-grad "
+                       "log-probs, update), where the runs' samples part; writes "
+                       "treepack-e2e.json and treepack-e2e.png (--quick: "
+                       f"{E2E_QUICK_STEPS} steps, else {E2E_STEPS})")
+    bench.add_argument("--e2e-steps", type=_positive_int, default=None,
+                       help="--e2e: optimizer steps per run")
+    bench.add_argument("--workloads", nargs="+",
+                       choices=("grpo_long", "low_sharing", "agent", "long_prompt",
+                                "long_completion"),
+                       help="run only these of the workloads (the step benchmark: grpo_long, "
+                       "low_sharing, agent; --e2e: long_prompt, long_completion)")
     bench.add_argument("--jitter", type=_fraction, default=None,
                        help="spread every length over len x (1 +- J) (default: 0.5, 0.6, 0.3 "
                        "per workload; 0: uniform)")
@@ -368,9 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
                        ("--prefix-len", "prompt tokens"), ("--branch-len", "tokens per response"),
                        ("--tool-len", "tool-output tokens between steps")):
         bench.add_argument(flag, type=_positive_int, default=None, help=what)
-    bench.add_argument("--model", default="qwen2-40m", choices=sorted(MODELS),
-                       help="random-weight model shape (default qwen2-40m; qwen2.5-0.5b for a GPU)")
-    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    bench.add_argument("--model", default=None, choices=sorted(MODELS) + ["qwen2-1m"],
+                       help="random-weight model shape (default qwen2-40m; qwen2.5-0.5b for a "
+                       "GPU; --e2e: qwen2-1m on a CPU, qwen2.5-0.5b on a GPU, with the task's "
+                       "character vocabulary)")
+    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"),
+                       help="float64: --e2e only (the runs must sample alike at every step)")
     bench.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     bench.add_argument("--device", default=None, choices=("cpu", "cuda"),
                        help="default: cuda if present")
@@ -380,8 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed rounds after a warm-up round, each running every step once "
                        "(default 3): times are medians, ratios the median of the per-round "
                        "ratios with their range, flagged where it crosses 1")
-    bench.add_argument("--json", default="treepack-bench.json", help="results file")
-    bench.add_argument("--plot", default="treepack-bench.png", help="PNG plot file")
+    bench.add_argument("--json", default=None,
+                       help="results file (default treepack-bench.json; --e2e: treepack-e2e.json)")
+    bench.add_argument("--plot", default=None,
+                       help="PNG plot file (default treepack-bench.png; --e2e: treepack-e2e.png)")
     bench.add_argument("--no-plot", action="store_true")
     bench.set_defaults(run=_bench)
 

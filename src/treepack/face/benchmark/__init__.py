@@ -8,11 +8,14 @@ report. Used by ``treepack bench`` and the scripts in ``bench/``.
 - :mod:`.workloads`: the ragged RL batches, Claw-R1's scenarios, the log-prob bench pack.
 - :mod:`.compare`: :func:`compare_step` and :func:`run_bench`, the side-by-side runs.
 - :mod:`.report`: the printed table and the plot.
+- :mod:`.e2e`: ``treepack bench --e2e``, whole GRPO runs through TRL, stock and treepack.
+- :mod:`.precision`: float64 all the way through (the e2e bench's float64 runs, the tests).
 
 Every name is importable from here (``treepack.benchmark.rl_workloads``).
 """
 
 from treepack.face.benchmark.compare import compare_step, run_bench
+from treepack.face.benchmark.e2e import E2E_WORKLOADS, plot_e2e, render_e2e, run_e2e
 from treepack.face.benchmark.flops import Flops, step_flops
 from treepack.face.benchmark.memory import peak_memory
 from treepack.face.benchmark.report import plot, print_paths, ratio_cell, render, uncertain_note
@@ -26,4 +29,5 @@ __all__ = ["Flops", "step_flops", "best_of", "Spread", "interleave", "ratio", "s
            "Measurement", "measure", "peak_memory", "unpacked_step", "packed_step", "STEPS",
            "bench_model", "Workload", "rl_workloads", "custom_workload", "CLAW_R1",
            "claw_r1_scenarios", "head_bench_pack", "compare_step", "run_bench", "render",
-           "ratio_cell", "uncertain_note", "plot", "print_paths"]
+           "ratio_cell", "uncertain_note", "plot", "print_paths", "run_e2e", "render_e2e",
+           "plot_e2e", "E2E_WORKLOADS"]
