@@ -47,7 +47,8 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              the Qwen2.5-0.5B shape (the task's character vocabulary) in bfloat16 autocast;
              seconds per phase, the steps both runs sampled alike, the training and whole-run
              ratios. Needs TRL (the device image has none: carry its wheels, and datasets'
-             and accelerate's where missing, in ``.whl``). Not in the default parts.
+             (with pyarrow's) and accelerate's where missing, in ``.whl``). Not in the
+             default parts.
 
 The bars of the GPU-speed issue are checked at the end: the tree step within 1.15x of the
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
@@ -472,9 +473,19 @@ def part_e2e(device, dry, steps: int):
     code = (f"import sys; sys.path[:0] = {path!r}; from treepack.face.cli import main; "
             f"sys.exit(main({argv!r}))")
     timeout = min(480.0, max(60.0, BUDGET[0] - elapsed()))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              path + [os.environ.get("PYTHONPATH", "")])})
+    # a session of its own: on a timeout its two run processes end with it
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                   path + [os.environ.get("PYTHONPATH", "")])})
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.communicate()
+        record("e2e", error=f"treepack bench --e2e ran past {timeout:.0f} s: stopped")
+        return
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     print(done.stdout, flush=True)  # the e2e report
     if done.returncode:
         record("e2e", error=f"treepack bench --e2e exited {done.returncode}: "
@@ -496,41 +507,40 @@ def part_e2e(device, dry, steps: int):
 
 
 def wheel_folders(names) -> list[str]:
-    """For each of ``names`` the image cannot import, the wheels in ``.whl`` unzipped into
-    folders of their own (pure-Python wheels: TRL, datasets, accelerate)."""
+    """For each of ``names`` the image cannot import, its wheels in ``.whl`` unzipped into a
+    temporary folder each (not under $OUT, whose files travel back). TRL and accelerate are
+    pure Python; datasets needs pyarrow, a compiled wheel for the image's Python."""
     import importlib.util
-    import zipfile
 
     missing = [n for n in names if importlib.util.find_spec(n) is None]
-    folders, wheels = [], os.path.join(ROOT, ".whl")
-    for name in missing:
-        for wheel in sorted(os.listdir(wheels)) if os.path.isdir(wheels) else []:
-            if wheel.startswith(f"{name}-") and wheel.endswith(".whl"):
-                folder = os.path.join(os.environ.get("OUT") or "/tmp", wheel[:-4])
-                with zipfile.ZipFile(os.path.join(wheels, wheel)) as z:
-                    z.extractall(folder)
-                folders.append(folder)
-    return folders
+    wheels = os.path.join(ROOT, ".whl")
+    return [unzipped(os.path.join(wheels, wheel), wheel[:-4]) for name in missing
+            for wheel in (sorted(os.listdir(wheels)) if os.path.isdir(wheels) else [])
+            if wheel.startswith(f"{name}-") and wheel.endswith(".whl")]
 
 
 def megatron_versions() -> list[tuple[str, str | None]]:
     """``(name, folder)`` per megatron-core to run: each wheel in .whl/ unzipped into a folder
     of its own (a wheel is a zip; nothing to install), else the installed one (folder None)."""
     import glob
-    import tempfile
-    import zipfile
 
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"  # wheels for this Python
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", f"megatron_core-*-{tag}-*.whl")))
     if not wheels:
         return [("installed", None)]
-    out = []
-    for wheel in wheels:
-        folder = tempfile.mkdtemp(prefix="mcore-")
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(folder)
-        out.append((os.path.basename(wheel).split("-")[1], folder))
-    return out
+    return [(os.path.basename(wheel).split("-")[1], unzipped(wheel, "mcore-"))
+            for wheel in wheels]
+
+
+def unzipped(wheel: str, prefix: str) -> str:
+    """A wheel (a zip: nothing to install) unzipped into a temporary folder of its own."""
+    import tempfile
+    import zipfile
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(folder)
+    return folder
 
 
 def part_megatron(device, dry, parts=("verify", "step")):

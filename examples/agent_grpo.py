@@ -14,9 +14,10 @@ trajectory's advantage.
 
 A group's samples share almost everything: the prompt, and each turn repeats every earlier
 turn. The unpacked run computes every sample alone (right-padded micro-batches); the treepack
-run plans the step's samples into packs (``treepack.plan``: one tree per group), computes
-each distinct prefix once (``hf.logprobs``), and takes the same loss (``treepack.losses``)
-on the same ``[N, L]`` log-probs. Both runs start from one model and one seed and take their
+run plans the step's samples into packs (``treepack.plan``; the tasks share the game's rules,
+so the step is one tree with a branch per task), computes each distinct prefix once
+(``hf.logprobs``), and takes the same loss (``treepack.losses``) on the same ``[N, L]``
+log-probs. Both runs start from one model and one seed and take their
 steps in turn, each with its own random state, so they sample the same conversations as
 long as their weights agree.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import time
 
 import numpy as np
@@ -36,6 +38,8 @@ import treepack
 from treepack import hf, losses, sharing, tasks
 
 LETTERS = "abcdefgh"
+# float32 rounding of one model computed two ways: 512 roundings (tests/support/tolerance.py)
+ALLOWED = 512 * 2.0**-24
 RULES = ("you are playing a game. each turn the game names a letter: answer with that letter, "
          "as many times as your answer allows.\n")
 
@@ -116,24 +120,27 @@ def unpacked_update(model, sequences, prompt_lengths, advantages, micro_batch: i
     den = losses.global_denominators([masks])
     total = 0.0
     for start in range(0, len(sequences), micro_batch):
-        rows = range(start, min(start + micro_batch, len(sequences)))
-        ids = torch.zeros(len(rows), L, dtype=torch.long)
-        attention = torch.zeros(len(rows), L, dtype=torch.long)
+        rows = list(range(start, min(start + micro_batch, len(sequences))))
+        width = max(len(sequences[s]) for s in rows)  # each micro-batch to its own longest
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attention = torch.zeros(len(rows), width, dtype=torch.long)
         for r, s in enumerate(rows):
             ids[r, :len(sequences[s])] = torch.tensor(sequences[s])
             attention[r, :len(sequences[s])] = 1
         logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
         logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-        logps = torch.nn.functional.pad(logp, (1, 0))  # [n, L]: column p scores token p
-        loss = losses.policy_loss(logps, logps.detach(), advantages[list(rows)],
-                                  masks[list(rows)], mode="token-mean", denominators=den).loss
+        logps = torch.nn.functional.pad(logp, (1, L - width))  # [n, L]: column p scores token p
+        loss = losses.policy_loss(logps, logps.detach(), advantages[rows], masks[rows],
+                                  mode="token-mean", denominators=den).loss
         loss.backward()
         total += loss.item()
     return total
 
 
-def treepack_update(model, sequences, prompt_lengths, advantages, uids, max_tokens: int):
-    """The step's samples planned into packs (one tree per group), one forward each."""
+def treepack_update(model, sequences, prompt_lengths, advantages, max_tokens: int):
+    """The step's samples planned into packs, one forward each (the groups share the game's
+    rules: one tree, a branch per task, while it fits a pack); returns the loss and the
+    packs."""
     plan = treepack.plan(sequences, max_tokens=max_tokens)
     packs = plan.packs(0)
     prompts = torch.tensor(prompt_lengths)
@@ -146,12 +153,17 @@ def treepack_update(model, sequences, prompt_lengths, advantages, uids, max_toke
                                   mode="token-mean", denominators=den).loss
         loss.backward()
         total += loss.item()
+    return total, packs
+
+
+def token_ratio(sequences, prompt_lengths, uids, packs) -> float:
+    """Packed rows over tokens of the step as its packs computed it (``sharing.report``)."""
     pack_of = np.zeros(len(sequences), dtype=np.int64)
     for j, pack in enumerate(packs):
         pack_of[pack.seq_ids.cpu().numpy()] = j
     report = sharing.report(sequences, groups=uids, prompt_lengths=prompt_lengths,
                             packs=pack_of.tolist())
-    return total, report.achieved_rows / report.original_tokens
+    return report.achieved_rows / report.original_tokens
 
 
 def main() -> None:
@@ -184,22 +196,25 @@ def main() -> None:
             generated = time.perf_counter()
             sequences, prompts, advantages, uids, reward = ready_batch(pool, group)
             run["optimizer"].zero_grad(set_to_none=True)
+            packs = None
             if name == "unpacked":
-                loss, ratio = unpacked_update(model, sequences, prompts, advantages, 8), 1.0
+                loss = unpacked_update(model, sequences, prompts, advantages, 8)
             else:
-                loss, ratio = treepack_update(model, sequences, prompts, advantages, uids,
+                loss, packs = treepack_update(model, sequences, prompts, advantages,
                                               max_tokens=4096)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
             if step == 0:  # the one step both runs take from the same weights
                 run["first_grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
             run["optimizer"].step()
+            updated = time.perf_counter()
             run["rng"] = torch.get_rng_state()
+            ratio = 1.0 if packs is None else token_ratio(sequences, prompts, uids, packs)
             run["steps"].append({"reward": reward, "loss": loss, "grad_norm": grad_norm,
                                  "token_ratio": ratio,
                                  "samples": len(sequences),
                                  "tokens": sum(len(s) for s in sequences),
                                  "rollout_seconds": generated - started,
-                                 "update_seconds": time.perf_counter() - generated,
+                                 "update_seconds": updated - generated,
                                  "rollouts": hash(tuple(map(tuple, sequences)))})
         a, b = runs["unpacked"]["steps"][-1], runs["treepack"]["steps"][-1]
         print(f"step {step + 1:3d}: {a['samples']} turn samples, {a['tokens']} tokens, reward "
@@ -225,8 +240,8 @@ def main() -> None:
     first = runs["unpacked"]["first_grads"], runs["treepack"]["first_grads"]
     worst = max(((first[1][k] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item()
                 for k, g in first[0].items())
-    norms = max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
-                for a, b in zip(unpacked[:same], packed[:same]))
+    norms = max((abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+                 for a, b in zip(unpacked[:same], packed[:same])), default=0.0)
     print(f"first step (same weights): gradients within {worst:.1e} of the unpacked run's "
           f"(relative); grad norms while the conversations agreed: within {norms:.1e}")
     if args.json:
@@ -234,8 +249,9 @@ def main() -> None:
             json.dump({name: r["steps"] for name, r in runs.items()}, f, indent=1)
     if args.plot:
         plot(unpacked, packed, args.plot)
-    if not args.full:  # float32 rounding of one model computed two ways
-        assert same == steps and worst < 1e-4, (same, worst)
+    if not args.full and (same < steps or worst > ALLOWED):
+        sys.exit(f"the runs differ: conversations alike for {same} of {steps} steps, first "
+                 f"gradients within {worst:.1e} (allowed {ALLOWED:.1e})")
 
 
 def plot(unpacked, packed, path: str) -> None:

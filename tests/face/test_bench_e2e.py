@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("trl")
 
 from treepack import cli  # noqa: E402
-from treepack.face.benchmark import e2e  # noqa: E402
+from treepack.face.benchmark import e2e, e2e_report  # noqa: E402
 
 from tolerance import FLOAT32_RELATIVE, FLOAT64_EXACT, within  # noqa: E402
 
@@ -71,14 +71,16 @@ def summary_runs(digests_tree):
 
 def test_the_summary_finds_where_the_runs_part():
     runs = summary_runs(["d0", "d1", "x2", "d3"])
-    agreement = e2e._summary(runs, 4)
+    agreement = e2e_report.summarize(runs, 4)
     assert agreement["identical_steps"] == 2
     assert agreement["after_split"]["steps"] == 2
     means = agreement["after_split"]["reward_mean"]
     assert means["treepack"] - means["stock"] == pytest.approx(0.025)
     assert agreement["training_ratio"] == pytest.approx(1.0)
-    full = e2e._summary(summary_runs(["d0", "d1", "d2", "d3"]), 4)
+    full = e2e_report.summarize(summary_runs(["d0", "d1", "d2", "d3"]), 4)
     assert full["identical_steps"] == 4 and "after_split" not in full
+    last = e2e_report.summarize(summary_runs(["d0", "d1", "d2", "x3"]), 4)  # one step after: no
+    assert last["after_split"]["reward_difference_in_standard_errors"] is None  # error bar
 
 
 def test_a_float64_run_whose_samples_part_fails(tmp_path, capsys, monkeypatch):
@@ -90,7 +92,7 @@ def test_a_float64_run_whose_samples_part_fails(tmp_path, capsys, monkeypatch):
                 "steps": 4, "num_generations": 8, "prompts_per_step": 2,
                 "learning_rate": 1e-3, "beta": 0.0, "runs": runs, "workloads": [
                     {"workload": "long_prompt", "runs": runs,
-                     "agreement": e2e._summary(runs, 4)}]}
+                     "agreement": e2e_report.summarize(runs, 4)}]}
 
     monkeypatch.setattr(e2e, "run_e2e", parted)
     code, out, err, path, _ = bench(tmp_path, capsys, "--dtype", "float64", "--e2e-steps", "4",
@@ -105,6 +107,8 @@ def test_a_float64_run_whose_samples_part_fails(tmp_path, capsys, monkeypatch):
     (["--dtype", "float64"], "float64 is for --e2e"),
     (["--model", "qwen2-1m"], "--e2e's CPU model"),
     (["--workloads", "long_prompt"], "these are --e2e's"),
+    (["--e2e", "--steps", "50"], "--steps: the step benchmark's options"),
+    (["--e2e-steps", "5"], "--e2e-steps is for --e2e"),
 ])
 def test_bench_refuses_what_its_mode_cannot_run(capsys, argv, message):
     code = cli.main(["bench", *argv, "--no-plot", "--json", "/dev/null"])

@@ -2,7 +2,8 @@
 CPU in a few dozen GRPO steps: the data of ``treepack bench --e2e`` and the agent example.
 
 - :func:`letter_prompts` / :func:`letter_reward`: each prompt names a letter after a shared
-  instruction; a completion earns the share of its characters that are that letter.
+  instruction; a completion earns the count of that letter over the longest a completion may
+  be.
 - :func:`char_tokenizer`: a character-level tokenizer built locally (nothing downloaded), so
   prompts and completions are real text and a token is a character.
 

@@ -199,6 +199,14 @@ def _bench(args) -> int:
         raise InputError("--device cuda: this torch sees no CUDA device (torch "
                          f"{torch.__version__}); leave --device out to run on the CPU")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    step_only = [f"--{k.replace('_', '-')}" for k in ("scale", "jitter", "prompts", "rollouts",
+                                                    "steps", "prefix_len", "branch_len",
+                                                    "tool_len") if getattr(args, k) is not None]
+    if args.e2e and step_only:
+        raise InputError(f"{' '.join(step_only)}: the step benchmark's options; --e2e runs "
+                         "built-in GRPO runs (--e2e-steps sets their length)")
+    if not args.e2e and args.e2e_steps is not None:
+        raise InputError("--e2e-steps is for --e2e (add it to run whole GRPO runs)")
     if args.e2e:
         return _bench_e2e(args, device)
     if args.dtype == "float64":

@@ -123,7 +123,8 @@ def async_grpo():
         trainer = getattr(trl, "AsyncGRPOTrainer", None)
         if trainer is None:
             from trl.experimental.async_grpo import AsyncGRPOTrainer as trainer
-    except ImportError as e:
+    except (ImportError, RuntimeError) as e:  # TRL's lazy module raises RuntimeError for a
+        # submodule whose import failed
         raise ImportError(
             f"treepack.trl.TreepackAsyncGRPOTrainer needs TRL's asynchronous GRPO trainer "
             f"(trl.AsyncGRPOTrainer from TRL 1.18, trl.experimental.async_grpo in TRL "

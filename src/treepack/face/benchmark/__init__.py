@@ -8,7 +8,9 @@ report. Used by ``treepack bench`` and the scripts in ``bench/``.
 - :mod:`.workloads`: the ragged RL batches, Claw-R1's scenarios, the log-prob bench pack.
 - :mod:`.compare`: :func:`compare_step` and :func:`run_bench`, the side-by-side runs.
 - :mod:`.report`: the printed table and the plot.
-- :mod:`.e2e`: ``treepack bench --e2e``, whole GRPO runs through TRL, stock and treepack.
+- :mod:`.e2e`: ``treepack bench --e2e``, whole GRPO runs through TRL, stock and treepack;
+  :mod:`.e2e_report` what they show, printed and drawn; :mod:`.turns` two runs in two
+  processes taking their steps in turn.
 - :mod:`.precision`: float64 all the way through (the e2e bench's float64 runs, the tests).
 
 Every name is importable from here (``treepack.benchmark.rl_workloads``).
