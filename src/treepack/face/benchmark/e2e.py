@@ -82,10 +82,11 @@ def _qwen2_e2e(vocab_size: int):
 E2E_MODELS = {"qwen2-1m": _qwen2_e2e}
 
 
-def e2e_model(name: str, folder: str, dtype: torch.dtype, vocab_size: int, seed: int = 0) -> str:
+def e2e_model(name: str, folder: str, dtype: torch.dtype, vocab_size: int,
+              seed: int = 0) -> int:
     """Save a random-init model of shape ``name`` (:data:`E2E_MODELS`, or a shape of
-    ``treepack.zoo.MODELS`` with the task's vocabulary) in ``dtype`` to ``folder``; returns
-    the folder (TRL loads the policy and its reference model from a path)."""
+    ``treepack.zoo.MODELS`` with the task's vocabulary) in ``dtype`` to ``folder`` (TRL loads
+    the policy and its reference model from a path); returns its number of parameters."""
     import transformers
 
     from treepack.data import zoo
@@ -103,8 +104,14 @@ def e2e_model(name: str, folder: str, dtype: torch.dtype, vocab_size: int, seed:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(folder)
-    return folder
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # the saving's: not the report's
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    return model.num_parameters()
 
 
 class _Phases:
@@ -237,6 +244,9 @@ def run_e2e(workloads=E2E_WORKLOADS, *, model: str = "qwen2-1m",
     ``{"runs": {"stock": {"steps": [{"reward", "loss", "seconds": {phase: s}, "completions"},
     ...], ...}, "treepack": {...}}, "dtype", "model", "workloads": [{"workload", "runs",
     "agreement": ...}, ...]}``; the top-level ``runs`` are the first workload's."""
+    import transformers
+    import trl
+
     from treepack.data import tasks
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,15 +255,11 @@ def run_e2e(workloads=E2E_WORKLOADS, *, model: str = "qwen2-1m",
               "torch": torch.__version__, "steps": steps, "num_generations": num_generations,
               "prompts_per_step": prompts_per_step, "learning_rate": learning_rate, "beta": beta,
               "seed": seed, "backend": backend, "workloads": []}
-    import transformers
-    import trl
-
     result["versions"] = {"transformers": transformers.__version__, "trl": trl.__version__}
     with tempfile.TemporaryDirectory(prefix="treepack-e2e-") as folder:
         weights = torch.float32 if dtype == torch.bfloat16 else dtype  # bfloat16: autocast
-        path = e2e_model(model, os.path.join(folder, "model"), weights, len(tokenizer), seed=seed)
-        result["model_params"] = sum(p.numel() for p in transformers.AutoModelForCausalLM
-                                     .from_pretrained(path).parameters())
+        path = os.path.join(folder, "model")
+        result["model_params"] = e2e_model(model, path, weights, len(tokenizer), seed=seed)
         for work in workloads:
             runs = _pair(work, path, steps=steps, num_generations=num_generations,
                          prompts_per_step=prompts_per_step, learning_rate=learning_rate,
@@ -290,8 +296,15 @@ def _pair(work, path, *, steps, num_generations, prompts_per_step, learning_rate
 
 def _prepare(name: str, work: E2EWorkload, path: str, options: dict) -> dict:
     """One run's process, before its first turn: TRL imported, the data built."""
+    import warnings
+
+    import transformers
     from datasets import Dataset
     from trl import GRPOTrainer
+
+    # the libraries' deprecation notices and load bars, once per run: not the report's
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    transformers.utils.logging.disable_progress_bar()
 
     from treepack.adapters.trl import TreepackGRPOTrainer
     from treepack.data import tasks
