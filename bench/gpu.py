@@ -15,7 +15,8 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              with soft-capping) is recorded with its message: it must name the reason.
 2. attention one layer's tree attention forward + backward (14/2 heads of 64, bfloat16) per
              backend, beside every sequence alone through FlashAttention varlen (no sharing);
-             error against a float32 run.
+             error against a float32 run; and with GPT-OSS's attention sinks on varlen (the
+             kernel's log-sum-exp) and segment, output and sink-gradient errors.
 3. lean      log-probs from hidden states vs full [T', V] logits (plain log_softmax, and
              treepack's chunked token_logprobs) at T' ~ 19k, V = 151,936.
 4. flex      compile time over packs of many lengths (bucketed, so few compiles).
@@ -154,7 +155,9 @@ def part_verify(device, dry, families=None):
              # hybrids: the routed convolution and scans (transformers' kernels, or the
              # flash-linear-attention / mamba kernels they dispatch to where installed)
              ("qwen3_5", "auto", torch.bfloat16), ("qwen3_next", "auto", torch.float32),
-             ("lfm2", "auto", torch.bfloat16), ("bamba", "auto", torch.bfloat16)]
+             ("lfm2", "auto", torch.bfloat16), ("bamba", "auto", torch.bfloat16),
+             # attention sinks: through varlen's log-sum-exp, and auto (segment)
+             ("gpt_oss", "varlen", torch.bfloat16), ("gpt_oss", "auto", torch.bfloat16)]
     if families:
         plan = [p for p in plan if p[0] in families]
     for family, backend, dtype in plan:
@@ -165,7 +168,8 @@ def part_verify(device, dry, families=None):
         t = time.perf_counter()
         row = dict(family=family, backend=backend, dtype=str(dtype).removeprefix("torch."))
         try:
-            model = zoo.tiny_model(family).to(device).eval()
+            model = (gpt_oss() if family == "gpt_oss" else zoo.tiny_model(family)
+                     ).to(device).eval()
             report = treepack.verify(model, verification_batch(zoo.VOCAB), backend=backend,
                                      dtype=dtype)
             quantities = report.errors
@@ -182,6 +186,23 @@ def part_verify(device, dry, families=None):
                 row["traceback"] = traceback.format_exc()[-1200:]
         row["seconds"] = round(time.perf_counter() - t, 1)
         record("verify", **row)
+
+
+def gpt_oss():
+    """A tiny GPT-OSS (not a zoo family): attention sinks, sliding and full layers, MoE."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # each head's sink apart from the others (its init is near 0)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-2, 2, 4))
+    return model
 
 
 # ---------------------------------------------------------------------- 2. attention
@@ -241,7 +262,44 @@ def part_attention(device, dry, scale):
                         row[f"{key}_err"] = float((out - reference).norm() / reference.norm())
                 except Exception as e:  # noqa: BLE001 - a table cell, not a crash
                     row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+        attention_sinks(row, tree, Hq, Hk, D, dtype, device)
         record("attention", **row)
+
+
+def attention_sinks(row: dict, pack, Hq, Hk, D, dtype, device) -> None:
+    """GPT-OSS's sinks on the tree: varlen (the kernel's log-sum-exp) and segment, forward +
+    backward, each against a float32 segment run with the sinks (output and the sinks'
+    gradient)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    T = pack.num_rows
+    q, k, v = (torch.randn(1, h, T, D, device=device, generator=g, dtype=dtype)
+               .requires_grad_() for h in (Hq, Hk, Hk))
+    sinks = torch.randn(Hq, device=device, generator=g).requires_grad_()
+    reference = None
+    if T <= 60000:
+        ref_in = [x.detach().float().requires_grad_() for x in (q, k, v, sinks)]
+        out = TreeAttention(pack, "segment")(*ref_in[:3], sinks=ref_in[3])
+        out.sum().backward()
+        reference = out.detach(), ref_in[3].grad
+    for backend in ("varlen", "segment"):
+        attend = TreeAttention(pack, backend)
+        key = f"tree_{backend}_sinks"
+
+        def step():
+            q.grad = k.grad = v.grad = sinks.grad = None
+            out = attend(q, k, v, sinks=sinks)
+            out.sum().backward()
+            return out
+
+        try:
+            row[f"{key}_ms"] = timed(step, device) * 1e3
+            if reference is not None:
+                out = step().detach().float()
+                row[f"{key}_err"] = float((out - reference[0]).norm() / reference[0].norm())
+                row[f"{key}_sink_grad_err"] = float((sinks.grad - reference[1]).norm()
+                                                    / reference[1].norm())
+        except Exception as e:  # noqa: BLE001 - a table cell, not a crash
+            row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
 
 
 # ---------------------------------------------------------------------- 3. lean

@@ -69,8 +69,9 @@ BACKENDS: dict[str, Backend] = {
     "dense": dense.attention,
 }
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
-# The backends with a mask of their own per query: the only ones that run attention sinks,
-# chunked attention (Llama 4) and blocks of rows that see each other both ways (Gemma 3)
+# The backends with a mask of their own per query: the only ones that run chunked attention
+# (Llama 4) and blocks of rows that see each other both ways (Gemma 3), and attention sinks
+# with varlen
 MASKED_BACKENDS = {"segment": segment.attention, "dense": dense.attention}
 
 log = logging.getLogger("treepack")
@@ -200,15 +201,15 @@ class TreeAttention:
         return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
                    dropout=dropout, blocks=blocks)
 
-    def _masked_backend(self, what: str) -> Backend:
-        """The backend that runs a feature only :data:`MASKED_BACKENDS` run (``auto``:
-        ``segment``), or a ``RuntimeError`` naming ``what`` and where it runs."""
+    def _masked_backend(self, what: str, also: tuple[str, ...] = ()) -> Backend:
+        """The backend that runs a feature only :data:`MASKED_BACKENDS` (and ``also``) run
+        (``auto``: ``segment``), or a ``RuntimeError`` naming ``what`` and where it runs."""
         backend = "segment" if self.backend == "auto" else self.backend
         if backend not in MASKED_BACKENDS:
             raise RuntimeError(
                 f"backend={backend!r} cannot run here: {what} on "
-                f"{' / '.join(MASKED_BACKENDS)}; use backend='segment' (or 'auto', which "
-                "picks it)")
+                f"{' / '.join((*MASKED_BACKENDS, *also))}; use backend='segment' (or 'auto', "
+                "which picks it)")
         return MASKED_BACKENDS[backend]
 
     def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout,
@@ -216,7 +217,9 @@ class TreeAttention:
         """Attention with a learned sink logit per query head (GPT-OSS's ``s_aux``): a term
         ``exp(sinks[h])`` in every softmax denominator, attending to nothing.
 
-        It is one more key that every query sees whatever its window: a channel appended to
+        On ``varlen`` it is applied to the kernel's output through its log-sum-exp
+        (:class:`treepack.attention.varlen.SinkAttention`); ``auto`` keeps ``segment`` until
+        a GPU run has checked that path. Elsewhere it is one more key that every query sees whatever its window: a channel appended to
         the queries holds ``sinks[h] / scale`` and to the keys 0, and the extra key is 1 there
         and 0 elsewhere, with a zero value. Its score is ``sinks[h]``, every other score is
         unchanged, and the sink's gradient flows through the queries' extra channel.
@@ -225,11 +228,15 @@ class TreeAttention:
         if sinks.shape != (heads,):
             raise ValueError(f"sinks of shape {tuple(sinks.shape)}: one logit per query head "
                              f"({heads},) expected")
-        run = self._masked_backend("attention sinks (a learned logit per head in the "
-                                   "softmax denominator) run")
         if softcap is not None:
             raise ValueError(f"softcap={softcap} with attention sinks: no model caps its "
                              "scores and has sinks, and the sink's own score must not be capped")
+        if self.backend == "varlen" and chunk is None:  # the kernel's log-sum-exp takes it
+            return varlen.attention(q, k, v, self, scale=scale, softcap=None, window=window,
+                                    dropout=dropout, sinks=sinks)
+        what = "attention sinks (a learned logit per head in the softmax denominator) run"
+        run = self._masked_backend(what if chunk is None else what + " with chunks",
+                                   () if chunk is not None else ("varlen",))
         q, k = sink_channel(q, k, sinks, scale)
         return run(q, k, v, self, scale=scale, softcap=None, window=window, dropout=dropout,
                    sink=True, chunk=chunk)

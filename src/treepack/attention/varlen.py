@@ -12,6 +12,15 @@ On CUDA the call is ``torch.nn.attention.varlen.varlen_attn`` (PyTorch's FlashAt
 kernel; no extra dependency), in float16 / bfloat16. Elsewhere the same index plan runs
 through :func:`reference`, a slow exact loop over chains implementing the same contract, so
 CPU tests cover the plan every backend shares.
+
+Attention sinks (GPT-OSS: a learned logit per head in every softmax denominator) run as
+:class:`SinkAttention`: the kernel's output and log-sum-exp, then ``out * exp(lse - lse')``
+with ``lse' = logaddexp(lse, sink)``; its backward is the kernel's backward given that output
+and ``lse'`` (the softmax with the sink as one more key of value zero), and the sink's
+gradient ``-sum(exp(sink - lse') * rowsum(dO * out))``. PyTorch's varlen backward drops a
+gradient through the log-sum-exp, so the sink is applied in this autograd function, not by
+differentiating through the kernel's ``lse``. On a CPU the kernel is :func:`reference_lse` and
+:func:`reference_backward`, exact loops over chains.
 """
 
 from __future__ import annotations
@@ -75,8 +84,12 @@ def unsupported(q: Tensor, *, softcap, dropout, v: Tensor | None = None) -> list
     return reasons
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None) -> Tensor:
     reasons = unsupported(q, softcap=softcap, dropout=dropout, v=v)
+    if sinks is not None and q.device.type == "cuda" and not _sink_kernels():
+        reasons.append(f"torch {torch.__version__} has no varlen log-sum-exp output or no "
+                       "varlen backward op (torch.ops.torch_attn._varlen_attn_backward) for "
+                       "attention sinks; use backend='segment'")
     if reasons:
         raise RuntimeError("backend='varlen' cannot run here: " + "; ".join(reasons))
     index = varlen_index(attend.pack, window)
@@ -86,7 +99,13 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
         kf = gather_rows(kf, index.key_rows, 0)  # [K, Hkv, D]
         vf = gather_rows(vf, index.key_rows, 0)
     window_size = (-1, 0) if window is None else (window - 1, 0)
-    if q.device.type == "cuda":
+    if sinks is not None:
+        if q.device.type == "cuda" and q.shape[1] != k.shape[1] and not _varlen_attn()[1]:
+            rep = q.shape[1] // k.shape[1]  # no native GQA: the repeat's backward sums heads
+            kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+        sinks = sinks.to(torch.promote_types(sinks.dtype, torch.float32))  # lse's precision
+        out = SinkAttention.apply(qf, kf, vf, sinks, index, scale, window_size)
+    elif q.device.type == "cuda":
         out = _flash(qf, kf, vf, index, scale=scale, window_size=window_size)
     else:
         out = reference(qf, kf, vf, index.cu_seq_q_host, index.cu_seq_k_host, scale=scale,
@@ -106,6 +125,123 @@ def _flash(q, k, v, index, *, scale, window_size) -> Tensor:
                        scale=scale, window_size=window_size, **extra)
 
 
+@functools.cache
+def _sink_kernels() -> bool:
+    """Whether this torch has what :class:`SinkAttention` calls on CUDA."""
+    try:
+        import torch.nn.attention.varlen as module
+    except ImportError:
+        return False
+    return hasattr(module, "AuxRequest") and hasattr(torch.ops.torch_attn,
+                                                     "_varlen_attn_backward")
+
+
+class SinkAttention(torch.autograd.Function):
+    """Varlen attention with a sink logit per query head (the module doc): ``q`` ``[Tq, Hq,
+    D]``, ``k``/``v`` ``[Tk, Hkv, D]`` (the gathered keys), ``sinks`` ``[Hq]`` (float32 at
+    least)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, index, scale, window_size):
+        out, lse = _forward_lse(q, k, v, index, scale=scale, window_size=window_size)
+        lse_sink = torch.logaddexp(lse, sinks[:, None].to(lse.dtype))  # [Hq, Tq]
+        out = out * torch.exp(lse - lse_sink).T[..., None].to(out.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_sink, sinks)
+        ctx.index, ctx.scale, ctx.window_size = index, scale, window_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse_sink, sinks = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv = _backward(grad, q, k, v, out, lse_sink, ctx.index, scale=ctx.scale,
+                               window_size=ctx.window_size)
+        row = (grad.to(lse_sink.dtype) * out.to(lse_sink.dtype)).sum(-1).T  # [Hq, Tq]
+        d_sinks = -(torch.exp(sinks[:, None].to(lse_sink.dtype) - lse_sink) * row).sum(-1)
+        return dq, dk, dv, d_sinks.to(sinks.dtype), None, None, None
+
+
+def _forward_lse(q, k, v, index, *, scale, window_size) -> tuple[Tensor, Tensor]:
+    """The kernel's output ``[Tq, Hq, D]`` and log-sum-exp ``[Hq, Tq]``."""
+    if q.device.type != "cuda":
+        return reference_lse(q, k, v, index.cu_seq_q_host, index.cu_seq_k_host, scale=scale,
+                             window_size=window_size)
+    from torch.nn.attention.varlen import AuxRequest
+
+    varlen_attn, native_gqa = _varlen_attn()
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] and native_gqa else {}
+    return varlen_attn(q, k, v, index.cu_seq_q, index.cu_seq_k, index.max_q, index.max_k,
+                       scale=scale, window_size=window_size, return_aux=AuxRequest(lse=True),
+                       **extra)
+
+
+def _backward(grad, q, k, v, out, lse, index, *, scale, window_size):
+    """The kernel's backward given ``out`` and ``lse`` (those of the softmax with the sink)."""
+    if q.device.type != "cuda":
+        return reference_backward(grad, q, k, v, out, lse, index.cu_seq_q_host,
+                                  index.cu_seq_k_host, scale=scale, window_size=window_size)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused
+    return torch.ops.torch_attn._varlen_attn_backward(
+        grad, q, k, v, out, lse.float(), index.cu_seq_q, index.cu_seq_k, index.max_q,
+        index.max_k, window_size == (-1, 0), rng_state, scale, list(window_size))
+
+
+def _chains(cu_seq_q, cu_seq_k, window_size, device):
+    """Per chain: its query rows, key rows and ``[nq, nk]`` mask (:func:`reference`'s rule)."""
+    left, right = window_size
+    if right != 0:
+        raise ValueError(f"window_size={window_size}: only causal windows (left, 0) are used")
+    for a, b, c, d in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(),
+                          cu_seq_k[:-1].tolist(), cu_seq_k[1:].tolist()):
+        t = torch.arange(b - a, device=device)[:, None] + (d - c) - (b - a)
+        u = torch.arange(d - c, device=device)[None, :]
+        mask = u <= t
+        if left >= 0:
+            mask &= u >= t - left
+        yield slice(a, b), slice(c, d), mask
+
+
+def _probabilities(q, k, mask, lse, scale):
+    """``exp(scores - lse)`` of one chain, ``[Hq, nq, nk]``, zero where masked."""
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    return torch.exp(scores - lse[..., None]).masked_fill(~mask, 0.0)
+
+
+def reference_lse(q, k, v, cu_seq_q, cu_seq_k, *, scale, window_size):
+    """:func:`reference` and its log-sum-exp ``[Hq, Tq]``: exact, one chain at a time."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out, lse = torch.zeros_like(q), q.new_zeros(q.shape[1], q.shape[0])
+    for rows, keys, mask in _chains(cu_seq_q, cu_seq_k, window_size, q.device):
+        scores = torch.einsum("qhd,khd->hqk", q[rows], k[keys]) * scale
+        lse[:, rows] = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)
+        p = _probabilities(q[rows], k[keys], mask, lse[:, rows], scale)
+        out[rows] = torch.einsum("hqk,khd->qhd", p, v[keys])
+    return out, lse
+
+
+def reference_backward(grad, q, k, v, out, lse, cu_seq_q, cu_seq_k, *, scale, window_size):
+    """FlashAttention's backward given ``out`` and ``lse``, one chain at a time: ``dS = P *
+    (dO V^T - rowsum(dO * out))`` with ``P = exp(S - lse)``. With the log-sum-exp and output
+    of a softmax that has more terms (a sink), it is that softmax's backward."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    rep = heads // kv_heads
+    kr, vr = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(kr), torch.zeros_like(vr)
+    for rows, keys, mask in _chains(cu_seq_q, cu_seq_k, window_size, q.device):
+        p = _probabilities(q[rows], kr[keys], mask, lse[:, rows], scale)
+        dv[keys] = torch.einsum("hqk,qhd->khd", p, grad[rows])
+        dp = torch.einsum("qhd,khd->hqk", grad[rows], vr[keys])
+        ds = p * (dp - (grad[rows] * out[rows]).sum(-1).T[..., None])
+        dq[rows] = torch.einsum("hqk,khd->qhd", ds, kr[keys]) * scale
+        dk[keys] = torch.einsum("hqk,qhd->khd", ds, q[rows]) * scale
+
+    def per_kv_head(x):  # the query heads of one key head, summed
+        return x.view(x.shape[0], kv_heads, rep, x.shape[-1]).sum(2)
+
+    return dq, per_kv_head(dk), per_kv_head(dv)
+
+
 def reference(q: Tensor, k: Tensor, v: Tensor, cu_seq_q: np.ndarray, cu_seq_k: np.ndarray, *,
               scale: float, window_size: tuple[int, int]) -> Tensor:
     """FlashAttention's varlen contract, one chain at a time: slow, exact, any device.
@@ -116,18 +252,9 @@ def reference(q: Tensor, k: Tensor, v: Tensor, cu_seq_q: np.ndarray, cu_seq_k: n
     ``u <= nk - nq + t`` (bottom-right causal) and, unless ``left == -1``,
     ``u >= nk - nq + t - left``.
     """
-    left, right = window_size
-    if right != 0:
-        raise ValueError(f"window_size={window_size}: only causal windows (left, 0) are used")
     outs = []
-    for a, b, c, d in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(),
-                          cu_seq_k[:-1].tolist(), cu_seq_k[1:].tolist()):
-        t = torch.arange(b - a, device=q.device)[:, None] + (d - c) - (b - a)
-        u = torch.arange(d - c, device=q.device)[None, :]
-        mask = u <= t
-        if left >= 0:
-            mask &= u >= t - left
-        qi, ki, vi = (x.transpose(0, 1)[None] for x in (q[a:b], k[c:d], v[c:d]))
+    for rows, keys, mask in _chains(cu_seq_q, cu_seq_k, window_size, q.device):
+        qi, ki, vi = (x.transpose(0, 1)[None] for x in (q[rows], k[keys], v[keys]))
         out = sdpa(qi, ki, vi, mask, scale=scale, softcap=None, dropout=0.0)
         outs.append(out[0].transpose(0, 1))  # [nq, Hq, D]
     return torch.cat(outs)
