@@ -15,8 +15,8 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              with soft-capping) is recorded with its message: it must name the reason.
 2. attention one layer's tree attention forward + backward (14/2 heads of 64, bfloat16) per
              backend, beside every sequence alone through FlashAttention varlen (no sharing);
-             error against a float32 run; and with GPT-OSS's attention sinks on varlen (the
-             kernel's log-sum-exp) and segment, output and sink-gradient errors.
+             error against a float32 run; and with GPT-OSS's attention sinks and Llama 4's
+             chunks (8192 depths at full size) on varlen and segment, their errors.
 3. lean      log-probs from hidden states vs full [T', V] logits (plain log_softmax, and
              treepack's chunked token_logprobs) at T' ~ 19k, V = 151,936.
 4. flex      compile time over packs of many lengths (bucketed, so few compiles).
@@ -262,44 +262,49 @@ def part_attention(device, dry, scale):
                         row[f"{key}_err"] = float((out - reference).norm() / reference.norm())
                 except Exception as e:  # noqa: BLE001 - a table cell, not a crash
                     row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
-        attention_sinks(row, tree, Hq, Hk, D, dtype, device)
+        attention_kinds(row, tree, Hq, Hk, D, dtype, device, chunk=max(8192 // scale, 16))
         record("attention", **row)
 
 
-def attention_sinks(row: dict, pack, Hq, Hk, D, dtype, device) -> None:
-    """GPT-OSS's sinks on the tree: varlen (the kernel's log-sum-exp) and segment, forward +
-    backward, each against a float32 segment run with the sinks (output and the sinks'
-    gradient)."""
+def attention_kinds(row: dict, pack, Hq, Hk, D, dtype, device, chunk: int) -> None:
+    """GPT-OSS's sinks and Llama 4's chunks (of ``chunk`` depths) on the tree: varlen (the
+    kernel's log-sum-exp; chains cut at chunk starts) and segment, forward + backward, each
+    against a float32 segment run of the same kind (the output, and the sinks' gradient)."""
     g = torch.Generator(device=device).manual_seed(1)
     T = pack.num_rows
     q, k, v = (torch.randn(1, h, T, D, device=device, generator=g, dtype=dtype)
                .requires_grad_() for h in (Hq, Hk, Hk))
     sinks = torch.randn(Hq, device=device, generator=g).requires_grad_()
-    reference = None
-    if T <= 60000:
-        ref_in = [x.detach().float().requires_grad_() for x in (q, k, v, sinks)]
-        out = TreeAttention(pack, "segment")(*ref_in[:3], sinks=ref_in[3])
-        out.sum().backward()
-        reference = out.detach(), ref_in[3].grad
-    for backend in ("varlen", "segment"):
-        attend = TreeAttention(pack, backend)
-        key = f"tree_{backend}_sinks"
-
-        def step():
-            q.grad = k.grad = v.grad = sinks.grad = None
-            out = attend(q, k, v, sinks=sinks)
+    for kind in ("sinks", "chunk"):
+        reference = None
+        if T <= 60000:
+            ref_in = [x.detach().float().requires_grad_() for x in (q, k, v, sinks)]
+            extra = {"sinks": ref_in[3]} if kind == "sinks" else {"chunk": chunk}
+            out = TreeAttention(pack, "segment")(*ref_in[:3], **extra)
             out.sum().backward()
-            return out
+            reference = out.detach(), ref_in[3].grad
+        for backend in ("varlen", "segment"):
+            attend = TreeAttention(pack, backend)
+            key = f"tree_{backend}_{kind}"
+            extra = {"sinks": sinks} if kind == "sinks" else {"chunk": chunk}
 
-        try:
-            row[f"{key}_ms"] = timed(step, device) * 1e3
-            if reference is not None:
-                out = step().detach().float()
-                row[f"{key}_err"] = float((out - reference[0]).norm() / reference[0].norm())
-                row[f"{key}_sink_grad_err"] = float((sinks.grad - reference[1]).norm()
-                                                    / reference[1].norm())
-        except Exception as e:  # noqa: BLE001 - a table cell, not a crash
-            row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
+            def step():
+                q.grad = k.grad = v.grad = sinks.grad = None
+                out = attend(q, k, v, **extra)
+                out.sum().backward()
+                return out
+
+            try:
+                row[f"{key}_ms"] = timed(step, device) * 1e3
+                if reference is not None:
+                    out = step().detach().float()
+                    row[f"{key}_err"] = float((out - reference[0]).norm()
+                                              / reference[0].norm())
+                    if kind == "sinks":
+                        row[f"{key}_sink_grad_err"] = float(
+                            (sinks.grad - reference[1]).norm() / reference[1].norm())
+            except Exception as e:  # noqa: BLE001 - a table cell, not a crash
+                row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:200]
 
 
 # ---------------------------------------------------------------------- 3. lean

@@ -69,9 +69,9 @@ BACKENDS: dict[str, Backend] = {
     "dense": dense.attention,
 }
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
-# The backends with a mask of their own per query: the only ones that run chunked attention
-# (Llama 4) and blocks of rows that see each other both ways (Gemma 3), and attention sinks
-# with varlen
+# The backends with a mask of their own per query: the only ones that run blocks of rows that
+# see each other both ways (Gemma 3), and with varlen attention sinks and chunked attention
+# (Llama 4)
 MASKED_BACKENDS = {"segment": segment.attention, "dense": dense.attention}
 
 log = logging.getLogger("treepack")
@@ -172,10 +172,8 @@ class TreeAttention:
             return self._with_sinks(q, k, v, sinks, scale=scale, softcap=softcap,
                                     window=window, dropout=dropout, chunk=chunk)
         if chunk is not None:
-            run = self._masked_backend("chunked attention (a query sees the keys of its own "
-                                       "chunk of depths) runs")
-            return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
-                       dropout=dropout, chunk=chunk)
+            return self._chunked(q, k, v, chunk, scale=scale, softcap=softcap, window=window,
+                                 dropout=dropout)
         if backend == "auto":
             backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
             if (backend, why) not in _LOGGED:
@@ -184,6 +182,27 @@ class TreeAttention:
         return BACKENDS[backend](
             q, k, v, self, scale=scale, softcap=softcap, window=window, dropout=dropout
         )
+
+    def _chunked(self, q, k, v, chunk, *, scale, softcap, window, dropout) -> Tensor:
+        """Chunked attention (Llama 4): on ``varlen`` its chains cut at chunk starts
+        (:mod:`treepack.attention.chains`), which ``auto`` runs where varlen applies; else on
+        the masked backends."""
+        backend = self.backend
+        if backend == "auto":
+            backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
+            backend = "varlen" if backend == "varlen" else "segment"  # flex has no chunks
+            if (backend, f"chunks: {why}") not in _LOGGED:
+                _LOGGED.add((backend, f"chunks: {why}"))
+                log.info("treepack attention backend='auto' runs chunked attention on %r (%s)",
+                         backend, why)
+        if backend == "varlen":
+            return varlen.attention(q, k, v, self, scale=scale, softcap=softcap, window=window,
+                                    dropout=dropout, chunk=chunk)
+        run = self._masked_backend("chunked attention (a query sees the keys of its own chunk "
+                                   "of depths) runs", ("varlen",)) if backend == self.backend \
+            else MASKED_BACKENDS[backend]
+        return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
+                   dropout=dropout, chunk=chunk)
 
     def _with_blocks(self, q, k, v, blocks, *, scale, softcap, window, dropout, sinks,
                      chunk) -> Tensor:
@@ -231,12 +250,11 @@ class TreeAttention:
         if softcap is not None:
             raise ValueError(f"softcap={softcap} with attention sinks: no model caps its "
                              "scores and has sinks, and the sink's own score must not be capped")
-        if self.backend == "varlen" and chunk is None:  # the kernel's log-sum-exp takes it
+        if self.backend == "varlen":  # the kernel's log-sum-exp takes it
             return varlen.attention(q, k, v, self, scale=scale, softcap=None, window=window,
-                                    dropout=dropout, sinks=sinks)
-        what = "attention sinks (a learned logit per head in the softmax denominator) run"
-        run = self._masked_backend(what if chunk is None else what + " with chunks",
-                                   () if chunk is not None else ("varlen",))
+                                    dropout=dropout, sinks=sinks, chunk=chunk)
+        run = self._masked_backend("attention sinks (a learned logit per head in the softmax "
+                                   "denominator) run", ("varlen",))
         q, k = sink_channel(q, k, sinks, scale)
         return run(q, k, v, self, scale=scale, softcap=None, window=window, dropout=dropout,
                    sink=True, chunk=chunk)

@@ -15,6 +15,11 @@ a window, ``u > context + t - window``. That is FlashAttention's variable-length
 with ``cu_seq_q`` the chain boundaries and ``cu_seq_k`` the running key counts (the
 ``varlen`` backend); the ``segment`` backend batches chains of equal shape instead.
 
+Chunked attention (Llama 4: a query sees the keys of its own chunk of ``chunk`` depths only)
+cuts a chain also where a chunk begins (a row at a depth divisible by ``chunk``) and starts its
+context at its chunk's first depth: each chain then lies in one chunk, and the same causal
+contract holds.
+
 Only forks cost a gather: the keys read beyond the rows themselves are the context rows,
 ``sum(context)``, bounded by the depths of the forks; a forest without forks (padding-free
 packing, a single agent trajectory) gathers nothing.
@@ -32,7 +37,8 @@ from treepack.core.forest import ragged_arange
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 
-__all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "gather_rows", "geometric_bucket"]
+__all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "gather_rows",
+           "geometric_bucket"]
 
 EXACT_UP_TO = 16  # sizes up to this are their own bucket
 
@@ -62,15 +68,17 @@ class Chains(NamedTuple):
 
 
 @derived_from_pack
-def chains(pack: TreePack, window: int | None = None) -> Chains:
-    """The chains of ``pack`` and their keys for a sliding ``window`` (None: unbounded).
+def chains(pack: TreePack, window: int | None = None, chunk: int | None = None) -> Chains:
+    """The chains of ``pack`` and their keys for a sliding ``window`` (None: unbounded) and
+    attention ``chunk`` (None: no chunks).
 
     Host work, O(T' + K) numpy: no per-row Python.
     """
-    return subset_chains(pack, np.arange(pack.num_rows), window)
+    return subset_chains(pack, np.arange(pack.num_rows), window, chunk)
 
 
-def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None) -> Chains:
+def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None,
+                  chunk: int | None = None) -> Chains:
     """The chains of a subset of the pack's rows run as one forward (all of them:
     :func:`chains`; a part of a tree too large for one forward: :mod:`treepack.hf.parts`).
 
@@ -83,11 +91,15 @@ def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None) -
     rows = np.asarray(rows, dtype=np.int64)
     first = np.ones(rows.shape[0], dtype=bool)
     first[1:] = h.parent_row[rows[1:]] != rows[:-1]
+    if chunk is not None:  # a chunk's first depth starts a chain: each lies in one chunk
+        first |= h.position_ids[rows] % chunk == 0
     start = np.flatnonzero(first)
     length = np.diff(np.append(start, rows.shape[0]))
     head = rows[start]
     depth = h.position_ids[head]  # padding rows have depth 0: no context
     lo = np.zeros_like(depth) if window is None else np.maximum(depth - window + 1, 0)
+    if chunk is not None:  # nothing before the chunk's first depth
+        lo = np.maximum(lo, depth - depth % chunk)
     context = depth - lo
     # Any sequence through the segment holding a chain's first row passes through the
     # chain's ancestors: its rows at depths lo .. depth - 1 are the context.
@@ -129,9 +141,10 @@ class VarlenIndex(NamedTuple):
 
 
 @derived_from_pack
-def varlen_index(pack: TreePack, window: int | None = None) -> VarlenIndex:
+def varlen_index(pack: TreePack, window: int | None = None,
+                 chunk: int | None = None) -> VarlenIndex:
     """The chains as FlashAttention's varlen arguments on the pack's device (cached)."""
-    c = chains(pack, window)
+    c = chains(pack, window, chunk)
     cu_q = np.append(c.start, pack.num_rows)
     cu_k = c.key_start
 

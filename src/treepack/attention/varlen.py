@@ -84,7 +84,8 @@ def unsupported(q: Tensor, *, softcap, dropout, v: Tensor | None = None) -> list
     return reasons
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None) -> Tensor:
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
+              chunk=None) -> Tensor:
     reasons = unsupported(q, softcap=softcap, dropout=dropout, v=v)
     if sinks is not None and q.device.type == "cuda" and not _sink_kernels():
         reasons.append(f"torch {torch.__version__} has no varlen log-sum-exp output or no "
@@ -92,7 +93,7 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None) -
                        "attention sinks; use backend='segment'")
     if reasons:
         raise RuntimeError("backend='varlen' cannot run here: " + "; ".join(reasons))
-    index = varlen_index(attend.pack, window)
+    index = varlen_index(attend.pack, window, chunk)  # chunked: chains cut at chunk starts
     qf = q[0].transpose(0, 1)  # [T', Hq, D], a view: the rows are the queries as they are
     kf, vf = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T', Hkv, D]
     if index.key_rows is not None:

@@ -456,6 +456,16 @@ def test_llama4_chunked_attention_and_nope_temperature_equal_each_sequence_alone
         assert not report.passed and report.errors["logprobs"].max_rel > 1e-4, report
 
 
+def test_llama4_chunked_attention_on_varlen_equals_each_sequence_alone(monkeypatch):
+    """Llama 4's chunked layer on varlen (chains cut at chunk starts; the CPU reference of
+    the kernel here): log-probs and every gradient equal every sequence alone to float64's
+    rounding."""
+    tiny_models.llama4_in_float64(monkeypatch)
+    report = verify(tiny_models.llama4_text(torch.float64), verification_batch(zoo.VOCAB),
+                    backend="varlen")
+    assert report.passed and within(report.errors["logprobs"].max_rel, FLOAT64_EXACT), report
+
+
 def test_pack_on_another_device_is_refused():
     with pytest.raises(ValueError, match="pack.to"):
         hf.forward(tiny("llama"), TreePack.from_sequences(SEQS, device="meta"))
