@@ -37,8 +37,8 @@ from treepack.core.forest import ragged_arange
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 
-__all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "gather_rows",
-           "geometric_bucket"]
+__all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "index_of",
+           "gather_rows", "geometric_bucket"]
 
 EXACT_UP_TO = 16  # sizes up to this are their own bucket
 
@@ -144,12 +144,17 @@ class VarlenIndex(NamedTuple):
 def varlen_index(pack: TreePack, window: int | None = None,
                  chunk: int | None = None) -> VarlenIndex:
     """The chains as FlashAttention's varlen arguments on the pack's device (cached)."""
-    c = chains(pack, window, chunk)
-    cu_q = np.append(c.start, pack.num_rows)
+    return index_of(chains(pack, window, chunk), pack.num_rows, pack.device)
+
+
+def index_of(c: Chains, rows: int, device_of) -> VarlenIndex:
+    """Chains ``c`` over ``rows`` query rows as FlashAttention's varlen arguments on
+    ``device_of`` (a whole pack's, or a part's: its ``key_rows`` slots of its keys)."""
+    cu_q = np.append(c.start, rows)
     cu_k = c.key_start
 
     def device(a, dtype):
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=pack.device, dtype=dtype)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device_of, dtype=dtype)
 
     return VarlenIndex(
         cu_seq_q=device(cu_q, torch.int32),

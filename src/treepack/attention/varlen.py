@@ -84,8 +84,8 @@ def unsupported(q: Tensor, *, softcap, dropout, v: Tensor | None = None) -> list
     return reasons
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
-              chunk=None) -> Tensor:
+def check(q: Tensor, v: Tensor, *, softcap, dropout, sinks=None) -> None:
+    """Raise ``RuntimeError`` listing every reason varlen cannot run these inputs."""
     reasons = unsupported(q, softcap=softcap, dropout=dropout, v=v)
     if sinks is not None and q.device.type == "cuda" and not _sink_kernels():
         reasons.append(f"torch {torch.__version__} has no varlen log-sum-exp output or no "
@@ -93,9 +93,21 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
                        "attention sinks; use backend='segment'")
     if reasons:
         raise RuntimeError("backend='varlen' cannot run here: " + "; ".join(reasons))
+
+
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
+              chunk=None) -> Tensor:
+    check(q, v, softcap=softcap, dropout=dropout, sinks=sinks)
     index = varlen_index(attend.pack, window, chunk)  # chunked: chains cut at chunk starts
-    qf = q[0].transpose(0, 1)  # [T', Hq, D], a view: the rows are the queries as they are
-    kf, vf = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [T', Hkv, D]
+    return attend_index(q, k, v, index, scale=scale, window=window, sinks=sinks)
+
+
+def attend_index(q, k, v, index, *, scale, window, sinks=None) -> Tensor:
+    """``q`` ``[1, Hq, Tq, D]`` against ``k``/``v`` ``[1, Hkv, Tk, D]`` by a varlen ``index``
+    (a pack's chains, or a part's over its context's keys and its own), ``[1, Hq, Tq, D]``;
+    the inputs checked by the caller (:func:`unsupported`)."""
+    qf = q[0].transpose(0, 1)  # [Tq, Hq, D], a view: the rows are the queries as they are
+    kf, vf = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [Tk, Hkv, D]
     if index.key_rows is not None:
         kf = gather_rows(kf, index.key_rows, 0)  # [K, Hkv, D]
         vf = gather_rows(vf, index.key_rows, 0)
@@ -111,7 +123,7 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
     else:
         out = reference(qf, kf, vf, index.cu_seq_q_host, index.cu_seq_k_host, scale=scale,
                         window_size=window_size)
-    return out.transpose(0, 1)[None]  # [1, Hq, T', D]
+    return out.transpose(0, 1)[None]  # [1, Hq, Tq, D]
 
 
 def _flash(q, k, v, index, *, scale, window_size) -> Tensor:

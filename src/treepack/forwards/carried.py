@@ -17,9 +17,9 @@ import contextlib
 import torch
 from torch import Tensor
 
-from treepack.attention import sink_channel
+from treepack.attention import choose_backend, sink_channel, varlen
 from treepack.attention.segment import attend_groups
-from treepack.forwards.plans import part_chains, part_groups
+from treepack.forwards.plans import part_chains, part_groups, part_varlen_index
 from treepack.planning.parts import Parts
 
 __all__ = ["Carried", "attend_part"]
@@ -88,20 +88,30 @@ class Carried:
 
 def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, value: Tensor, *,
                 scale, softcap, window, dropout, sinks: Tensor | None = None,
-                chunk: int | None = None) -> Tensor:
+                chunk: int | None = None, backend: str = "segment") -> Tensor:
     """Part ``i``'s attention (``[1, heads, rows, d]``): its own keys and values kept for the
     parts below (under ``module``), its queries against its context's and its own, by the
     part's chains; ``sinks`` (a logit per query head) as one more key every query sees, added
     here: it is no row, so nothing carries it; ``chunk``: each query within its chunk of
-    depths (the chains then hold whole ancestries, as the segment backend's do)."""
+    depths (the chains then hold whole ancestries, as the segment backend's do).
+
+    ``backend``: ``"varlen"`` runs the part's chains as one FlashAttention varlen call over
+    its context's keys and its own (sinks through the kernel's log-sum-exp); ``"auto"`` does
+    where varlen applies and the layer has neither sinks nor chunks; anything else, and
+    chunks always, the ``segment`` backend's grouped calls."""
     carried.put(i, module, key, value)
     pack, budget = carried.parts.pack, carried.parts.max_rows
+    varlen_here = _varlen_here(backend, query, value, softcap=softcap, dropout=dropout,
+                               sinks=sinks, chunk=chunk)
     reach = window if chunk is None else None
     chains = part_chains(pack, budget, i, reach)
-    groups = part_groups(pack, budget, i, reach, query.shape[1] * query.shape[3])
     context = carried.gather(module, chains.context, 2)
     if context is not None:
         key, value = torch.cat((context[0], key), 2), torch.cat((context[1], value), 2)
+    if varlen_here:
+        return varlen.attend_index(query, key, value, part_varlen_index(pack, budget, i, reach),
+                                   scale=scale, window=window, sinks=sinks)
+    groups = part_groups(pack, budget, i, reach, query.shape[1] * query.shape[3])
     if sinks is not None:
         if softcap is not None:
             raise ValueError(f"softcap={softcap} with attention sinks: the sink's own score "
@@ -109,3 +119,17 @@ def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, va
         query, key = sink_channel(query, key, sinks, scale)
     return attend_groups(query, key, value, groups, scale=scale, softcap=softcap,
                          window=window, dropout=dropout, sink=sinks is not None, chunk=chunk)
+
+
+def _varlen_here(backend: str, query, value, *, softcap, dropout, sinks, chunk) -> bool:
+    """Whether a part attends through varlen (:func:`attend_part`'s ``backend``)."""
+    if backend == "auto":
+        return sinks is None and chunk is None and choose_backend(
+            query, query, value, softcap=softcap, dropout=dropout)[0] == "varlen"
+    if backend != "varlen":
+        return False
+    if chunk is not None:
+        raise RuntimeError("backend='varlen' cannot run here: chunked attention in parts runs "
+                           "on segment; use backend='segment' (or 'auto', which picks it)")
+    varlen.check(query, value, softcap=softcap, dropout=dropout, sinks=sinks)
+    return True

@@ -117,11 +117,14 @@ class PartForward:
         carried: what the parts run so far carry.
         index: the part.
         error: the adapter's refusal type (what this forward cannot run is raised as it).
+        backend: how the part attends (:func:`~treepack.forwards.carried.attend_part`).
     """
 
     depths = None
 
-    def __init__(self, carried: Carried, index: int, error: type[Exception] = ValueError):
+    def __init__(self, carried: Carried, index: int, error: type[Exception] = ValueError,
+                 backend: str = "segment"):
+        self.backend = backend  # attend_part's: "varlen", "auto" or the segment calls
         self.pack = carried.parts.pack
         self.carried, self.index, self.error = carried, index, error
         self.budget = carried.parts.max_rows
@@ -134,7 +137,7 @@ class PartForward:
                dropout=0.0, sinks=None, chunk=None):
         return attend_part(self.carried, self.index, module, query, key, value, scale=scale,
                            softcap=softcap, window=window, dropout=dropout, sinks=sinks,
-                           chunk=chunk)
+                           chunk=chunk, backend=self.backend)
 
     def dense_mask(self):
         raise self.error("a layer that builds its own mask of the pack (DeepSeek sparse "

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from treepack.attention.chains import Chains, subset_chains
+from treepack.attention.chains import Chains, VarlenIndex, index_of, subset_chains
 from treepack.attention.segment import ShapeGroups, chain_groups
 from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
@@ -23,7 +23,7 @@ from treepack.lean.predictions import ForwardPredictions
 from treepack.planning.parts import Parts, split
 from treepack.recurrent import ancestor_table, row_levels
 
-__all__ = ["PartChains", "part_chains", "part_groups", "ConvPaths", "conv_paths", "ScanPlan",
+__all__ = ["PartChains", "part_chains", "part_varlen_index", "part_groups", "ConvPaths", "conv_paths", "ScanPlan",
            "scan_plan", "part_predictions"]
 
 
@@ -42,6 +42,14 @@ def part_chains(pack: TreePack, budget: int, i: int, window) -> PartChains:
     outside, slot, context, grouped = _outside(parts, i, c.key_rows)
     slot[~outside] += context
     return PartChains(Chains(c.start, c.length, c.context, slot), grouped)
+
+
+@derived_from_pack
+def part_varlen_index(pack: TreePack, budget: int, i: int, window) -> VarlenIndex:
+    """Part ``i``'s chains as FlashAttention's varlen arguments: its rows' queries against the
+    slots of (its context's keys, then its own)."""
+    rows = split(pack, budget).parts[i].rows
+    return index_of(part_chains(pack, budget, i, window).chains, rows.shape[0], pack.device)
 
 
 @derived_from_pack

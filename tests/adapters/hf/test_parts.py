@@ -175,6 +175,34 @@ def test_attention_sinks_in_parts_equal_one_forward(max_tokens):
     assert all(layer.self_attn.sinks.grad.abs().min() > 0 for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("family, max_tokens", [("qwen2", 40), ("llama", 7), ("gpt_oss", 7),
+                                                 ("qwen3_5", 7)])
+def test_parts_on_varlen_equal_one_forward(family, max_tokens, monkeypatch):
+    """backend="varlen": each part's chains against its context's keys and its own in one
+    varlen call (its exact CPU reference here): a sliding window (qwen2), GPT-OSS's sinks
+    through the kernel's log-sum-exp, a Gated DeltaNet hybrid's attention layers. Soft-capping
+    (Gemma 2) and chunks (Llama 4) are refused by name."""
+    import tiny_models
+
+    if family == "gpt_oss":
+        model = hf.prepare(tiny_models.gpt_oss(torch.float64))
+    elif family == "qwen3_5":
+        model = hybrid_of(family, monkeypatch)
+    else:
+        model = model_of(family)
+    got, want_grads = parts_against_one_forward(model, max_tokens, backend="varlen")
+    assert got.parts > 1
+    if family == "qwen3_5":
+        check_hybrid_gradients(model, want_grads)
+    else:
+        grads = {k: p.grad for k, p in model.named_parameters()}
+        assert within(relative(grads, want_grads), inside(model, grads=True))
+    with pytest.raises(RuntimeError, match="no logit soft-capping"):
+        hf.logprobs_in_parts(model_of("gemma2"), batches(), max_tokens=7, backend="varlen")
+    with pytest.raises(ValueError, match="backend='fast' is not a treepack attention backend"):
+        hf.logprobs_in_parts(model, batches(), max_tokens=7, backend="fast")
+
+
 @pytest.mark.parametrize("max_tokens", [40, 7])
 def test_chunked_attention_in_parts_equals_one_forward(max_tokens, monkeypatch):
     """Llama 4: chunked attention within chunks of 5 depths and the no-rope layer's
@@ -189,7 +217,7 @@ def test_chunked_attention_in_parts_equals_one_forward(max_tokens, monkeypatch):
     assert within(relative(grads, want_grads), inside(model, grads=True))
 
 
-def parts_against_one_forward(model, max_tokens, rel=None):
+def parts_against_one_forward(model, max_tokens, rel=None, backend="auto"):
     """backward_in_parts and logprobs_in_parts on :func:`batches` against one forward over
     the whole tree: log-probs, entropies and loss to rounding (``rel`` of their size; by
     default ``tolerance.inside(model)``), every row once. Returns the parts' result (their
@@ -201,12 +229,13 @@ def parts_against_one_forward(model, max_tokens, rel=None):
     want, want_loss, want_grads = whole_tree(model, seqs, weights)
     model.zero_grad()
     got = hf.backward_in_parts(model, seqs, loss_of(weights), max_tokens=max_tokens,
-                               entropy=True)
+                               entropy=True, backend=backend)
     assert got.rows == TreePack.from_sequences(seqs).num_packed_rows
     assert_within(got.logprobs, want.logprobs.detach(), rel)
     assert_within(got.entropy, want.entropy.detach(), rel)
     torch.testing.assert_close(got.loss, want_loss, rtol=0, atol=loss_tolerance(rel, want, weights))
-    forward_only = hf.logprobs_in_parts(model, seqs, max_tokens=max_tokens, entropy=True)
+    forward_only = hf.logprobs_in_parts(model, seqs, max_tokens=max_tokens, entropy=True,
+                                        backend=backend)
     assert_within(forward_only.logprobs, want.logprobs.detach(), rel)
     return got, want_grads
 

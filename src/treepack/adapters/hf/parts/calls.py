@@ -18,6 +18,7 @@ from treepack.adapters.hf.parts.run import (ROUTER_IN_PARTS, Run, loss_tensor, r
                                             set_rng_state)
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
+from treepack.attention import CHOICES
 from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, agreed,
                                                     sequence_parallel as sequence_parallel_of)
 from treepack.core.agreement import fingerprint, pack_identity
@@ -33,7 +34,7 @@ __all__ = ["backward_in_parts", "step_in_parts", "logprobs_in_parts", "PartsResu
 def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                       temperature=1.0, entropy: bool = False, align: str = "label",
                       recompute: bool | str = "auto", sequence_parallel=None,
-                      **kwargs) -> PartsResult:
+                      backend: str = "auto", **kwargs) -> PartsResult:
     """One step's forward and backward over a tree too large for one forward.
 
     Args:
@@ -71,6 +72,11 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
             sequences; ``loss_fn`` sees the rank's own predictions of each part; the loss,
             log-probs and entropies returned are the whole step's on every rank, and the
             gradients P times the rank's share (average them over the group).
+        backend: how each part attends: ``"auto"`` (FlashAttention varlen where it applies,
+            a part's chains and its context's keys in one call; else the segment backend's
+            grouped calls), ``"varlen"`` (sinks too, through the kernel's log-sum-exp; on a
+            CPU its exact reference) or ``"segment"``; chunked attention always runs on
+            segment.
         **kwargs: passed to the model's forward, checked as :func:`treepack.hf.logprobs`
             checks them.
 
@@ -94,13 +100,13 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
         if router_logits_on(model, kwargs):
             raise UnsupportedModel(f"backward_in_parts: {ROUTER_IN_PARTS}")
     return _train(model, parts, loss_fn, temperature, entropy, align, recompute, kwargs,
-                  sp=sp)
+                  sp=sp, backend=backend)
 
 
 def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                   temperature=1.0, entropy: bool = False, align: str = "label",
                   recompute: bool | str = "auto", sequence_parallel=None,
-                  **kwargs) -> PartsResult:
+                  backend: str = "auto", **kwargs) -> PartsResult:
     """:func:`backward_in_parts` for any loss of the whole batch's outputs: a per-sequence
     mean (``seq-mean-token-mean``), GSPO's sequence ratio, an MoE router loss, anything a
     part holding some of a sequence's tokens cannot compute by itself.
@@ -136,7 +142,7 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                  entropy, align, recompute) as parts:
         _needs_gradients("step_in_parts")
     replay = rng_state(parts.pack.device)
-    first = _score(model, parts, temperature, entropy, align, kwargs, sp)
+    first = _score(model, parts, temperature, entropy, align, kwargs, sp, backend)
     logprobs = first.logprobs.requires_grad_()
     ent = None if first.entropy is None else first.entropy.requires_grad_()
     router = {i: tuple(r.requires_grad_() for r in layers) for i, layers in first.router.items()}
@@ -152,7 +158,7 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
     set_rng_state(replay)  # the same dropout masks as the first pass
     step = _train(model, parts, surrogate(logprobs.grad, None if ent is None else ent.grad),
                   temperature, entropy, align, recompute, kwargs, router_grads=router_grads,
-                  sp=sp)
+                  sp=sp, backend=backend)
     return PartsResult(loss.detach(), first.logprobs.detach(),
                        None if first.entropy is None else first.entropy.detach(),
                        step.parts, step.rows)
@@ -175,7 +181,7 @@ def surrogate(grad_logprobs: Tensor | None, grad_entropy: Tensor | None = None):
 
 def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temperature=1.0,
                       entropy: bool = False, align: str = "label", sequence_parallel=None,
-                      **kwargs) -> TokenLogprobs:
+                      backend: str = "auto", **kwargs) -> TokenLogprobs:
     """Every next-token log-prob of ``sequences`` without gradients (old and reference
     log-probs, scoring), each row of their tree computed once, in forwards of at most
     ``max_tokens`` rows.
@@ -197,9 +203,19 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temper
                  entropy, align) as parts:
         pass
     with torch.no_grad():
-        run = _score(model, parts, temperature, entropy, align, kwargs, sp)
+        run = _score(model, parts, temperature, entropy, align, kwargs, sp, backend)
         aux = _aux_loss(model, parts, run.router)
     return TokenLogprobs(run.logprobs, run.entropy, align, aux_loss=aux)
+
+
+def _backend(backend: str) -> str:
+    """``backend`` of the calls in parts, checked: how each part attends
+    (:func:`treepack.forwards.attend_part`)."""
+    if backend not in CHOICES:
+        raise ValueError(f"backend={backend!r} is not a treepack attention backend: use one "
+                         f"of {', '.join(map(repr, CHOICES))} ('auto': varlen where it "
+                         "applies, else segment's grouped calls)")
+    return backend
 
 
 def check_model(model):
@@ -316,11 +332,12 @@ def _agreed(sp, call: str, model, sequences, max_tokens, kwargs, temperature, en
 
 
 def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute, kwargs,
-           router_grads=None, sp=None) -> PartsResult:
+           router_grads=None, sp=None, backend="auto") -> PartsResult:
     with sync.unsharded(model, lambda: _empty_step(model)):
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
                   align=align, train=True, kwargs=kwargs, loss_fn=loss_fn,
-                  recompute=recompute, router_grads=router_grads, sp=sp)
+                  recompute=recompute, router_grads=router_grads, sp=sp,
+                  backend=_backend(backend))
         run.all()
     sync.finish(model)
     return PartsResult(run.loss.detach(), run.logprobs.detach(),
@@ -336,12 +353,13 @@ def _empty_step(model) -> None:
     (forward(model, empty).logits.sum() * 0.0).backward()
 
 
-def _score(model, parts: Parts, temperature, entropy, align, kwargs, sp=None) -> Run:
+def _score(model, parts: Parts, temperature, entropy, align, kwargs, sp=None,
+           backend="auto") -> Run:
     """Every output of the parts without gradients (a pass that keeps each part's router
     logits)."""
     with sync.unsharded(model, lambda: _empty_step(model), train=False), torch.no_grad():
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
-                  align=align, train=False, kwargs=kwargs, sp=sp)
+                  align=align, train=False, kwargs=kwargs, sp=sp, backend=_backend(backend))
         run.all()
     return run
 

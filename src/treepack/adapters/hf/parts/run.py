@@ -46,8 +46,10 @@ class Run:
 
     def __init__(self, model, parts: Parts, *, temperature, entropy: bool, align: str,
                  train: bool, kwargs: dict, loss_fn=None, recompute: bool | str = False,
-                 router_grads: dict | None = None, sp: SequenceParallel | None = None):
+                 router_grads: dict | None = None, sp: SequenceParallel | None = None,
+                 backend: str = "auto"):
         check_align(align)
+        self.backend = backend  # how each part attends (treepack.forwards.attend_part)
         self.model, self.parts, self.train, self.loss_fn = model, parts, train, loss_fn
         self.kwargs, self.want_entropy, self.align = kwargs, entropy, align
         self.router_grads = router_grads  # part -> per layer d(loss)/d(router logits)
@@ -81,7 +83,7 @@ class Run:
     def forward(self, i: int):
         """Part ``i``'s forward: the packed forward's output and the part's router logits."""
         rows = torch.from_numpy(self.parts.parts[i].rows).to(self.device)
-        mixers = PartForward(self.carried, i, UnsupportedModel)
+        mixers = PartForward(self.carried, i, UnsupportedModel, self.backend)
         if self.sp is not None:
             mixers = sharded(mixers, self.sp, rows.shape[0])
             rows, *self.slices[i] = self.sp.rows(rows)
