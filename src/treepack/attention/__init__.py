@@ -48,7 +48,7 @@ from treepack.core.checks import positive_int
 if TYPE_CHECKING:
     from treepack.core.tree import TreePack
 
-__all__ = ["TreeAttention", "Backend", "BACKENDS", "CHOICES", "choose_backend"]
+__all__ = ["TreeAttention", "Backend", "BACKENDS", "CHOICES", "choose_backend", "check_backend"]
 
 
 class Backend(Protocol):
@@ -76,6 +76,15 @@ MASKED_BACKENDS = {"segment": segment.attention, "dense": dense.attention}
 
 log = logging.getLogger("treepack")
 _LOGGED: set[tuple[str, str]] = set()
+
+
+def check_backend(backend: str, what: str = "backend") -> str:
+    """``backend`` if it is one of :data:`CHOICES`, else a ``ValueError`` naming them."""
+    if backend not in CHOICES:
+        raise ValueError(f"{what}={backend!r} is not a treepack attention backend: use one of "
+                         f"{', '.join(map(repr, CHOICES))} ('auto' picks the fastest that "
+                         "applies)")
+    return backend
 
 
 def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dropout: float

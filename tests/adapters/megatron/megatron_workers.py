@@ -605,7 +605,8 @@ def run_case(case: dict, reference: dict, tp: int, cp: int, tp_group, tp_rank: i
 
         run = tm.step_in_parts if case.get("step") else tm.backward_in_parts
         got = run(model, pack, loss_fn, max_tokens=case["parts"], temperature=temps,
-                  entropy=True, recompute=case.get("recompute", "auto"))
+                  entropy=True, recompute=case.get("recompute", "auto"),
+                  backend=case.get("backend", "auto"))
         assert got.parts > 2 and got.rows == pack.num_rows, (got.parts, got.rows)
         loss = got.loss
     else:

@@ -48,6 +48,12 @@ CASES = {
     "in parts, every part recomputed": {"parts": 4, "recompute": True},
     "in parts, none recomputed": {"parts": 7, "recompute": False},
     "in parts, attention sinks": {"parts": 6, "config": {"softmax_type": "learnable"}},
+    # each part's chains in one varlen call (its exact CPU reference here), sinks through the
+    # kernel's log-sum-exp
+    "in parts on varlen, sliding window": {"parts": 5, "window": 5, "backend": "varlen",
+                                           "config": {"window_size": (4, 0)}},
+    "in parts on varlen, attention sinks": {"parts": 6, "backend": "varlen",
+                                            "config": {"softmax_type": "learnable"}},
     # top-2 of 4 experts, each token replaying its recorded route; one sequence routed its
     # own way forks from its group (megatron_workers.routes_of)
     "MoE, routing replay": {"routes": True, "config": REPLAY},

@@ -27,6 +27,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from treepack.adapters.megatron import moe, vision
 from treepack.adapters.megatron.attention import UnsupportedMegatron
+from treepack.attention import check_backend
 from treepack.adapters.megatron.forward import (MegatronForward, _agreement_group, _check,
                                                 _groups, _place, run_forward, unwrap)
 from treepack.core.agreement import agreement, pack_identity
@@ -52,8 +53,9 @@ class _Run:
     layout, ``loss`` the sum of the parts' losses."""
 
     def __init__(self, model, parts: Parts, temps, *, entropy: bool, align: str, train: bool,
-                 loss_fn, recompute, chunk_size, images=None):
+                 loss_fn, recompute, chunk_size, images=None, backend: str = "auto"):
         self.model, self.core, self.parts = model, unwrap(model), parts
+        self.backend = backend  # how each part attends (treepack.forwards.attend_part)
         self.images = images
         self.temps, self.want_entropy, self.align = temps, entropy, align
         self.train, self.loss_fn, self.chunk_size = train, loss_fn, chunk_size
@@ -75,7 +77,8 @@ class _Run:
     def _forward(self, i: int):
         cp = self.cp
         rows = torch.from_numpy(self.parts.parts[i].rows).to(self.parts.pack.device)
-        forward = MegatronForward(PartForward(self.carried, i, UnsupportedMegatron),
+        forward = MegatronForward(PartForward(self.carried, i, UnsupportedMegatron,
+                                              self.backend),
                                   cp["group"], cp["rank"], cp["size"], self.multiple, rows=rows)
         forward.images = self.images  # each part encodes the images its rows need
         return (forward, *run_forward(self.model, forward, self.tp))
@@ -204,7 +207,7 @@ def router_losses(config) -> str | None:
 def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                       temperature=1.0, entropy: bool = False, align: str = "label",
                       recompute: bool | str = "auto", chunk_size: int | None = None,
-                      images=None) -> PartsResult:
+                      images=None, backend: str = "auto") -> PartsResult:
     """One step's forward and backward over a tree too large for one forward, each row
     computed once (module doc): the loss and every gradient of one forward over the tree.
 
@@ -224,6 +227,9 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
         temperature, entropy, align, chunk_size, images: as
             :func:`treepack.megatron.logprobs` (with ``images``, raw ``sequences`` are packed
             with their keys; each part encodes the images its rows need).
+        backend: how each part attends (:func:`treepack.hf.backward_in_parts`'s): ``"auto"``
+            (varlen where it applies, else segment's grouped calls), ``"varlen"`` or
+            ``"segment"``.
         recompute: ``"auto"`` (a part with grandchildren runs its forward twice, keeping only
             what it hands below in between), ``True`` (every part with children) or ``False``.
 
@@ -243,7 +249,8 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
                                  temperature, align, entropy, recompute, train=True,
                                  images=images)
     run = _Run(model, parts, temps, entropy=entropy, align=align, train=True, loss_fn=loss_fn,
-               recompute=recompute, chunk_size=chunk_size, images=images)
+               recompute=recompute, chunk_size=chunk_size, images=images,
+               backend=check_backend(backend))
     run.all()
     return PartsResult(run.loss, run.logprobs, run.entropy, len(parts.parts),
                        parts.rows_computed)
@@ -251,14 +258,15 @@ def backward_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = Non
 
 def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temperature=1.0,
                       entropy: bool = False, align: str = "label",
-                      chunk_size: int | None = None, images=None) -> TokenLogprobs:
+                      chunk_size: int | None = None, images=None,
+                      backend: str = "auto") -> TokenLogprobs:
     """:func:`treepack.megatron.logprobs` of a tree too large for one forward, without
     gradients: every row computed once, in parts of at most ``max_tokens`` rows (arguments as
     :func:`backward_in_parts`)."""
     parts, temps = _prepare_call("logprobs_in_parts", model, sequences, max_tokens,
                                  temperature, align, entropy, False, train=False, images=images)
     run = _Run(model, parts, temps, entropy=entropy, align=align, train=False, loss_fn=None,
-               recompute=False, chunk_size=chunk_size, images=images)
+               recompute=False, chunk_size=chunk_size, images=images, backend=check_backend(backend))
     with torch.no_grad():
         run.all()
     return TokenLogprobs(run.logprobs, run.entropy, align)
@@ -267,7 +275,7 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temper
 def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
                   temperature=1.0, entropy: bool = False, align: str = "label",
                   recompute: bool | str = "auto", chunk_size: int | None = None,
-                  images=None) -> PartsResult:
+                  images=None, backend: str = "auto") -> PartsResult:
     """:func:`backward_in_parts` for any loss of the whole batch's outputs (a per-sequence
     mean, a sequence-level ratio): every log-prob (and entropy) without gradients, in parts;
     ``loss_fn(out, mask)`` once on them as leaves (``out`` the whole pack's
@@ -279,7 +287,8 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
     parts, temps = _prepare_call("step_in_parts", model, sequences, max_tokens, temperature,
                                  align, entropy, recompute, train=True, images=images)
     first = _Run(model, parts, temps, entropy=entropy, align=align, train=False,
-                 loss_fn=None, recompute=False, chunk_size=chunk_size, images=images)
+                 loss_fn=None, recompute=False, chunk_size=chunk_size, images=images,
+                 backend=check_backend(backend))
     replay = _rng_state()  # the second pass draws the first's dropout masks
     with torch.no_grad():
         first.all()
@@ -305,7 +314,8 @@ def step_in_parts(model, sequences, loss_fn, *, max_tokens: int | None = None,
         return total
 
     second = _Run(model, parts, temps, entropy=entropy, align=align, train=True,
-                  loss_fn=surrogate, recompute=recompute, chunk_size=chunk_size, images=images)
+                  loss_fn=surrogate, recompute=recompute, chunk_size=chunk_size, images=images,
+                  backend=backend)
     after = _rng_state()
     _set_rng_state(replay)
     second.all()

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from treepack.adapters import hf
 from treepack.adapters.trl import compat
-from treepack.attention import CHOICES
+from treepack.attention import check_backend
 from treepack.core.checks import positive_int
 from treepack.core.compat import replaced
 from treepack.core.tree import TreePack
@@ -156,9 +156,7 @@ class TreepackAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def __init__(self, *args, treepack_backend: str = "auto",
                  treepack_pad_to_multiple_of: int | None = None, **kwargs):
-        if treepack_backend not in CHOICES:
-            raise ValueError(f"treepack_backend={treepack_backend!r} is not a treepack "
-                             f"attention backend: use one of {', '.join(map(repr, CHOICES))}")
+        check_backend(treepack_backend, "treepack_backend")
         if treepack_pad_to_multiple_of is not None:
             positive_int(treepack_pad_to_multiple_of, "treepack_pad_to_multiple_of",
                          hint=" (or None for no padding)")

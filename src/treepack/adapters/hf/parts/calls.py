@@ -18,7 +18,7 @@ from treepack.adapters.hf.parts.run import (ROUTER_IN_PARTS, Run, loss_tensor, r
                                             set_rng_state)
 from treepack.adapters.hf.prepare import compute_device, is_prepared, unwrap
 from treepack.adapters.hf.routing import UnsupportedModel
-from treepack.attention import CHOICES
+from treepack.attention import check_backend
 from treepack.adapters.hf.sequence_parallel import (ROUTER_UNDER_SP, agreed,
                                                     sequence_parallel as sequence_parallel_of)
 from treepack.core.agreement import fingerprint, pack_identity
@@ -208,16 +208,6 @@ def logprobs_in_parts(model, sequences, *, max_tokens: int | None = None, temper
     return TokenLogprobs(run.logprobs, run.entropy, align, aux_loss=aux)
 
 
-def _backend(backend: str) -> str:
-    """``backend`` of the calls in parts, checked: how each part attends
-    (:func:`treepack.forwards.attend_part`)."""
-    if backend not in CHOICES:
-        raise ValueError(f"backend={backend!r} is not a treepack attention backend: use one "
-                         f"of {', '.join(map(repr, CHOICES))} ('auto': varlen where it "
-                         "applies, else segment's grouped calls)")
-    return backend
-
-
 def check_model(model):
     """The transformers model inside ``model`` if its trees can run in parts.
 
@@ -337,7 +327,7 @@ def _train(model, parts: Parts, loss_fn, temperature, entropy, align, recompute,
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
                   align=align, train=True, kwargs=kwargs, loss_fn=loss_fn,
                   recompute=recompute, router_grads=router_grads, sp=sp,
-                  backend=_backend(backend))
+                  backend=check_backend(backend))
         run.all()
     sync.finish(model)
     return PartsResult(run.loss.detach(), run.logprobs.detach(),
@@ -359,7 +349,7 @@ def _score(model, parts: Parts, temperature, entropy, align, kwargs, sp=None,
     logits)."""
     with sync.unsharded(model, lambda: _empty_step(model), train=False), torch.no_grad():
         run = Run(sync.local(model), parts, temperature=temperature, entropy=entropy,
-                  align=align, train=False, kwargs=kwargs, sp=sp, backend=_backend(backend))
+                  align=align, train=False, kwargs=kwargs, sp=sp, backend=check_backend(backend))
         run.all()
     return run
 
