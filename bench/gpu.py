@@ -15,8 +15,9 @@ Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
              with soft-capping) is recorded with its message: it must name the reason.
 2. attention one layer's tree attention forward + backward (14/2 heads of 64, bfloat16) per
              backend, beside every sequence alone through FlashAttention varlen (no sharing);
-             error against a float32 run; and with GPT-OSS's attention sinks and Llama 4's
-             chunks (8192 depths at full size) on varlen and segment, their errors.
+             error against a float32 run; and with GPT-OSS's attention sinks, Llama 4's
+             chunks (8192 depths at full size) and Gemma 3-like image blocks on varlen and
+             segment, their errors.
 3. lean      log-probs from hidden states vs full [T', V] logits (plain log_softmax, and
              treepack's chunked token_logprobs) at T' ~ 19k, V = 151,936.
 4. flex      compile time over packs of many lengths (bucketed, so few compiles).
@@ -266,27 +267,44 @@ def part_attention(device, dry, scale):
         record("attention", **row)
 
 
+def image_blocks(pack) -> torch.Tensor:
+    """Gemma 3-like image blocks on a pack: in every segment of 32 rows or more, its rows from
+    the 8th, up to 256 of them, one block (a block lies within one segment)."""
+    import numpy as np
+
+    h = pack.host
+    blocks = np.full(pack.num_rows, -1, dtype=np.int64)
+    for a, b in zip(h.segment_start.tolist(), h.segment_end.tolist()):
+        if b - a >= 32:
+            blocks[a + 8:a + 8 + min(256, b - a - 16)] = a
+    return torch.from_numpy(blocks).to(pack.device)
+
+
 def attention_kinds(row: dict, pack, Hq, Hk, D, dtype, device, chunk: int) -> None:
-    """GPT-OSS's sinks and Llama 4's chunks (of ``chunk`` depths) on the tree: varlen (the
-    kernel's log-sum-exp; chains cut at chunk starts) and segment, forward + backward, each
-    against a float32 segment run of the same kind (the output, and the sinks' gradient)."""
+    """GPT-OSS's sinks, Llama 4's chunks (of ``chunk`` depths) and Gemma 3's image blocks on
+    the tree: varlen (the kernel's log-sum-exp; chains cut at chunk starts; two calls for the
+    blocks) and segment, forward + backward, each against a float32 segment run of the same
+    kind (the output, and the sinks' gradient)."""
     g = torch.Generator(device=device).manual_seed(1)
     T = pack.num_rows
     q, k, v = (torch.randn(1, h, T, D, device=device, generator=g, dtype=dtype)
                .requires_grad_() for h in (Hq, Hk, Hk))
     sinks = torch.randn(Hq, device=device, generator=g).requires_grad_()
-    for kind in ("sinks", "chunk"):
+    blocks = image_blocks(pack)
+    for kind in ("sinks", "chunk", "blocks"):
         reference = None
         if T <= 60000:
             ref_in = [x.detach().float().requires_grad_() for x in (q, k, v, sinks)]
-            extra = {"sinks": ref_in[3]} if kind == "sinks" else {"chunk": chunk}
+            extra = {"sinks": {"sinks": ref_in[3]}, "chunk": {"chunk": chunk},
+                     "blocks": {"blocks": blocks}}[kind]
             out = TreeAttention(pack, "segment")(*ref_in[:3], **extra)
             out.sum().backward()
             reference = out.detach(), ref_in[3].grad
         for backend in ("varlen", "segment"):
             attend = TreeAttention(pack, backend)
             key = f"tree_{backend}_{kind}"
-            extra = {"sinks": sinks} if kind == "sinks" else {"chunk": chunk}
+            extra = {"sinks": {"sinks": sinks}, "chunk": {"chunk": chunk},
+                     "blocks": {"blocks": blocks}}[kind]
 
             def step():
                 q.grad = k.grad = v.grad = sinks.grad = None

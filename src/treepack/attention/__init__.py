@@ -196,20 +196,11 @@ class TreeAttention:
         """Chunked attention (Llama 4): on ``varlen`` its chains cut at chunk starts
         (:mod:`treepack.attention.chains`), which ``auto`` runs where varlen applies; else on
         the masked backends."""
-        backend = self.backend
-        if backend == "auto":
-            backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
-            backend = "varlen" if backend == "varlen" else "segment"  # flex has no chunks
-            if (backend, f"chunks: {why}") not in _LOGGED:
-                _LOGGED.add((backend, f"chunks: {why}"))
-                log.info("treepack attention backend='auto' runs chunked attention on %r (%s)",
-                         backend, why)
-        if backend == "varlen":
+        if self._varlen_or_masked(q, k, v, softcap=softcap, dropout=dropout) == "varlen":
             return varlen.attention(q, k, v, self, scale=scale, softcap=softcap, window=window,
                                     dropout=dropout, chunk=chunk)
         run = self._masked_backend("chunked attention (a query sees the keys of its own chunk "
-                                   "of depths) runs", ("varlen",)) if backend == self.backend \
-            else MASKED_BACKENDS[backend]
+                                   "of depths) runs", ("varlen",))
         return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
                    dropout=dropout, chunk=chunk)
 
@@ -223,11 +214,35 @@ class TreeAttention:
         if sinks is not None or chunk is not None:
             raise ValueError("blocks with attention sinks or chunked attention: no model has "
                              "both, and treepack composes neither with them")
-        run = self._masked_backend("blocks of rows that see each other both ways (Gemma "
-                                   "3's image tokens) run")
         self.pack.check_device(blocks, "blocks")
+        if self._varlen_or_masked(q, k, v, softcap=softcap, dropout=dropout) == "varlen":
+            return varlen.attention(q, k, v, self, scale=scale, softcap=softcap, window=window,
+                                    dropout=dropout, blocks=blocks)
+        run = self._masked_backend("blocks of rows that see each other both ways (Gemma 3's "
+                                   "image tokens) run", ("varlen",))
         return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
                    dropout=dropout, blocks=blocks)
+
+    def _varlen_or_masked(self, q, k, v, *, softcap, dropout) -> str:
+        """For a feature varlen and the masked backends run (chunks, blocks): ``"varlen"``
+        where this attention's backend is it, or is ``auto`` and varlen applies; else the
+        backend itself (``auto``: ``segment``)."""
+        if self.backend != "auto":
+            return self.backend
+        chosen = choose_backend(q, k, v, softcap=softcap, dropout=dropout)[0]
+        return "varlen" if chosen == "varlen" else "segment"  # flex runs neither
+
+    def block_index(self, window: int | None, blocks: Tensor):
+        """The two varlen calls of ``blocks`` (:func:`treepack.attention.chains.block_index`),
+        built once per blocks tensor and window: every layer of a forward passes the same."""
+        from treepack.attention.chains import block_index
+
+        cached = getattr(self, "_block_plans", None)
+        if cached is None or cached[0] is not blocks:
+            cached = self._block_plans = (blocks, {})
+        if window not in cached[1]:
+            cached[1][window] = block_index(self.pack, window, blocks.cpu().numpy())
+        return cached[1][window]
 
     def _masked_backend(self, what: str, also: tuple[str, ...] = ()) -> Backend:
         """The backend that runs a feature only :data:`MASKED_BACKENDS` (and ``also``) run

@@ -38,7 +38,7 @@ from treepack.core.derived import derived_from_pack
 from treepack.core.tree import TreePack
 
 __all__ = ["Chains", "chains", "subset_chains", "VarlenIndex", "varlen_index", "index_of",
-           "gather_rows", "geometric_bucket"]
+           "BlockIndex", "block_index", "gather_rows", "geometric_bucket"]
 
 EXACT_UP_TO = 16  # sizes up to this are their own bucket
 
@@ -78,7 +78,7 @@ def chains(pack: TreePack, window: int | None = None, chunk: int | None = None) 
 
 
 def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None,
-                  chunk: int | None = None) -> Chains:
+                  chunk: int | None = None, blocks: np.ndarray | None = None) -> Chains:
     """The chains of a subset of the pack's rows run as one forward (all of them:
     :func:`chains`; a part of a tree too large for one forward: :mod:`treepack.hf.parts`).
 
@@ -93,6 +93,8 @@ def subset_chains(pack: TreePack, rows: np.ndarray, window: int | None = None,
     first[1:] = h.parent_row[rows[1:]] != rows[:-1]
     if chunk is not None:  # a chunk's first depth starts a chain: each lies in one chunk
         first |= h.position_ids[rows] % chunk == 0
+    if blocks is not None:  # a block (rows that see each other both ways) is a chain alone
+        first[1:] |= blocks[rows[1:]] != blocks[rows[:-1]]
     start = np.flatnonzero(first)
     length = np.diff(np.append(start, rows.shape[0]))
     head = rows[start]
@@ -165,6 +167,49 @@ def index_of(c: Chains, rows: int, device_of) -> VarlenIndex:
         cu_seq_q_host=cu_q,
         cu_seq_k_host=cu_k,
     )
+
+
+class BlockIndex(NamedTuple):
+    """A pack's chains with blocks of rows that see each other both ways (Gemma 3's image
+    tokens), as two varlen calls: the chains outside blocks (causal) and the blocks (each its
+    own chain, seeing its ancestors and all of its own rows)."""
+
+    causal: VarlenIndex | None  # None: every row is in a block
+    causal_rows: Tensor | None  # [Qc] the packed rows of its queries, in order
+    both_ways: VarlenIndex | None  # None: no blocks
+    block_rows: Tensor | None
+    order: Tensor  # [T'] where each packed row's output is in (causal, then block) outputs
+
+
+def block_index(pack: TreePack, window: int | None, blocks: np.ndarray) -> BlockIndex:
+    """:class:`BlockIndex` of ``pack`` for ``blocks`` (``[T']`` block ids, -1 outside; a
+    block lies within one chain). Host work, O(T' + K) numpy."""
+    c = subset_chains(pack, np.arange(pack.num_rows), window, blocks=blocks)
+    in_block = blocks[c.start] >= 0
+    key_start = c.key_start
+    parts, rows_of = [], []
+    for pick in (~in_block, in_block):
+        if not pick.any():
+            parts.append(None)
+            rows_of.append(np.zeros(0, dtype=np.int64))
+            continue
+        length, context = c.length[pick], c.context[pick]
+        rows = ragged_arange(c.start[pick], length)
+        keys = c.key_rows[ragged_arange(key_start[:-1][pick], length + context)]
+        sub = Chains(np.cumsum(length) - length, length, context, keys)
+        index = index_of(sub, int(length.sum()), pack.device)
+        if not sub.gathers:  # its keys are other rows than its queries: always gather
+            index = index._replace(key_rows=torch.from_numpy(keys).to(pack.device))
+        parts.append(index)
+        rows_of.append(rows)
+    order = np.empty(pack.num_rows, dtype=np.int64)
+    order[np.concatenate(rows_of)] = np.arange(pack.num_rows)
+
+    def device(a):
+        return torch.from_numpy(a).to(pack.device) if a.size else None
+
+    return BlockIndex(parts[0], device(rows_of[0]), parts[1], device(rows_of[1]),
+                      torch.from_numpy(order).to(pack.device))
 
 
 class _GatherRows(torch.autograd.Function):

@@ -96,22 +96,40 @@ def check(q: Tensor, v: Tensor, *, softcap, dropout, sinks=None) -> None:
 
 
 def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
-              chunk=None) -> Tensor:
+              chunk=None, blocks=None) -> Tensor:
     check(q, v, softcap=softcap, dropout=dropout, sinks=sinks)
+    if blocks is not None:
+        return _both_ways(q, k, v, attend.block_index(window, blocks), scale=scale,
+                          window=window)
     index = varlen_index(attend.pack, window, chunk)  # chunked: chains cut at chunk starts
     return attend_index(q, k, v, index, scale=scale, window=window, sinks=sinks)
 
 
-def attend_index(q, k, v, index, *, scale, window, sinks=None) -> Tensor:
+def _both_ways(q, k, v, plan, *, scale, window) -> Tensor:
+    """Attention with blocks of rows that see each other both ways (Gemma 3's image tokens) as
+    two varlen calls (:class:`~treepack.attention.chains.BlockIndex`): the rows outside blocks
+    causally, each block's rows against its ancestors and all of its own rows."""
+    outs = []
+    for index, rows, both_ways in ((plan.causal, plan.causal_rows, False),
+                                   (plan.both_ways, plan.block_rows, True)):
+        if index is not None:
+            outs.append(attend_index(q.index_select(2, rows), k, v, index, scale=scale,
+                                     window=window, both_ways=both_ways))
+    return torch.cat(outs, 2).index_select(2, plan.order)
+
+
+def attend_index(q, k, v, index, *, scale, window, sinks=None,
+                 both_ways: bool = False) -> Tensor:
     """``q`` ``[1, Hq, Tq, D]`` against ``k``/``v`` ``[1, Hkv, Tk, D]`` by a varlen ``index``
     (a pack's chains, or a part's over its context's keys and its own), ``[1, Hq, Tq, D]``;
-    the inputs checked by the caller (:func:`unsupported`)."""
+    the inputs checked by the caller (:func:`unsupported`). ``both_ways``: each query sees
+    every key of its chain (no causal bound; a window's lower bound still holds)."""
     qf = q[0].transpose(0, 1)  # [Tq, Hq, D], a view: the rows are the queries as they are
     kf, vf = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [Tk, Hkv, D]
     if index.key_rows is not None:
         kf = gather_rows(kf, index.key_rows, 0)  # [K, Hkv, D]
         vf = gather_rows(vf, index.key_rows, 0)
-    window_size = (-1, 0) if window is None else (window - 1, 0)
+    window_size = (-1 if window is None else window - 1, -1 if both_ways else 0)
     if sinks is not None:
         if q.device.type == "cuda" and q.shape[1] != k.shape[1] and not _varlen_attn()[1]:
             rep = q.shape[1] // k.shape[1]  # no native GQA: the repeat's backward sums heads
@@ -202,13 +220,14 @@ def _backward(grad, q, k, v, out, lse, index, *, scale, window_size):
 def _chains(cu_seq_q, cu_seq_k, window_size, device):
     """Per chain: its query rows, key rows and ``[nq, nk]`` mask (:func:`reference`'s rule)."""
     left, right = window_size
-    if right != 0:
-        raise ValueError(f"window_size={window_size}: only causal windows (left, 0) are used")
+    if right not in (0, -1):
+        raise ValueError(f"window_size={window_size}: only windows (left, 0) and (left, -1) "
+                         "are used")
     for a, b, c, d in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(),
                           cu_seq_k[:-1].tolist(), cu_seq_k[1:].tolist()):
         t = torch.arange(b - a, device=device)[:, None] + (d - c) - (b - a)
         u = torch.arange(d - c, device=device)[None, :]
-        mask = u <= t
+        mask = u <= t if right == 0 else torch.ones_like(u <= t)
         if left >= 0:
             mask &= u >= t - left
         yield slice(a, b), slice(c, d), mask
@@ -263,7 +282,7 @@ def reference(q: Tensor, k: Tensor, v: Tensor, cu_seq_q: np.ndarray, cu_seq_k: n
     ``cu_seq_q[i] .. cu_seq_q[i+1]`` and keys ``cu_seq_k[i] .. cu_seq_k[i+1]``. With
     ``window_size=(left, 0)``, query ``t`` of ``nq`` sees key ``u`` of ``nk`` iff
     ``u <= nk - nq + t`` (bottom-right causal) and, unless ``left == -1``,
-    ``u >= nk - nq + t - left``.
+    ``u >= nk - nq + t - left``; with ``(left, -1)`` the causal bound is off.
     """
     outs = []
     for rows, keys, mask in _chains(cu_seq_q, cu_seq_k, window_size, q.device):

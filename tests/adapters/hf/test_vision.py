@@ -165,6 +165,19 @@ def test_images_on_a_pack_equal_each_sequence_alone(family, monkeypatch):
         assert within(grad_rel(got, want, name), grad_tol), (name, grad_rel(got, want, name))
 
 
+def test_gemma3_image_blocks_on_varlen_equal_each_sequence_alone(monkeypatch):
+    """Gemma 3's image tokens see each other both ways: on varlen as two calls, the rows
+    outside images causally and each image's rows both ways (the kernel's CPU reference)."""
+    batch, weights, temperatures, model, want_lp, want, grad_tol = setup("gemma3", monkeypatch)
+    hf.prepare(model)
+    got_lp, got = packed(model, batch, weights, temperatures, backend="varlen")
+    lp_tol = lp_tolerance(model, want_lp)
+    for s, (a, b) in enumerate(zip(got_lp, want_lp)):
+        assert within((a - b).abs().max(), lp_tol), s
+    for name in want:
+        assert within(grad_rel(got, want, name), grad_tol), (name, grad_rel(got, want, name))
+
+
 def test_rows_are_keyed_by_image_content():
     """The pack has the rows of the naive trie over (id, image) pairs: the same text on
     different images forks at the first placeholder, one image in two prompts merges."""
