@@ -215,7 +215,8 @@ class TreeAttention:
             raise ValueError("blocks with attention sinks or chunked attention: no model has "
                              "both, and treepack composes neither with them")
         self.pack.check_device(blocks, "blocks")
-        if self._varlen_or_masked(q, k, v, softcap=softcap, dropout=dropout) == "varlen":
+        # auto keeps segment until bench/gpu.py has checked varlen's non-causal window on a GPU
+        if self.backend == "varlen":
             return varlen.attention(q, k, v, self, scale=scale, softcap=softcap, window=window,
                                     dropout=dropout, blocks=blocks)
         run = self._masked_backend("blocks of rows that see each other both ways (Gemma 3's "
