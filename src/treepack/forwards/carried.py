@@ -101,7 +101,7 @@ def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, va
     chunks always, the ``segment`` backend's grouped calls."""
     carried.put(i, module, key, value)
     pack, budget = carried.parts.pack, carried.parts.max_rows
-    varlen_here = _varlen_here(backend, query, value, softcap=softcap, dropout=dropout,
+    varlen_here = _varlen_here(backend, query, key, value, softcap=softcap, dropout=dropout,
                                sinks=sinks, chunk=chunk)
     reach = window if chunk is None else None
     chains = part_chains(pack, budget, i, reach)
@@ -121,11 +121,11 @@ def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, va
                          window=window, dropout=dropout, sink=sinks is not None, chunk=chunk)
 
 
-def _varlen_here(backend: str, query, value, *, softcap, dropout, sinks, chunk) -> bool:
+def _varlen_here(backend: str, query, key, value, *, softcap, dropout, sinks, chunk) -> bool:
     """Whether a part attends through varlen (:func:`attend_part`'s ``backend``)."""
     if backend == "auto":
         return sinks is None and chunk is None and choose_backend(
-            query, query, value, softcap=softcap, dropout=dropout)[0] == "varlen"
+            query, key, value, softcap=softcap, dropout=dropout)[0] == "varlen"
     if backend != "varlen":
         return False
     if chunk is not None:
