@@ -19,7 +19,9 @@ Backends:
 ``varlen``   one FlashAttention variable-length call per layer (``torch.nn.attention.varlen``):
              each chain's queries (contiguous packed rows) against its gathered ancestor path
              and its own rows, causal aligned bottom-right. GPU, float16 / bfloat16; on CPU an
-             exact slow reference of the same index plan (for tests).
+             exact slow reference of the same index plan (for tests). Also sinks (through the
+             kernel's log-sum-exp), chunks (chains cut at chunk starts) and blocks (two
+             calls: :mod:`treepack.attention.varlen`, :mod:`treepack.attention.chains`).
 ``segment``  exact sparsity on standard SDPA kernels, forward and backward anywhere: chains of
              equal shape batched into one call each.
 ``flex``     FlexAttention with the pack's BlockMask, compiled for a few bucketed lengths;
