@@ -198,13 +198,12 @@ class TreeAttention:
         """Chunked attention (Llama 4): on ``varlen`` its chains cut at chunk starts
         (:mod:`treepack.attention.chains`), which ``auto`` runs where varlen applies; else on
         the masked backends."""
-        if self._varlen_or_masked(q, k, v, softcap=softcap, dropout=dropout) == "varlen":
-            return varlen.attention(q, k, v, self, scale=scale, softcap=softcap, window=window,
-                                    dropout=dropout, chunk=chunk)
-        run = self._masked_backend("chunked attention (a query sees the keys of its own chunk "
-                                   "of depths) runs", ("varlen",))
-        return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
-                   dropout=dropout, chunk=chunk)
+        use_varlen = self.backend == "varlen" or self.backend == "auto" and choose_backend(
+            q, k, v, softcap=softcap, dropout=dropout)[0] == "varlen"
+        return self._varlen_or_masked(
+            "chunked attention (a query sees the keys of its own chunk of depths) runs",
+            use_varlen, q, k, v, scale=scale, softcap=softcap, window=window, dropout=dropout,
+            chunk=chunk)
 
     def _with_blocks(self, q, k, v, blocks, *, scale, softcap, window, dropout, sinks,
                      chunk) -> Tensor:
@@ -218,22 +217,18 @@ class TreeAttention:
                              "both, and treepack composes neither with them")
         self.pack.check_device(blocks, "blocks")
         # auto keeps segment until bench/gpu.py has checked varlen's non-causal window on a GPU
-        if self.backend == "varlen":
-            return varlen.attention(q, k, v, self, scale=scale, softcap=softcap, window=window,
-                                    dropout=dropout, blocks=blocks)
-        run = self._masked_backend("blocks of rows that see each other both ways (Gemma 3's "
-                                   "image tokens) run", ("varlen",))
-        return run(q, k, v, self, scale=scale, softcap=softcap, window=window,
-                   dropout=dropout, blocks=blocks)
+        return self._varlen_or_masked(
+            "blocks of rows that see each other both ways (Gemma 3's image tokens) run",
+            self.backend == "varlen", q, k, v, scale=scale, softcap=softcap, window=window,
+            dropout=dropout, blocks=blocks)
 
-    def _varlen_or_masked(self, q, k, v, *, softcap, dropout) -> str:
-        """For a feature varlen and the masked backends run (chunks, blocks): ``"varlen"``
-        where this attention's backend is it, or is ``auto`` and varlen applies; else the
-        backend itself (``auto``: ``segment``)."""
-        if self.backend != "auto":
-            return self.backend
-        chosen = choose_backend(q, k, v, softcap=softcap, dropout=dropout)[0]
-        return "varlen" if chosen == "varlen" else "segment"  # flex runs neither
+    def _varlen_or_masked(self, what: str, use_varlen: bool, q, k, v, **kwargs) -> Tensor:
+        """A feature varlen and the masked backends run (chunks, blocks): on varlen where
+        ``use_varlen``, else on the masked backend (``auto``: ``segment``; another refuses,
+        naming ``what``)."""
+        if use_varlen:
+            return varlen.attention(q, k, v, self, **kwargs)
+        return self._masked_backend(what, ("varlen",))(q, k, v, self, **kwargs)
 
     def block_index(self, window: int | None, blocks: Tensor):
         """The two varlen calls of ``blocks`` (:func:`treepack.attention.chains.block_index`),
