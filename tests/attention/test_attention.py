@@ -3,13 +3,13 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treepack import TreePack
 from treepack.attention import BACKENDS, TreeAttention, segment
 
-from strategies import forests
+from strategies import forests, random_blocks
 from tolerance import FLOAT32_OP, FLOAT64_OP, assert_within, low_precision, scale
 
 # One float64 attention computed two ways (a backend and the reference): a softmax and a
@@ -195,28 +195,6 @@ def test_chunked_attention_equals_each_sequence_alone(seqs, opt, backend, chunk,
     assert_equal_to_each_alone(got, q, k, v, pack, **kw)
 
 
-def random_blocks(pack, seed: int) -> torch.Tensor:
-    """Runs of rows within one segment (no fork and no sequence end inside, as an image's
-    rows are), each a block; -1 elsewhere."""
-    rng = np.random.default_rng(seed)
-    h = pack.host
-    rows = pack.num_packed_rows
-    follows = np.zeros(pack.num_rows, dtype=bool)  # row r + 1 may join row r's block
-    for a, b in zip(h.segment_start, h.segment_end):
-        follows[a:b - 1] = True
-    blocks = np.full(pack.num_rows, -1, dtype=np.int64)
-    r = 0
-    while r < rows:
-        if rng.random() < 0.35:
-            end = r
-            while end + 1 < rows and follows[end] and end - r < rng.integers(1, 6):
-                end += 1
-            blocks[r:end + 1] = r
-            r = end + 1
-        r += 1
-    return torch.from_numpy(blocks)
-
-
 @settings(max_examples=80, deadline=None)
 @given(forests(vocab=3, max_sequences=6, max_len=14), options,
        st.sampled_from(["segment", "dense", "auto", "varlen"]), st.integers(0, 1000),
@@ -249,9 +227,8 @@ def test_blocks_change_the_output_and_are_refused_where_not_run():
     blocks = torch.tensor([-1, 0, 0, 0, -1, -1, -1])[:pack.num_rows]
     both_ways = TreeAttention(pack, "segment")(q, k, v, blocks=blocks)
     assert (both_ways - TreeAttention(pack, "segment")(q, k, v)).abs()[:, :, 1:3].min() > 1e-6
-    with pytest.raises(RuntimeError, match="backend='flex'.*both ways.*segment / dense / "
-                                           "varlen"):
-        TreeAttention(pack, "flex")(q, k, v, blocks=blocks)
+    with pytest.raises(ValueError, match="blocks with attention sinks or chunked"):
+        TreeAttention(pack, "segment")(q, k, v, blocks=blocks, chunk=2)
     with pytest.raises(ValueError, match="int64 \\[T'=6\\]"):
         TreeAttention(pack, "segment")(q, k, v, blocks=blocks[:3])
 
@@ -276,8 +253,8 @@ def test_attention_sinks_change_the_output_and_are_refused_where_not_run():
     sinks = torch.zeros(4, dtype=q.dtype)
     with_sink = TreeAttention(pack, "segment")(q, k, v, sinks=sinks)
     assert (with_sink - TreeAttention(pack, "segment")(q, k, v)).abs().max() > 1e-3
-    with pytest.raises(RuntimeError, match="backend='flex' cannot run here: attention sinks"
-                                           ".*segment / dense / varlen.*backend='segment'"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="backend='flex' cannot run here: "
+                                        ".*CPU kernel returns no log-sum-exp.*'segment'"):
         TreeAttention(pack, "flex")(q, k, v, sinks=sinks)
     with pytest.raises(ValueError, match=r"one logit per query head \(4,\)"):
         TreeAttention(pack, "segment")(q, k, v, sinks=torch.zeros(2, dtype=q.dtype))
@@ -353,6 +330,85 @@ def test_flex_forward_on_cpu_equals_segment(cpu_flex_forward, softcap, window, h
         got = cpu_flex_forward(pack, q, k, v, **kw)
     expect = TreeAttention(pack, "segment")(q.double(), k.double(), v.double(), **kw)
     assert_within(got.double(), expect, FLOAT32_OP)  # one attention in float32
+
+
+@pytest.mark.parametrize("window, heads, seed", [(None, (4, 2), 0), (5, (2, 2), 1)])
+def test_flex_blocks_forward_on_cpu_equals_segment(cpu_flex_forward, window, heads, seed):
+    """Blocks (Gemma 3's image rows) on flex: one more mask_mod rule, and the block tables
+    list every pair of 16-row blocks an image spans (several images cross block edges
+    here), through the compiled CPU kernel."""
+    seqs = [[1, 2, 3] * 5 + [4] * i + [5] * 7 for i in range(6)] + [[9] * 20, [1, 2, 8] * 6]
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=16)
+    q, k, v = qkv(pack, *heads, dim=16, dtype=torch.float32)
+    blocks = random_blocks(pack, seed)
+    b, edge = blocks.numpy(), np.arange(15, pack.num_rows - 1, 16)
+    assert np.any((b[edge] >= 0) & (b[edge] == b[edge + 1]))  # an image across a block edge
+    kw = dict(scale=0.25, window=window, blocks=blocks)
+    with torch.no_grad():
+        got = cpu_flex_forward(pack, q, k, v, **kw)
+    expect = TreeAttention(pack, "segment")(q.double(), k.double(), v.double(), **kw)
+    assert_within(got.double(), expect, FLOAT32_OP)
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """FlexAttention uncompiled: the same BlockMask, mask_mod and log-sum-exp, computed as
+    dense scores (float64 works; the compiled CPU kernel returns no log-sum-exp). Forward
+    only: PyTorch refuses a CPU flex backward either way."""
+    from torch.nn.attention import flex_attention as module
+
+    from treepack.attention import flex
+
+    monkeypatch.setattr(module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)  # no warning
+    monkeypatch.setattr(flex, "compiled_flex", lambda: module.flex_attention)
+    monkeypatch.setattr(flex, "unsupported", lambda *args, **kwargs: [])
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(forests(vocab=3, max_sequences=6, max_len=14), options, st.booleans(),
+       st.integers(0, 1000))
+def test_flex_sinks_and_blocks_equal_each_sequence_alone(eager_flex, seqs, opt, off_by_one,
+                                                         seed):
+    """Sinks on flex (the log-sum-exp renormalised: out * sigmoid(lse - sink)), off-by-one
+    sinks (a zero logit) among them, and blocks, on any forest with windows and GQA, float64
+    through the uncompiled kernel: equal to each sequence alone."""
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=opt["pad"])
+    q, k, v = qkv(pack, *opt["heads"])
+    sinks = torch.zeros(q.shape[1], dtype=q.dtype) if off_by_one else torch.randn(
+        q.shape[1], dtype=q.dtype, generator=torch.Generator().manual_seed(seed))
+    attend = TreeAttention(pack, "flex", block_size=8)
+    for kw in (dict(sinks=sinks), dict(blocks=random_blocks(pack, seed))):
+        kw.update(scale=0.3, window=opt["window"])
+        with torch.no_grad():
+            got = attend(q, k, v, **kw)
+        real = pack.num_packed_rows  # padding rows: nothing reads them
+        close(got[:, :, :real], reference_attention(q, k, v, pack, **kw)[:, :, :real])
+
+
+def test_sinks_through_a_differentiable_log_sum_exp_train_as_a_sink_key():
+    """What flex's sinks rely on: ``out * sigmoid(lse - sink)`` over any attention that
+    differentiates its log-sum-exp (FlexAttention does, on a GPU) has the gradients of the
+    softmax with a sink column, for q, k, v and the sink. Here the attention is a dense
+    float64 one; on a GPU bench/gpu.py checks flex itself."""
+    from treepack.attention.flex import with_sinks
+
+    pack = TreePack.from_sequences([[1, 2, 3, 4, 5], [1, 2, 6, 7], [8, 9]])
+    q, k, v = (x.requires_grad_() for x in qkv(pack, 4, 2))
+    sinks = torch.randn(4, dtype=q.dtype, requires_grad=True)
+
+    def dense_with_lse(q, k, v):
+        kr, vr = (x.repeat_interleave(2, 1) for x in (k, v))
+        scores = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~pack.dense_mask(), float("-inf"))
+        return scores.softmax(-1) @ vr, scores.logsumexp(-1)
+
+    got = with_sinks(*dense_with_lse(q, k, v), sinks)
+    want = TreeAttention(pack, "segment")(q, k, v, scale=0.3, sinks=sinks)
+    close(got, want)
+    weights = torch.randn_like(want)
+    for g, w in zip(torch.autograd.grad((got * weights).sum(), (q, k, v, sinks)),
+                    torch.autograd.grad((want * weights).sum(), (q, k, v, sinks))):
+        close(g, w)
 
 
 def test_flex_refuses_cpu_backward_and_dropout():
@@ -487,6 +543,27 @@ def test_auto_on_cuda_prefers_varlen_then_flex_then_segment(monkeypatch, dtype, 
     fake = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0), dtype=dtype,
                            shape=(1, 8, 128, head_dim), requires_grad=True)
     backend, reason = choose_backend(fake, fake, fake, softcap=softcap, dropout=dropout)
+    assert backend == expect and why in reason
+
+
+@pytest.mark.parametrize("feature, dtype, expect, why", [
+    ("chunk", torch.bfloat16, "varlen", "applies"),
+    ("chunk", torch.float32, "segment", "flex has no chunked attention"),
+    ("sinks", torch.bfloat16, "flex", "sinks on varlen are not yet checked on a GPU"),
+    ("blocks", torch.bfloat16, "flex", "blocks on varlen are not yet checked on a GPU"),
+    ("blocks", torch.float32, "flex", "float16 / bfloat16"),
+])
+def test_auto_on_cuda_picks_per_layer_kind(monkeypatch, feature, dtype, expect, why):
+    """Chunks on varlen; sinks and blocks on flex until a GPU run checks them on varlen."""
+    from types import SimpleNamespace
+
+    from treepack.attention import choose_backend, varlen
+
+    monkeypatch.setattr(varlen, "_capability", lambda index: (9, 0))
+    fake = SimpleNamespace(device=SimpleNamespace(type="cuda", index=0), dtype=dtype,
+                           shape=(1, 8, 128, 64), requires_grad=True)
+    backend, reason = choose_backend(fake, fake, fake, softcap=None, dropout=0.0,
+                                     **{feature: object()})
     assert backend == expect and why in reason
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from treepack import TreePack
 
 from reference import block_tables
-from strategies import forests
+from strategies import forests, random_blocks
 from tolerance import FLOAT32_OP, assert_within
 
 
@@ -54,6 +54,38 @@ def test_mask_mod_equals_dense_mask(seqs):
     idx = torch.arange(pack.num_rows)
     got = pack.mask_mod()(None, None, idx[:, None], idx[None, :])
     assert torch.equal(got, pack.dense_mask())
+
+
+@settings(max_examples=60, deadline=None)
+@given(forests(vocab=2, max_sequences=8, max_len=30), st.sampled_from([1, 2, 3, 8, 128]),
+       st.sampled_from([None, 2, 5]), st.integers(0, 1000))
+def test_block_mask_with_blocks_covers_every_visible_pair(seqs, block, window, seed):
+    """Blocks of rows that see each other both ways (Gemma 3's image tokens): the mask_mod
+    is the dense rule, full tables are all visible, every visible pair lies in a listed
+    block; without a window every listed block holds a visible pair. (A block that only
+    images make all visible stays partial: mask_mod runs there, still exact.)"""
+    from treepack.core import mask as _mask
+
+    pack = TreePack.from_sequences(seqs, pad_to_multiple_of=4)
+    blocks = random_blocks(pack, seed)
+    idx = torch.arange(pack.num_rows)
+    pos = pack.position_ids
+    same = (blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0)
+    dense = pack.dense_mask() | same
+    if window is not None:
+        dense &= pos[:, None] - pos[None, :] < window
+    mask_mod = _mask.tree_mask_mod(pack.subtree_end, pos, window, blocks)
+    assert torch.equal(mask_mod(None, None, idx[:, None], idx[None, :]), dense)
+    bm = _mask.block_mask(pack.host.subtree_end, block_size=block, device="cpu",
+                          mask_mod=mask_mod, position_ids=pack.host.position_ids,
+                          window=window, blocks=blocks.numpy())
+    anyb, allb = pooled(dense, block)
+    partial, full, q_partial, q_full = block_tables(bm)
+    assert not (full & ~allb).any() and not (partial & full).any()
+    assert not (anyb & ~(partial | full)).any()
+    if window is None:
+        assert torch.equal(partial | full, anyb)
+    assert torch.equal(q_partial, partial.T) and torch.equal(q_full, full.T)
 
 
 def test_block_mask_of_a_large_pack_stays_small():

@@ -26,12 +26,14 @@ Backends:
              equal shape batched into one call each.
 ``flex``     FlexAttention with the pack's BlockMask, compiled for a few bucketed lengths;
              forward and backward on GPU, forward only on CPU (PyTorch has no CPU flex
-             backward).
+             backward). Also sinks (through its differentiable log-sum-exp) and blocks (one
+             more ``mask_mod`` rule); not chunks.
 ``dense``    SDPA (or the eager formula, for soft-capping) with the dense T' x T' mask; the
              reference, for small packs.
 ``auto``     the default: on CUDA ``varlen`` where it applies, else ``flex``, else
              ``segment``; on CPU ``segment``. Never ``dense``. Chosen per call (a model may mix
-             soft-capped and plain layers), logged once per choice.
+             soft-capped, sliding, chunked and sink layers), logged once per choice
+             (:func:`choose_backend`).
 
 An explicit backend never falls back: if it cannot run, it raises and lists every reason.
 """
@@ -71,10 +73,6 @@ BACKENDS: dict[str, Backend] = {
     "dense": dense.attention,
 }
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
-# The backends with a mask of their own per query: the only ones that run blocks of rows that
-# see each other both ways (Gemma 3), and with varlen attention sinks and chunked attention
-# (Llama 4)
-MASKED_BACKENDS = {"segment": segment.attention, "dense": dense.attention}
 
 log = logging.getLogger("treepack")
 _LOGGED: set[tuple[str, str]] = set()
@@ -89,26 +87,43 @@ def check_backend(backend: str, what: str = "backend") -> str:
     return backend
 
 
-def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dropout: float
-                   ) -> tuple[str, str]:
-    """What ``backend="auto"`` runs for these inputs.
+def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dropout: float,
+                   sinks: Tensor | None = None, chunk: int | None = None,
+                   blocks: Tensor | None = None) -> tuple[str, str]:
+    """What ``backend="auto"`` runs for these inputs: one layer's choice.
 
     Args:
         q, k, v: the attention inputs (their device, dtype and head size decide).
         softcap: logit soft-capping of the layer, or None.
         dropout: attention dropout probability.
+        sinks, chunk, blocks: the layer's attention sinks, chunk size and blocks of rows
+            that see each other both ways, as :class:`TreeAttention` takes them (only
+            whether each is given matters).
 
     Returns:
         ``(backend, why)``: ``"varlen"``, ``"flex"`` or ``"segment"``, and why the faster
         ones do not apply (never ``"dense"``).
+
+    ``varlen`` runs chunks; its sinks (a private PyTorch backward op) and blocks (a
+    non-causal window) wait for a GPU run of ``bench/gpu.py`` to check them, so ``auto``
+    runs those two on ``flex`` (public FlexAttention; it differentiates the log-sum-exp a
+    sink needs, and blocks are one more ``mask_mod`` rule). Flex has no chunks.
     """
     if q.device.type != "cuda":
         return "segment", f"on {q.device.type}, where varlen and flex cannot train"
     skipped = varlen.unsupported(q, softcap=softcap, dropout=dropout, v=v)
+    if sinks is not None:
+        skipped.append("attention sinks on varlen are not yet checked on a GPU (explicit "
+                       "backend='varlen' runs them)")
+    if blocks is not None:
+        skipped.append("blocks on varlen are not yet checked on a GPU (explicit "
+                       "backend='varlen' runs them)")
     if not skipped:
         return "varlen", "FlashAttention varlen applies"
     why = "not varlen: " + "; ".join(skipped)
-    flex_skipped = flex.unsupported(q, k, v, dropout=dropout)
+    flex_skipped = flex.unsupported(q, k, v, dropout=dropout, sinks=sinks)
+    if chunk is not None:
+        flex_skipped.append("flex has no chunked attention")
     if not flex_skipped:
         return "flex", why
     return "segment", why + "; not flex: " + "; ".join(flex_skipped)
@@ -172,42 +187,37 @@ class TreeAttention:
         if scale is None:
             scale = q.shape[-1] ** -0.5
         softcap = softcap or None
-        backend = self.backend
         if chunk is not None:
             chunk = positive_int(chunk, "chunk", hint=" (depths per attention chunk: a query "
                                  "sees the keys of its own chunk only; None for no chunks)")
         if blocks is not None:
-            return self._with_blocks(q, k, v, blocks, scale=scale, softcap=softcap,
-                                     window=window, dropout=dropout, sinks=sinks, chunk=chunk)
+            self._check_blocks(blocks, sinks, chunk)
         if sinks is not None:
-            return self._with_sinks(q, k, v, sinks, scale=scale, softcap=softcap,
-                                    window=window, dropout=dropout, chunk=chunk)
-        if chunk is not None:
-            return self._chunked(q, k, v, chunk, scale=scale, softcap=softcap, window=window,
-                                 dropout=dropout)
+            _check_sinks(sinks, q.shape[1], softcap)
+        backend = self.backend
         if backend == "auto":
-            backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout)
+            backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout, sinks=sinks,
+                                          chunk=chunk, blocks=blocks)
             if (backend, why) not in _LOGGED:
                 _LOGGED.add((backend, why))
                 log.info("treepack attention backend='auto' runs %r (%s)", backend, why)
-        return BACKENDS[backend](
-            q, k, v, self, scale=scale, softcap=softcap, window=window, dropout=dropout
-        )
+        kw = dict(scale=scale, softcap=softcap, window=window, dropout=dropout)
+        if backend == "varlen":
+            return varlen.attention(q, k, v, self, **kw, sinks=sinks, chunk=chunk,
+                                    blocks=blocks)
+        if backend == "flex":
+            if chunk is not None:
+                raise RuntimeError(
+                    "backend='flex' cannot run here: chunked attention (a query sees the keys "
+                    "of its own chunk of depths) runs on segment / dense / varlen; use "
+                    "backend='varlen' on a GPU, 'segment' elsewhere (or 'auto', which picks)")
+            return flex.attention(q, k, v, self, **kw, sinks=sinks, blocks=blocks)
+        if sinks is not None:  # one more key: the sink channel
+            q, k = sink_channel(q, k, sinks, scale)
+        return BACKENDS[backend](q, k, v, self, **kw, sink=sinks is not None, chunk=chunk,
+                                 blocks=blocks)
 
-    def _chunked(self, q, k, v, chunk, *, scale, softcap, window, dropout) -> Tensor:
-        """Chunked attention (Llama 4): on ``varlen`` its chains cut at chunk starts
-        (:mod:`treepack.attention.chains`), which ``auto`` runs where varlen applies; else on
-        the masked backends."""
-        use_varlen = self.backend == "varlen" or self.backend == "auto" and choose_backend(
-            q, k, v, softcap=softcap, dropout=dropout)[0] == "varlen"
-        return self._varlen_or_masked(
-            "chunked attention (a query sees the keys of its own chunk of depths) runs",
-            use_varlen, q, k, v, scale=scale, softcap=softcap, window=window, dropout=dropout,
-            chunk=chunk)
-
-    def _with_blocks(self, q, k, v, blocks, *, scale, softcap, window, dropout, sinks,
-                     chunk) -> Tensor:
-        """Attention where the rows of each block also see each other both ways."""
+    def _check_blocks(self, blocks: Tensor, sinks, chunk) -> None:
         rows = self.pack.num_rows
         if blocks.shape != (rows,) or blocks.dtype != torch.long:
             raise ValueError(f"blocks must be an int64 [T'={rows}] tensor of block ids (-1 "
@@ -216,19 +226,6 @@ class TreeAttention:
             raise ValueError("blocks with attention sinks or chunked attention: no model has "
                              "both, and treepack composes neither with them")
         self.pack.check_device(blocks, "blocks")
-        # auto keeps segment until bench/gpu.py has checked varlen's non-causal window on a GPU
-        return self._varlen_or_masked(
-            "blocks of rows that see each other both ways (Gemma 3's image tokens) run",
-            self.backend == "varlen", q, k, v, scale=scale, softcap=softcap, window=window,
-            dropout=dropout, blocks=blocks)
-
-    def _varlen_or_masked(self, what: str, use_varlen: bool, q, k, v, **kwargs) -> Tensor:
-        """A feature varlen and the masked backends run (chunks, blocks): on varlen where
-        ``use_varlen``, else on the masked backend (``auto``: ``segment``; another refuses,
-        naming ``what``)."""
-        if use_varlen:
-            return varlen.attention(q, k, v, self, **kwargs)
-        return self._masked_backend(what, ("varlen",))(q, k, v, self, **kwargs)
 
     def block_index(self, window: int | None, blocks: Tensor):
         """The two varlen calls of ``blocks`` (:func:`treepack.attention.chains.block_index`),
@@ -242,49 +239,27 @@ class TreeAttention:
             cached[1][window] = block_index(self.pack, window, blocks.cpu().numpy())
         return cached[1][window]
 
-    def _masked_backend(self, what: str, also: tuple[str, ...] = ()) -> Backend:
-        """The backend that runs a feature only :data:`MASKED_BACKENDS` (and ``also``) run
-        (``auto``: ``segment``), or a ``RuntimeError`` naming ``what`` and where it runs."""
-        backend = "segment" if self.backend == "auto" else self.backend
-        if backend not in MASKED_BACKENDS:
-            raise RuntimeError(
-                f"backend={backend!r} cannot run here: {what} on "
-                f"{' / '.join((*MASKED_BACKENDS, *also))}; use backend='segment' (or 'auto', "
-                "which picks it)")
-        return MASKED_BACKENDS[backend]
 
-    def _with_sinks(self, q, k, v, sinks, *, scale, softcap, window, dropout,
-                    chunk=None) -> Tensor:
-        """Attention with a learned sink logit per query head (GPT-OSS's ``s_aux``): a term
-        ``exp(sinks[h])`` in every softmax denominator, attending to nothing.
-
-        On ``varlen`` it is applied to the kernel's output through its log-sum-exp
-        (:class:`treepack.attention.varlen.SinkAttention`); ``auto`` keeps ``segment`` until
-        a GPU run has checked that path. Elsewhere it is one more key that every query sees whatever its window: a channel appended to
-        the queries holds ``sinks[h] / scale`` and to the keys 0, and the extra key is 1 there
-        and 0 elsewhere, with a zero value. Its score is ``sinks[h]``, every other score is
-        unchanged, and the sink's gradient flows through the queries' extra channel.
-        """
-        heads = q.shape[1]
-        if sinks.shape != (heads,):
-            raise ValueError(f"sinks of shape {tuple(sinks.shape)}: one logit per query head "
-                             f"({heads},) expected")
-        if softcap is not None:
-            raise ValueError(f"softcap={softcap} with attention sinks: no model caps its "
-                             "scores and has sinks, and the sink's own score must not be capped")
-        if self.backend == "varlen":  # the kernel's log-sum-exp takes it
-            return varlen.attention(q, k, v, self, scale=scale, softcap=None, window=window,
-                                    dropout=dropout, sinks=sinks, chunk=chunk)
-        run = self._masked_backend("attention sinks (a learned logit per head in the softmax "
-                                   "denominator) run", ("varlen",))
-        q, k = sink_channel(q, k, sinks, scale)
-        return run(q, k, v, self, scale=scale, softcap=None, window=window, dropout=dropout,
-                   sink=True, chunk=chunk)
+def _check_sinks(sinks: Tensor, heads: int, softcap) -> None:
+    """Attention sinks: a learned logit per query head (GPT-OSS's ``s_aux``; zeros for
+    off-by-one attention), a term ``exp(sinks[h])`` in every softmax denominator that attends
+    to nothing. On ``varlen`` and ``flex`` the kernel's log-sum-exp takes it
+    (:class:`treepack.attention.varlen.SinkAttention`, :func:`treepack.attention.flex.
+    with_sinks`); on the masked backends it is one more key every query sees whatever its
+    window (:func:`sink_channel`)."""
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks of shape {tuple(sinks.shape)}: one logit per query head "
+                         f"({heads},) expected")
+    if softcap is not None:
+        raise ValueError(f"softcap={softcap} with attention sinks: no model caps its scores "
+                         "and has sinks, and the sink's own score must not be capped")
 
 
 def sink_channel(q: Tensor, k: Tensor, sinks: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """``q`` and ``k`` with the sink channel (:meth:`TreeAttention._with_sinks`): ``sinks[h] /
-    scale`` appended to every query of head ``h``, 0 to every key; a backend run with
-    ``sink=True`` adds the key that is 1 there."""
+    """``q`` and ``k`` with the sink channel: ``sinks[h] / scale`` appended to every query of
+    head ``h``, 0 to every key; a masked backend (segment, dense) run with ``sink=True`` adds
+    one more key that every query sees whatever its window, 1 in that channel and 0
+    elsewhere, with a zero value. Its score is ``sinks[h]``, every other score is unchanged,
+    and the sink's gradient flows through the queries' extra channel."""
     sink = (sinks.to(q.dtype) / scale)[None, :, None, None].expand(1, q.shape[1], q.shape[2], 1)
     return torch.cat((q, sink), -1), torch.cat((k, k.new_zeros((*k.shape[:3], 1))), -1)

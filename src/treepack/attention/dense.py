@@ -73,7 +73,7 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False,
         pos = attend.pack.position_ids
         win = window_mask(pos, pos, window)
         mask = mask | (same if win is None else same & win)
-    if sink:  # one more key, seen by every query (TreeAttention._with_sinks)
+    if sink:  # one more key, seen by every query (treepack.attention.sink_channel)
         k, v = with_sink_key(k, v, 2)
         mask = torch.cat((mask, mask.new_ones((mask.shape[0], 1))), 1)
     return sdpa(q, k, v, mask, scale=scale, softcap=softcap, dropout=dropout)

@@ -54,48 +54,77 @@ def _softcap_score_mod(softcap: float):
 
 
 @derived_from_pack
-def bucket_block_mask(pack, block_size: int, window: int | None, length: int):
-    """The pack's BlockMask over ``length >= T'`` rows, the extra rows padding (see module)."""
+def bucket_block_mask(pack, block_size: int, window: int | None, length: int,
+                      blocks: Tensor | None = None):
+    """The pack's BlockMask over ``length >= T'`` rows, the extra rows padding (see module);
+    with ``blocks`` (``[T']`` block ids, -1 outside) the rows of a block also see each other
+    both ways (:func:`treepack.core.mask.tree_mask_mod`)."""
     h = pack.host
     extra = np.arange(pack.num_rows, length)
     ends = np.concatenate((h.subtree_end, extra + 1))
     pos = np.concatenate((h.position_ids, np.zeros_like(extra)))
-    mask_mod = _mask.tree_mask_mod(torch.from_numpy(ends).to(pack.device),
-                                   torch.from_numpy(pos).to(pack.device), window)
-    return _mask.block_mask(ends, block_size=block_size, device=pack.device, mask_mod=mask_mod,
-                            position_ids=pos, window=window)
+    ids = None if blocks is None else np.concatenate(
+        (blocks.cpu().numpy(), np.full(extra.shape, -1, dtype=np.int64)))
+    device = pack.device
+    mask_mod = _mask.tree_mask_mod(torch.from_numpy(ends).to(device),
+                                   torch.from_numpy(pos).to(device), window,
+                                   None if ids is None else torch.from_numpy(ids).to(device))
+    return _mask.block_mask(ends, block_size=block_size, device=device, mask_mod=mask_mod,
+                            position_ids=pos, window=window, blocks=ids)
 
 
-def _run(pack, q, k, v, *, block_size, scale, softcap, window) -> Tensor:
+def _run(pack, q, k, v, *, block_size, scale, softcap, window, sinks=None,
+         blocks=None) -> Tensor:
     import torch._dynamo
 
     rows = q.shape[2]
     length = bucket_length(rows, block_size)
-    block_mask = bucket_block_mask(pack, block_size, window, length)
+    block_mask = bucket_block_mask(pack, block_size, window, length, blocks)
     if length > rows:
         q, k, v = (F.pad(x, (0, 0, 0, length - rows)) for x in (q, k, v))
     score_mod = None if softcap is None else _softcap_score_mod(softcap)
+    extra = {}
+    if sinks is not None:  # the log-sum-exp takes the sink: FlexAttention differentiates it
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT,
                                     fail_on_recompile_limit_hit=True):
         try:
             out = compiled_flex()(
                 q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                enable_gqa=q.shape[1] != k.shape[1],
+                enable_gqa=q.shape[1] != k.shape[1], **extra,
             )
         except torch._dynamo.exc.FailOnRecompileLimitHit as e:
             raise RuntimeError(
                 f"backend='flex' has compiled {RECOMPILE_LIMIT} times in this process (one "
-                "compile per bucket length, dtype, head layout, window, soft-cap and grad "
-                "mode); running more would fall back to the unfused path (T' x T' scores). "
-                "Keep pack lengths in a narrower range (a planner budget), use fewer model "
-                "variants per process, or use backend='varlen' / 'segment'"
+                "compile per bucket length, dtype, head layout, window, soft-cap, sinks, "
+                "blocks and grad mode); running more would fall back to the unfused path "
+                "(T' x T' scores). Keep pack lengths in a narrower range (a planner budget), "
+                "use fewer model variants per process, or use backend='varlen' / 'segment'"
             ) from e
+    if sinks is not None:
+        out, aux = out
+        out = with_sinks(out, aux.lse, sinks)
     return out[:, :, :rows]
 
 
-def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float) -> list[str]:
+def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Attention ``out`` ``[1, H, T, D]`` with log-sum-exp ``lse`` ``[1, H, T]`` renormalised
+    for one more logit per head, ``sinks`` ``[H]``, that attends to nothing: ``out *
+    exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink)``, in float32 at least."""
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    gate = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])
+    return out * gate[..., None].to(out.dtype)
+
+
+def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float,
+                sinks: Tensor | None = None) -> list[str]:
     """Why FlexAttention cannot run these inputs (empty when it can)."""
     reasons = []
+    if sinks is not None and q.device.type == "cpu":
+        reasons.append("FlexAttention's compiled CPU kernel returns no log-sum-exp, which "
+                       "attention sinks need; use backend='segment' on a CPU")
     if q.device.type == "cpu" and torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad
     ):
@@ -114,9 +143,10 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float) -> list[str]
     return reasons
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout) -> Tensor:
-    reasons = unsupported(q, k, v, dropout=dropout)
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
+              blocks=None) -> Tensor:
+    reasons = unsupported(q, k, v, dropout=dropout, sinks=sinks)
     if reasons:
         raise RuntimeError("backend='flex' cannot run here: " + "; ".join(reasons))
     return _run(attend.pack, q, k, v, block_size=attend.block_size, scale=scale, softcap=softcap,
-                window=window)
+                window=window, sinks=sinks, blocks=blocks)

@@ -190,7 +190,7 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout, sink=False,
 def attend_groups(q, k, v, plan: ShapeGroups, *, scale, softcap, window, dropout,
                   sink=False, chunk=None, blocks=None) -> Tensor:
     """``q`` ``[1, Hq, rows, D]`` against ``k``/``v`` ``[1, Hkv, keys, D]`` by ``plan``;
-    with ``sink``, one more key that every query sees (:meth:`TreeAttention._with_sinks`);
+    with ``sink``, one more key that every query sees (:func:`treepack.attention.sink_channel`);
     with ``chunk``, a query sees the keys of its own chunk of depth only (Llama 4's chunked
     attention: a chain's key slot is its depth, so the chunk starts at slot ``depth - depth %
     chunk``); with ``blocks`` (``[keys]`` block ids, -1 outside), a query also sees the later

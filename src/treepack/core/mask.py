@@ -28,23 +28,35 @@ def dense_mask(subtree_end: Tensor) -> Tensor:
 
 
 def tree_mask_mod(subtree_end: Tensor, position_ids: Tensor | None = None,
-                  window: int | None = None):
+                  window: int | None = None, blocks: Tensor | None = None):
     """FlexAttention ``mask_mod`` for a packed forest: ancestors and self only, and with a
-    sliding ``window`` only keys fewer than ``window`` positions (depths) back."""
+    sliding ``window`` only keys fewer than ``window`` positions (depths) back. With
+    ``blocks`` (``[T]`` block ids, -1 outside any block) the rows of one block also see each
+    other both ways, within the window's lower bound (Gemma 3's image tokens)."""
 
     def tree_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
 
-    if window is None:
-        return tree_mask
-    if position_ids is None:
+    if window is not None and position_ids is None:
         raise ValueError("a sliding-window mask needs the pack's position_ids")
 
-    def tree_window_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        near = position_ids[q_idx] - position_ids[kv_idx] < window
-        return tree_mask(b, h, q_idx, kv_idx) & near
+    def near(q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return position_ids[q_idx] - position_ids[kv_idx] < window
 
-    return tree_window_mask
+    def tree_window_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return tree_mask(b, h, q_idx, kv_idx) & near(q_idx, kv_idx)
+
+    base = tree_mask if window is None else tree_window_mask
+    if blocks is None:
+        return base
+
+    def tree_block_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        same = (blocks[q_idx] == blocks[kv_idx]) & (blocks[q_idx] >= 0)
+        if window is not None:
+            same = same & near(q_idx, kv_idx)
+        return base(b, h, q_idx, kv_idx) | same
+
+    return tree_block_mask
 
 
 class _BlockRanges(NamedTuple):
@@ -58,7 +70,8 @@ class _BlockRanges(NamedTuple):
 
 
 def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod,
-               position_ids: np.ndarray | None = None, window: int | None = None):
+               position_ids: np.ndarray | None = None, window: int | None = None,
+               blocks: np.ndarray | None = None):
     """A FlexAttention ``BlockMask`` for the rows whose subtree ends are ``subtree_end``.
 
     With per-block ``max_end`` / ``min_end`` of ``subtree_end`` and block size B, the key
@@ -71,15 +84,25 @@ def block_mask(subtree_end: np.ndarray, *, block_size: int, device, mask_mod,
     With a sliding ``window`` (and the rows' ``position_ids``), a block is also skipped when
     even its closest pair is ``window`` or more positions apart, and full only when even its
     farthest pair is closer; blocks in between are partial and ``mask_mod`` decides.
+
+    With ``blocks`` (``[T]`` ids of row blocks that see each other both ways, -1 outside;
+    each block's rows contiguous), every pair of table blocks a row block spans is also
+    partial (unless already full): ``mask_mod`` (:func:`tree_mask_mod` with the same
+    ``blocks``) decides inside.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     block_size = positive_int(block_size, "block_size", hint=" (e.g. 128)")
     t = int(subtree_end.shape[0])
     ranges = _block_ranges(subtree_end, position_ids, block_size, window)
-    blocks = np.arange(ranges.seen_until.shape[0])
-    part, full = _block_flags(ranges, blocks[:, None], blocks[None, :], window)  # forward
-    part_t, full_t = _block_flags(ranges, blocks[None, :], blocks[:, None], window)  # backward
+    nb = ranges.seen_until.shape[0]
+    cols = np.arange(nb)
+    part, full = _block_flags(ranges, cols[:, None], cols[None, :], window)  # forward
+    part_t, full_t = _block_flags(ranges, cols[None, :], cols[:, None], window)  # backward
+    if blocks is not None:  # rows seeing later rows of their block: partial there
+        both = _spanned_pairs(blocks, block_size, nb)
+        part |= both & ~full
+        part_t |= both.T & ~full_t
     kv_num, kv_idx = _ordered(part, device)
     full_kv_num, full_kv_idx = _ordered(full, device)
     q_num, q_idx = _ordered(part_t, device)
@@ -126,6 +149,27 @@ def _block_flags(r: _BlockRanges, q: np.ndarray, k: np.ndarray, window: int | No
         full &= r.pos_max[q] - r.pos_min[k] < window
         seen &= r.pos_min[q] - r.pos_max[k] < window
     return seen & ~full, full
+
+
+def _spanned_pairs(row_blocks: np.ndarray, block_size: int, nb: int) -> np.ndarray:
+    """Dense [nb, nb] flags: table blocks (q, k) that both hold rows of one row block. Each
+    row block spans table blocks ``lo .. hi``; the squares ``[lo, hi]^2`` are summed as a 2-D
+    difference array, so the work is O(blocks + nb^2), no loop."""
+    rows = np.flatnonzero(row_blocks >= 0)
+    ids = row_blocks[rows]
+    count = int(ids.max()) + 1 if ids.size else 0
+    lo = np.full(count, nb, dtype=np.int64)
+    hi = np.full(count, -1, dtype=np.int64)
+    np.minimum.at(lo, ids, rows // block_size)
+    np.maximum.at(hi, ids, rows // block_size)
+    used = hi >= 0
+    lo, hi = lo[used], hi[used] + 1
+    diff = np.zeros((nb + 1, nb + 1), dtype=np.int64)
+    np.add.at(diff, (lo, lo), 1)
+    np.add.at(diff, (lo, hi), -1)
+    np.add.at(diff, (hi, lo), -1)
+    np.add.at(diff, (hi, hi), 1)
+    return diff.cumsum(0).cumsum(1)[:nb, :nb] > 0
 
 
 def _ordered(dense: np.ndarray, device) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,7 @@ from treepack.adapters.hf import vision  # noqa: E402
 from treepack.planning.parts import split  # noqa: E402
 
 from reference import NaiveTrie, naive_gated_delta_rule  # noqa: E402
-from tolerance import assert_within, inside, scale, within  # noqa: E402
+from tolerance import FLOAT32_RELATIVE, assert_within, inside, scale, within  # noqa: E402
 
 IMAGE = zoo.VISION_IDS["image_token_id"]
 A, B, C = ("image", 0), ("image", 1), ("image", 2)
@@ -176,6 +176,20 @@ def test_gemma3_image_blocks_on_varlen_equal_each_sequence_alone(monkeypatch):
         assert within((a - b).abs().max(), lp_tol), s
     for name in want:
         assert within(grad_rel(got, want, name), grad_tol), (name, grad_rel(got, want, name))
+
+
+def test_gemma3_image_blocks_scored_on_flex_equal_segment():
+    """Scoring (no gradients: PyTorch has no CPU flex backward) with Gemma 3's image blocks
+    on flex, one more mask_mod rule, through the compiled CPU kernel: the log-probs of the
+    segment backend, in float32."""
+    batch = zoo.image_batch(LAYOUT, dtype=torch.float32, family="gemma3")
+    model = tiny("gemma3").float()
+    hf.prepare(model)
+    images = images_of(model, batch)
+    with torch.no_grad():
+        got, want = (hf.logprobs(model, images.pack(), images=images, backend=backend).logprobs
+                     for backend in ("flex", "segment"))
+    assert_within(got, want, FLOAT32_RELATIVE)  # a float32 model, two attention kernels
 
 
 def test_rows_are_keyed_by_image_content():
