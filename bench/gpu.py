@@ -157,8 +157,9 @@ def part_verify(device, dry, families=None):
              # flash-linear-attention / mamba kernels they dispatch to where installed)
              ("qwen3_5", "auto", torch.bfloat16), ("qwen3_next", "auto", torch.float32),
              ("lfm2", "auto", torch.bfloat16), ("bamba", "auto", torch.bfloat16),
-             # attention sinks: through varlen's log-sum-exp, and auto (segment)
-             ("gpt_oss", "varlen", torch.bfloat16), ("gpt_oss", "auto", torch.bfloat16)]
+             # attention sinks: through varlen's and flex's log-sum-exp, and auto (flex)
+             ("gpt_oss", "varlen", torch.bfloat16), ("gpt_oss", "flex", torch.bfloat16),
+             ("gpt_oss", "auto", torch.bfloat16)]
     if families:
         plan = [p for p in plan if p[0] in families]
     for family, backend, dtype in plan:
@@ -283,7 +284,8 @@ def image_blocks(pack) -> torch.Tensor:
 def attention_kinds(row: dict, pack, Hq, Hk, D, dtype, device, chunk: int) -> None:
     """GPT-OSS's sinks, Llama 4's chunks (of ``chunk`` depths) and Gemma 3's image blocks on
     the tree: varlen (the kernel's log-sum-exp; chains cut at chunk starts; two calls for the
-    blocks) and segment, forward + backward, each against a float32 segment run of the same
+    blocks), flex on CUDA (its differentiable log-sum-exp; blocks as a mask_mod rule; no
+    chunks) and segment, forward + backward, each against a float32 segment run of the same
     kind (the output, and the sinks' gradient)."""
     g = torch.Generator(device=device).manual_seed(1)
     T = pack.num_rows
@@ -300,7 +302,8 @@ def attention_kinds(row: dict, pack, Hq, Hk, D, dtype, device, chunk: int) -> No
             out = TreeAttention(pack, "segment")(*ref_in[:3], **extra)
             out.sum().backward()
             reference = out.detach(), ref_in[3].grad
-        for backend in ("varlen", "segment"):
+        flex = ("flex",) if device.type == "cuda" and kind != "chunk" else ()
+        for backend in ("varlen", *flex, "segment"):
             attend = TreeAttention(pack, backend)
             key = f"tree_{backend}_{kind}"
             extra = {"sinks": {"sinks": sinks}, "chunk": {"chunk": chunk},
@@ -700,7 +703,7 @@ def fmt(x, spec=".3f"):
 # a row without its part's key: the part failed whole
 ROW_KEYS = {"verify": "family", "attention": "workload", "lean": "variant", "flex": "pack",
             "step": "workload", "sp": "workload", "vlm": "workload", "megatron": "workload",
-            "e2e": "workload"}
+            "e2e": "workload", "parts": "workload"}
 
 
 def summary() -> list[str]:
@@ -753,6 +756,9 @@ def summary() -> list[str]:
     for row in rows_of("megatron"):
         cells = ", ".join(f"{k} {fmt(v, '.3g')}" for k, v in row.items() if k != "workload")
         lines.append(f"megatron  {row['workload']:<12}{cells}")
+    for row in rows_of("parts"):
+        cells = ", ".join(f"{k} {fmt(v, '.3g')}" for k, v in row.items() if k != "workload")
+        lines.append(f"parts     {row['workload']:<12}{cells}")
     for row in rows_of("e2e"):
         cells = ", ".join(f"{k} {fmt(v, '.3g')}" for k, v in row.items() if k != "workload")
         lines.append(f"e2e       {row['workload']:<12}{cells}")
@@ -846,6 +852,16 @@ def bars() -> list[str]:
         bad = [r for r in mverify if r["result"] != "PASS"]
         out.append(f"bar: megatron tree equals each sequence alone: "
                    f"{verdict(not bad, mverify)} ({len(mverify) - len(bad)}/{len(mverify)})")
+    split_rows = [r for r in rows_of("parts") if "parts/split" in r or "error" in r]
+    split_rows += [r for r in rows_of("megatron") if "parts_vs_split" in r]
+    split = [(r.get("parts/split", r.get("parts_vs_split")), r.get("workload"),
+              "megatron" if "parts_vs_split" in r else "transformers") for r in split_rows
+             if "error" not in r]
+    if split:
+        worst = max(split, key=lambda item: item[0])
+        out.append(f"bar: parts never slower than the plan's split: "
+                   f"{verdict(worst[0] <= 1.0, split_rows)} (worst {worst[0]:.3f}, "
+                   f"{worst[1]} on {worst[2]})")
     verify = rows_of("verify")
     if verify:
         bad = [r for r in verify if r["result"] in ("FAIL", "ERROR")]

@@ -96,21 +96,23 @@ def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, va
     depths (the chains then hold whole ancestries, as the segment backend's do).
 
     ``backend``: ``"varlen"`` runs the part's chains as one FlashAttention varlen call over
-    its context's keys and its own (sinks through the kernel's log-sum-exp); ``"auto"`` does
-    where varlen applies and the layer has neither sinks nor chunks; anything else, and
-    chunks always, the ``segment`` backend's grouped calls."""
+    its context's keys and its own (sinks through the kernel's log-sum-exp; chunks as chains
+    cut at chunk starts, as :mod:`treepack.attention.chains` cuts a pack's); ``"auto"`` does
+    where :func:`~treepack.attention.choose_backend` picks varlen for the layer; anything
+    else the ``segment`` backend's grouped calls."""
     carried.put(i, module, key, value)
     pack, budget = carried.parts.pack, carried.parts.max_rows
-    varlen_here = _varlen_here(backend, query, key, value, softcap=softcap, dropout=dropout,
-                               sinks=sinks, chunk=chunk)
-    reach = window if chunk is None else None
-    chains = part_chains(pack, budget, i, reach)
-    context = carried.gather(module, chains.context, 2)
-    if context is not None:
-        key, value = torch.cat((context[0], key), 2), torch.cat((context[1], value), 2)
-    if varlen_here:
-        return varlen.attend_index(query, key, value, part_varlen_index(pack, budget, i, reach),
+    if _varlen_here(backend, query, key, value, softcap=softcap, dropout=dropout, sinks=sinks,
+                    chunk=chunk):
+        # chunked: the chains' context starts at their chunk, so reach over the window only
+        chains = part_chains(pack, budget, i, window, chunk)
+        key, value = _with_context(carried, module, chains, key, value)
+        return varlen.attend_index(query, key, value,
+                                   part_varlen_index(pack, budget, i, window, chunk),
                                    scale=scale, window=window, sinks=sinks)
+    reach = window if chunk is None else None  # segment masks chunks per group
+    chains = part_chains(pack, budget, i, reach)
+    key, value = _with_context(carried, module, chains, key, value)
     groups = part_groups(pack, budget, i, reach, query.shape[1] * query.shape[3])
     if sinks is not None:
         if softcap is not None:
@@ -121,15 +123,23 @@ def attend_part(carried: Carried, i: int, module, query: Tensor, key: Tensor, va
                          window=window, dropout=dropout, sink=sinks is not None, chunk=chunk)
 
 
+def _with_context(carried: Carried, module, chains, key: Tensor, value: Tensor):
+    """The part's keys and values after those of its context (the ancestors in parts above
+    that its chains read), as the chains' key slots count them."""
+    context = carried.gather(module, chains.context, 2)
+    if context is None:
+        return key, value
+    return torch.cat((context[0], key), 2), torch.cat((context[1], value), 2)
+
+
 def _varlen_here(backend: str, query, key, value, *, softcap, dropout, sinks, chunk) -> bool:
-    """Whether a part attends through varlen (:func:`attend_part`'s ``backend``)."""
+    """Whether a part attends through varlen (:func:`attend_part`'s ``backend``): ``auto``
+    where :func:`~treepack.attention.choose_backend` picks it for the layer (flex, which it
+    may pick instead, has no parts: those run on segment)."""
     if backend == "auto":
-        return sinks is None and chunk is None and choose_backend(
-            query, key, value, softcap=softcap, dropout=dropout)[0] == "varlen"
+        return choose_backend(query, key, value, softcap=softcap, dropout=dropout, sinks=sinks,
+                              chunk=chunk)[0] == "varlen"
     if backend != "varlen":
         return False
-    if chunk is not None:
-        raise RuntimeError("backend='varlen' cannot run here: chunked attention in parts runs "
-                           "on segment; use backend='segment' (or 'auto', which picks it)")
     varlen.check(query, value, softcap=softcap, dropout=dropout, sinks=sinks)
     return True

@@ -36,20 +36,22 @@ class PartChains(NamedTuple):
 
 
 @derived_from_pack
-def part_chains(pack: TreePack, budget: int, i: int, window) -> PartChains:
+def part_chains(pack: TreePack, budget: int, i: int, window, chunk=None) -> PartChains:
     parts = split(pack, budget)
-    c = subset_chains(pack, parts.parts[i].rows, window)
+    c = subset_chains(pack, parts.parts[i].rows, window, chunk)
     outside, slot, context, grouped = _outside(parts, i, c.key_rows)
     slot[~outside] += context
     return PartChains(Chains(c.start, c.length, c.context, slot), grouped)
 
 
 @derived_from_pack
-def part_varlen_index(pack: TreePack, budget: int, i: int, window) -> VarlenIndex:
+def part_varlen_index(pack: TreePack, budget: int, i: int, window, chunk=None) -> VarlenIndex:
     """Part ``i``'s chains as FlashAttention's varlen arguments: its rows' queries against the
-    slots of (its context's keys, then its own)."""
+    slots of (its context's keys, then its own); with ``chunk``, chains cut at chunk starts
+    and their context from their chunk's first depth (:mod:`treepack.attention.chains`)."""
     rows = split(pack, budget).parts[i].rows
-    return index_of(part_chains(pack, budget, i, window).chains, rows.shape[0], pack.device)
+    return index_of(part_chains(pack, budget, i, window, chunk).chains, rows.shape[0],
+                    pack.device)
 
 
 @derived_from_pack

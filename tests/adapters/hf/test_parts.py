@@ -181,7 +181,7 @@ def test_parts_on_varlen_equal_one_forward(family, max_tokens, monkeypatch):
     """backend="varlen": each part's chains against its context's keys and its own in one
     varlen call (its exact CPU reference here): a sliding window (qwen2), GPT-OSS's sinks
     through the kernel's log-sum-exp, a Gated DeltaNet hybrid's attention layers. Soft-capping
-    (Gemma 2) and chunks (Llama 4) are refused by name."""
+    (Gemma 2) is refused by name."""
     import tiny_models
 
     if family == "gpt_oss":
@@ -203,15 +203,16 @@ def test_parts_on_varlen_equal_one_forward(family, max_tokens, monkeypatch):
         hf.logprobs_in_parts(model, batches(), max_tokens=7, backend="fast")
 
 
-@pytest.mark.parametrize("max_tokens", [40, 7])
-def test_chunked_attention_in_parts_equals_one_forward(max_tokens, monkeypatch):
+@pytest.mark.parametrize("max_tokens, backend", [(40, "auto"), (7, "auto"), (7, "varlen")])
+def test_chunked_attention_in_parts_equals_one_forward(max_tokens, backend, monkeypatch):
     """Llama 4: chunked attention within chunks of 5 depths and the no-rope layer's
-    temperature at each row's depth, in parts (the chains hold whole ancestries)."""
+    temperature at each row's depth, in parts: on segment the chains hold whole ancestries;
+    on varlen they are cut at chunk starts, their context from their chunk's first depth."""
     import tiny_models
 
     tiny_models.llama4_in_float64(monkeypatch)
     model = hf.prepare(tiny_models.llama4_text(torch.float64))
-    got, want_grads = parts_against_one_forward(model, max_tokens)
+    got, want_grads = parts_against_one_forward(model, max_tokens, backend=backend)
     assert got.parts > 2
     grads = {k: p.grad for k, p in model.named_parameters()}
     assert within(relative(grads, want_grads), inside(model, grads=True))
