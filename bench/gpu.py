@@ -144,8 +144,6 @@ def peak_during(fn, device, before=None) -> float:
 
 
 def part_verify(device, dry, families=None):
-    from treepack.verification import verification_batch
-
     # every backend once before the budget can run out; flex compiles, so it goes early too
     plan = [("qwen2", b, d) for b in ("auto", "varlen", "segment", "dense")
             for d in (torch.float32, torch.bfloat16)]
@@ -159,7 +157,12 @@ def part_verify(device, dry, families=None):
              ("lfm2", "auto", torch.bfloat16), ("bamba", "auto", torch.bfloat16),
              # attention sinks: through varlen's and flex's log-sum-exp, and auto (flex)
              ("gpt_oss", "varlen", torch.bfloat16), ("gpt_oss", "flex", torch.bfloat16),
-             ("gpt_oss", "auto", torch.bfloat16)]
+             ("gpt_oss", "auto", torch.bfloat16),
+             # chunked attention (Llama 4): chains cut at chunk starts on varlen
+             ("llama4", "varlen", torch.bfloat16), ("llama4", "auto", torch.bfloat16),
+             # image blocks (Gemma 3 with images): two varlen calls, a flex mask_mod rule
+             ("gemma3", "varlen", torch.bfloat16), ("gemma3", "flex", torch.bfloat16),
+             ("gemma3", "auto", torch.bfloat16)]
     if families:
         plan = [p for p in plan if p[0] in families]
     for family, backend, dtype in plan:
@@ -170,10 +173,8 @@ def part_verify(device, dry, families=None):
         t = time.perf_counter()
         row = dict(family=family, backend=backend, dtype=str(dtype).removeprefix("torch."))
         try:
-            model = (gpt_oss() if family == "gpt_oss" else zoo.tiny_model(family)
-                     ).to(device).eval()
-            report = treepack.verify(model, verification_batch(zoo.VOCAB), backend=backend,
-                                     dtype=dtype)
+            model, batch, images = verify_case(family, device)
+            report = treepack.verify(model, batch, backend=backend, dtype=dtype, images=images)
             quantities = report.errors
             row.update(result="PASS" if report.passed else "FAIL",
                        grads=quantities["grads"].max_rel, logprobs=quantities["logprobs"].max_rel)
@@ -188,6 +189,42 @@ def part_verify(device, dry, families=None):
                 row["traceback"] = traceback.format_exc()[-1200:]
         row["seconds"] = round(time.perf_counter() - t, 1)
         record("verify", **row)
+
+
+def verify_case(family: str, device):
+    """The float32 model, batch and images (None for text) ``treepack verify`` checks for
+    ``family``: a zoo family, the tiny GPT-OSS or Llama 4 here, or a vision family with the
+    verification batch's images."""
+    from treepack.verification import verification_batch, verification_image_batch
+
+    if family in zoo.VISION_FAMILIES:
+        model = zoo.tiny_vision_model(family, dtype=torch.float32).to(device).eval()
+        batch = verification_image_batch(family, dtype=torch.float32)
+        pixels = batch.pixel_values.to(device)
+        grid = None if batch.image_grid_thw is None else batch.image_grid_thw.to(device)
+        images = treepack.hf.Images(model, batch.sequences, pixel_values=pixels,
+                                    image_grid_thw=grid)
+        return model, batch.sequences, images
+    builders = {"gpt_oss": gpt_oss, "llama4": llama4}
+    model = builders[family]() if family in builders else zoo.tiny_model(family)
+    return model.to(device).eval(), verification_batch(zoo.VOCAB), None
+
+
+def llama4():
+    """A tiny Llama 4 text model (not a zoo family): chunked attention of 5 depths on its
+    rope layer, a no-rope layer with temperature tuning, MoE."""
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=5,
+        no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
+        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def gpt_oss():

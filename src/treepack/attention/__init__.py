@@ -214,8 +214,12 @@ class TreeAttention:
             return flex.attention(q, k, v, self, **kw, sinks=sinks, blocks=blocks)
         if sinks is not None:  # one more key: the sink channel
             q, k = sink_channel(q, k, sinks, scale)
-        return BACKENDS[backend](q, k, v, self, **kw, sink=sinks is not None, chunk=chunk,
-                                 blocks=blocks)
+            kw["sink"] = True
+        if chunk is not None:
+            kw["chunk"] = chunk
+        if blocks is not None:
+            kw["blocks"] = blocks
+        return BACKENDS[backend](q, k, v, self, **kw)
 
     def _check_blocks(self, blocks: Tensor, sinks, chunk) -> None:
         rows = self.pack.num_rows

@@ -56,6 +56,11 @@ __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # max relative error, direct comparison
 LOW_PRECISION_FACTOR = 2.0  # packed error <= this x unpacked error, against a float32 reference
 FLOOR_FACTOR = 4.0  # float64: errors up to this x the spread of two unpacked runs
+# float64 runs of a model that rounds to float32 inside (its norms, rotary tables, routers):
+# a value differing at float64's rounding between the two runs (a shared row's gradient sums
+# its sequences in another order) can round to the neighbouring float32 at such a cast, so the
+# floor is at least this many float32 roundings on the way to a log-prob or a gradient
+INSIDE_ROUNDINGS = 16
 # a gradient tensor is judged relative to at least this share of the model's largest gradient
 SIGNIFICANT_GRADIENT = 1e-3
 QUANTITIES = ("logprobs", "loss", "grads", "params")
@@ -90,11 +95,20 @@ class VerifyReport:
     floor_errors: dict[str, Error] | None = None
     images: int = 0  # image occurrences in the sequences (0: text only)
     distinct_images: int = 0  # what the packed run encodes
+    # float64: the coarser dtype the model's forward rounds to inside ("" if none), and the
+    # floor that gives (INSIDE_ROUNDINGS of its roundings)
+    rounds_in: str = ""
+    inside_floor: float = 0.0
+
+    def floor(self, quantity: str) -> float:
+        """Direct comparison: the floor of ``quantity``'s error, the larger of the unpacked
+        runs' measured spread and the float32 roundings inside."""
+        measured = self.floor_errors[quantity].max_rel if self.floor_errors else 0.0
+        return max(measured, self.inside_floor)
 
     def allowed(self, quantity: str) -> float:
         """Direct comparison: the largest relative error ``quantity`` may have."""
-        floor = self.floor_errors[quantity].max_rel if self.floor_errors else 0.0
-        return max(self.tolerance, FLOOR_FACTOR * floor)
+        return max(self.tolerance, FLOOR_FACTOR * self.floor(quantity))
 
     @property
     def passed(self) -> bool:
@@ -138,15 +152,18 @@ class VerifyReport:
                 lines.append(f"  {q:<10}{e.max_abs:>12.2e}{e.max_rel:>12.2e}{'':>10}  "
                              f"{e.allowance_ratio:.2f} of the AdamW allowance; {e.where}")
             else:
-                extra = f"  {self.floor_errors[q].max_rel:.1e}" if self.floor_errors else ""
+                extra = f"  {self.floor(q):.1e}" if self.floor_errors else ""
                 lines.append(f"  {q:<10}{e.max_abs:>12.2e}{e.max_rel:>12.2e}"
                              f"{self.allowed(q):>10.1e}{extra}  {e.where}")
         if low:
             rule = (f"packed error <= {self.tolerance:g} x unpacked error; errors below "
                     f"{self.noise_floor:.1e} count as rounding")
         elif self.floor_errors:
+            inside = (f", at least {INSIDE_ROUNDINGS} {self.rounds_in} roundings "
+                      f"({self.inside_floor:.1e}): the model rounds to {self.rounds_in} inside"
+                      if self.inside_floor else "")
             rule = (f"max rel <= max({self.tolerance:g}, {FLOOR_FACTOR:g} x the floor: the "
-                    "unpacked runs' own spread); params within the AdamW allowance")
+                    f"unpacked runs' own spread{inside}); params within the AdamW allowance")
         else:
             rule = f"max rel <= {self.tolerance:g}; params within the AdamW allowance"
         lines.append(f"  {'PASS' if self.passed else 'FAIL'} ({rule})")
@@ -215,6 +232,8 @@ def _error(got: Tensor, ref: Tensor, where: str = "", l2: bool = False,
            at_least: float = 0.0) -> Error:
     """Max abs difference, and the difference relative to the reference: in max norm (each
     over the tensor's largest magnitude, or ``at_least``), or with ``l2`` in L2 norm."""
+    if ref.numel() == 0:  # nothing compared (no element of a tensor settled): no error
+        return Error(0.0, 0.0, where)
     diff = got.double() - ref.double()
     max_abs = diff.abs().max().item()
     num, den = (diff.norm(), ref.double().norm()) if l2 else (max_abs, ref.double().abs().max())
@@ -498,7 +517,11 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
             spread of one right-padded batch of the sequences (the same values through
             other matmul shapes, as packing gives): transformers computes norms, rotary
             tables and routers in float32 inside float64 models (Llama 4, MiniCPM3, Gemma),
-            so float64 is float32-accurate there.
+            so float64 is float32-accurate there. A model whose ordinary forward computes
+            in a coarser dtype than ``dtype`` (watched op by op) has a floor of at least
+            ``INSIDE_ROUNDINGS`` roundings of that dtype: a value that differs at float64's
+            rounding between the runs can round to a neighbouring float32 at such a cast, a
+            matter of which values sit near a float32 boundary, not of packing.
         lr: AdamW learning rate of the compared step (float16 parameters step on float32
             master copies).
         pad_to_multiple_of: pad the pack's rows to a multiple of this.
@@ -563,6 +586,7 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
                 else:
                     other = run(alone, dtype, "eager")
             floor_errors = _compare(other, reference)
+    inside = _rounds_in(model, dtype, device) if floor_errors is not None else dtype
     report = VerifyReport(
         model=type(hf.unwrap(model)).__name__,
         backend=backend,
@@ -577,6 +601,8 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
         noise_floor=torch.finfo(dtype).eps / 16 if low_precision else 0.0,
         reference_attention=reference_attention,
         floor_errors=floor_errors,
+        rounds_in="" if inside == dtype else str(inside).removeprefix("torch."),
+        inside_floor=0.0 if inside == dtype else INSIDE_ROUNDINGS * torch.finfo(inside).eps,
         images=0 if images is None else sum(map(len, images.images_of)),
         distinct_images=0 if images is None else images.num_images,
     )
@@ -593,6 +619,34 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
                             for q, e in floor_errors.items()}
             report = dataclasses.replace(report, floor_errors=floor_errors)
     return report
+
+
+def _rounds_in(model: nn.Module, dtype: torch.dtype, device) -> torch.dtype:
+    """The coarsest floating dtype a ``dtype`` copy of ``model`` computes in on an ordinary
+    4-token forward (every op's outputs watched): float32 for a float64 model whose norms or
+    rotary tables upcast to float32 (most transformers models), ``dtype`` for one that never
+    leaves it (GPT-2) or a forward that fails (no floor is derived then)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen = {dtype}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.update(t.dtype for t in tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return out
+
+    copy_ = copy.deepcopy(hf.unwrap(model)).to(dtype)
+    hf.restore(copy_)
+    ids = torch.tensor([[3, 4, 5, 6]], device=device)
+    try:
+        with torch.no_grad(), Watch():
+            copy_(input_ids=ids, use_cache=False)
+    except Exception:  # noqa: BLE001 - a model that needs more inputs: the measured floor only
+        return dtype
+    return min(seen, key=lambda d: torch.finfo(d).bits)
 
 
 def _check_images_match(images, ids: list) -> None:

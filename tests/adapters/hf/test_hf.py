@@ -178,6 +178,21 @@ def test_verify_fails_when_siblings_leak(monkeypatch):
     assert "FAIL" in str(report)
 
 
+def test_verify_floor_counts_float32_roundings_inside_a_float64_model():
+    """Llama's RMSNorm upcasts to float32 inside a float64 model: its floor is at least 16
+    float32 roundings, derived, not measured; GPT-2 never leaves float64 and keeps its
+    measured floor (~1e-16), so a float64 error above 1e-9 still fails it."""
+    from treepack.face.verification import INSIDE_ROUNDINGS
+
+    llama = verify(zoo.tiny_model("llama", dtype=torch.float64).eval(), SEQS)
+    assert llama.passed and llama.rounds_in == "float32"
+    assert llama.inside_floor == INSIDE_ROUNDINGS * torch.finfo(torch.float32).eps
+    assert "the model rounds to float32 inside" in str(llama)
+    gpt2 = verify(zoo.tiny_model("gpt2", dtype=torch.float64).eval(), SEQS)
+    assert gpt2.passed and gpt2.rounds_in == "" and gpt2.inside_floor == 0.0
+    assert gpt2.allowed("grads") == 1e-9
+
+
 def test_verify_refuses_dropout_in_training_mode():
     model = tiny("llama", attention_dropout=0.1)
     with pytest.raises(ValueError, match=r"dropout.*model.eval\(\)"):

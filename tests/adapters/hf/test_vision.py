@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import treepack  # noqa: E402
 from treepack import TreePack, hf, zoo  # noqa: E402
 from treepack.adapters.hf import vision  # noqa: E402
 from treepack.planning.parts import split  # noqa: E402
@@ -190,6 +191,20 @@ def test_gemma3_image_blocks_scored_on_flex_equal_segment():
         got, want = (hf.logprobs(model, images.pack(), images=images, backend=backend).logprobs
                      for backend in ("flex", "segment"))
     assert_within(got, want, FLOAT32_RELATIVE)  # a float32 model, two attention kernels
+
+
+def test_gemma3_with_images_verifies_in_bfloat16_on_varlen():
+    """treepack.verify in bfloat16 (against a float32 reference) with Gemma 3's image blocks
+    on varlen: a tensor none of whose elements the gradient settles (a zero-started norm
+    weight) is compared on nothing, which crashed the report."""
+    from treepack.verification import verification_image_batch
+
+    model = zoo.tiny_vision_model("gemma3", dtype=torch.float32).eval()
+    batch = verification_image_batch("gemma3", dtype=torch.float32)
+    images = hf.Images(model, batch.sequences, pixel_values=batch.pixel_values)
+    report = treepack.verify(model, batch.sequences, backend="varlen", dtype=torch.bfloat16,
+                             images=images)
+    assert report.passed, report
 
 
 def test_rows_are_keyed_by_image_content():
