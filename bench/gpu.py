@@ -193,8 +193,8 @@ def part_verify(device, dry, families=None):
 
 def verify_case(family: str, device):
     """The float32 model, batch and images (None for text) ``treepack verify`` checks for
-    ``family``: a zoo family, the tiny GPT-OSS or Llama 4 here, or a vision family with the
-    verification batch's images."""
+    ``family``: a zoo family, the tiny GPT-OSS here or zoo's Llama 4, or a vision family
+    with the verification batch's images."""
     from treepack.verification import verification_batch, verification_image_batch
 
     if family in zoo.VISION_FAMILIES:
@@ -205,26 +205,9 @@ def verify_case(family: str, device):
         images = treepack.hf.Images(model, batch.sequences, pixel_values=pixels,
                                     image_grid_thw=grid)
         return model, batch.sequences, images
-    builders = {"gpt_oss": gpt_oss, "llama4": llama4}
+    builders = {"gpt_oss": gpt_oss, "llama4": zoo.tiny_llama4}
     model = builders[family]() if family in builders else zoo.tiny_model(family)
     return model.to(device).eval(), verification_batch(zoo.VOCAB), None
-
-
-def llama4():
-    """A tiny Llama 4 text model (not a zoo family): chunked attention of 5 depths on its
-    rope layer, a no-rope layer with temperature tuning, MoE."""
-    import transformers
-
-    config = transformers.Llama4TextConfig(
-        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=5,
-        no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
-        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def gpt_oss():

@@ -45,23 +45,11 @@ def gpt_oss(dtype=torch.float32):
 
 
 def llama4_text(dtype=torch.float32):
-    """A tiny Llama 4 text model: chunked attention (chunks of 5 depths) on its rope layer,
-    a no-rope layer with attention temperature tuning (its scale steps every 2 positions),
-    MoE."""
-    import transformers
-
+    """treepack.zoo's tiny Llama 4 text model: chunked attention (chunks of 5 depths) on its
+    rope layer, a no-rope layer with attention temperature tuning, MoE."""
     from treepack import zoo
 
-    config = transformers.Llama4TextConfig(
-        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=5,
-        no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
-        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        transformers.set_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = zoo.tiny_llama4(dtype)
     assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 0]
     return model
 

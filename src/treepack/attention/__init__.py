@@ -75,7 +75,14 @@ BACKENDS: dict[str, Backend] = {
 CHOICES = ("auto", *BACKENDS)  # what a caller may pass as ``backend``
 
 log = logging.getLogger("treepack")
-_LOGGED: set[tuple[str, str]] = set()
+_LOGGED: set[tuple] = set()
+
+
+def log_once(message: str, *args) -> None:
+    """``log.info(message, *args)`` the first time these arguments come (auto's choices)."""
+    if (message, *args) not in _LOGGED:
+        _LOGGED.add((message, *args))
+        log.info(message, *args)
 
 
 def check_backend(backend: str, what: str = "backend") -> str:
@@ -198,9 +205,7 @@ class TreeAttention:
         if backend == "auto":
             backend, why = choose_backend(q, k, v, softcap=softcap, dropout=dropout, sinks=sinks,
                                           chunk=chunk, blocks=blocks)
-            if (backend, why) not in _LOGGED:
-                _LOGGED.add((backend, why))
-                log.info("treepack attention backend='auto' runs %r (%s)", backend, why)
+            log_once("treepack attention backend='auto' runs %r (%s)", backend, why)
         kw = dict(scale=scale, softcap=softcap, window=window, dropout=dropout)
         if backend == "varlen":
             return varlen.attention(q, k, v, self, **kw, sinks=sinks, chunk=chunk,

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["FAMILIES", "HYBRIDS", "tiny_config", "tiny_model", "qwen2_40m_config",
+__all__ = ["FAMILIES", "HYBRIDS", "tiny_config", "tiny_model", "tiny_llama4", "qwen2_40m_config",
            "qwen25_05b_config", "qwen35_40m_config", "MODELS", "VISION_FAMILIES",
            "VISION_IDS", "WHOLE_IMAGES", "tiny_vision_model", "ImageBatch", "image_batch"]
 
@@ -185,6 +185,27 @@ def tiny_model(family: str, *, layers: int = 2, seed: int = 0, dtype=None,
             config, attn_implementation=attn_implementation, dtype=dtype, **extra
         )
     return model
+
+
+def tiny_llama4(dtype=None):
+    """A random-init tiny Llama 4 text model (not in :data:`FAMILIES`: its float32 internals
+    make float64 comparisons float32-accurate): chunked attention of 5 depths on its rope
+    layer, a no-rope layer with attention temperature tuning (its scale steps every 2
+    positions), MoE."""
+    import torch
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=5,
+        no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"],
+        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        transformers.set_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(
+            config, dtype=dtype or torch.float32).eval()
 
 
 def qwen2_40m_config():

@@ -17,7 +17,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from treepack.attention import choose_backend, sink_channel, varlen
+from treepack.attention import choose_backend, log_once, sink_channel, varlen
 from treepack.attention.segment import attend_groups
 from treepack.forwards.plans import part_chains, part_groups, part_varlen_index
 from treepack.planning.parts import Parts
@@ -137,8 +137,13 @@ def _varlen_here(backend: str, query, key, value, *, softcap, dropout, sinks, ch
     where :func:`~treepack.attention.choose_backend` picks it for the layer (flex, which it
     may pick instead, has no parts: those run on segment)."""
     if backend == "auto":
-        return choose_backend(query, key, value, softcap=softcap, dropout=dropout, sinks=sinks,
-                              chunk=chunk)[0] == "varlen"
+        choice, why = choose_backend(query, key, value, softcap=softcap, dropout=dropout,
+                                     sinks=sinks, chunk=chunk)
+        runs = "varlen" if choice == "varlen" else "segment"
+        log_once("treepack parts: backend='auto' attends on %r (%s)", runs,
+                 why if runs == "varlen" or choice == "segment" else
+                 f"{why}; flex runs no parts")
+        return runs == "varlen"
     if backend != "varlen":
         return False
     varlen.check(query, value, softcap=softcap, dropout=dropout, sinks=sinks)

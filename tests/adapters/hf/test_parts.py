@@ -203,6 +203,19 @@ def test_parts_on_varlen_equal_one_forward(family, max_tokens, monkeypatch):
         hf.logprobs_in_parts(model, batches(), max_tokens=7, backend="fast")
 
 
+def test_parts_log_what_auto_attends_on_once(caplog):
+    import logging
+
+    from treepack import attention
+
+    attention._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="treepack"):
+        hf.logprobs_in_parts(model_of("llama"), batches(), max_tokens=7)
+    assert [r.getMessage() for r in caplog.records].count(
+        "treepack parts: backend='auto' attends on 'segment' (on cpu, where varlen and flex "
+        "cannot train)") == 1
+
+
 @pytest.mark.parametrize("max_tokens, backend", [(40, "auto"), (7, "auto"), (7, "varlen")])
 def test_chunked_attention_in_parts_equals_one_forward(max_tokens, backend, monkeypatch):
     """Llama 4: chunked attention within chunks of 5 depths and the no-rope layer's
