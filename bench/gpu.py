@@ -11,13 +11,15 @@ or step already running finishes first.
 Parts, each printed as a table (and written to $OUT/gpu.json, else ./gpu.json):
 
 1. verify    ``treepack.verify`` on tiny random models: each backend, float32 and bfloat16,
-             windows (Qwen2) and soft-capping (Gemma 2). A refusal (varlen in float32, varlen
-             with soft-capping) is recorded with its message: it must name the reason.
+             windows (Qwen2), soft-capping (Gemma 2), sinks (GPT-OSS on varlen / flex / auto),
+             chunks (Llama 4 on varlen / auto) and image blocks (Gemma 3 with images on varlen
+             / flex / auto). A refusal (varlen in float32, varlen with soft-capping) is
+             recorded with its message: it must name the reason.
 2. attention one layer's tree attention forward + backward (14/2 heads of 64, bfloat16) per
              backend, beside every sequence alone through FlashAttention varlen (no sharing);
              error against a float32 run; and with GPT-OSS's attention sinks, Llama 4's
-             chunks (8192 depths at full size) and Gemma 3-like image blocks on varlen and
-             segment, their errors.
+             chunks (8192 depths at full size) and Gemma 3-like image blocks on varlen, flex
+             (sinks and blocks) and segment, their errors.
 3. lean      log-probs from hidden states vs full [T', V] logits (plain log_softmax, and
              treepack's chunked token_logprobs) at T' ~ 19k, V = 151,936.
 4. flex      compile time over packs of many lengths (bucketed, so few compiles).
@@ -56,7 +58,8 @@ The bars of the GPU-speed issue are checked at the end: the tree step within 1.1
 FLOP-ratio limit x the padded step, never slower than padding-free, and the lean head within
 1.1x the time of full logits at no more than 1/10 of their memory; with 2 GPUs, SP=2's
 per-rank activation memory at most 0.6x SP=1's on the trajectory and the SP tree step never
-slower than padding-free. Parts stop early when the time budget (--budget seconds) runs out,
+slower than padding-free; a tree in parts never slower than the plan's split (the parts
+and megatron tables). Parts stop early when the time budget (--budget seconds) runs out,
 saying so.
 """
 
