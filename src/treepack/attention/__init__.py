@@ -26,8 +26,9 @@ Backends:
              equal shape batched into one call each.
 ``flex``     FlexAttention with the pack's BlockMask, compiled for a few bucketed lengths;
              forward and backward on GPU, forward only on CPU (PyTorch has no CPU flex
-             backward). Also sinks (through its differentiable log-sum-exp) and blocks (one
-             more ``mask_mod`` rule); not chunks.
+             backward). Also sinks (through its differentiable log-sum-exp; on a GPU only:
+             the compiled CPU kernel returns none) and blocks (one more ``mask_mod`` rule);
+             not chunks.
 ``dense``    SDPA (or the eager formula, for soft-capping) with the dense T' x T' mask; the
              reference, for small packs.
 ``auto``     the default: on CUDA ``varlen`` where it applies, else ``flex``, else
@@ -236,17 +237,24 @@ class TreeAttention:
                              "both, and treepack composes neither with them")
         self.pack.check_device(blocks, "blocks")
 
-    def block_index(self, window: int | None, blocks: Tensor):
-        """The two varlen calls of ``blocks`` (:func:`treepack.attention.chains.block_index`),
-        built once per blocks tensor and window: every layer of a forward passes the same."""
-        from treepack.attention.chains import block_index
-
+    def with_blocks(self, blocks: Tensor, key: tuple, build):
+        """``build()`` once per ``blocks`` tensor and ``key``: every layer of a forward passes
+        the same blocks, and only the latest tensor's structures are kept (a forward builds
+        its blocks anew, so older ones would only pile up on a reused pack)."""
         cached = getattr(self, "_block_plans", None)
         if cached is None or cached[0] is not blocks:
             cached = self._block_plans = (blocks, {})
-        if window not in cached[1]:
-            cached[1][window] = block_index(self.pack, window, blocks.cpu().numpy())
-        return cached[1][window]
+        if key not in cached[1]:
+            cached[1][key] = build()
+        return cached[1][key]
+
+    def block_index(self, window: int | None, blocks: Tensor):
+        """The two varlen calls of ``blocks`` (:func:`treepack.attention.chains.block_index`),
+        built once per blocks tensor and window (:meth:`with_blocks`)."""
+        from treepack.attention.chains import block_index
+
+        return self.with_blocks(blocks, ("varlen", window),
+                                lambda: block_index(self.pack, window, blocks.cpu().numpy()))
 
 
 def _check_sinks(sinks: Tensor, heads: int, softcap) -> None:

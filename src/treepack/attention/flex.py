@@ -22,7 +22,7 @@ from treepack.attention.chains import geometric_bucket
 from treepack.core.derived import derived_from_pack
 
 RECOMPILE_LIMIT = 32  # flex compiles one process may make (per bucket length, dtype, head
-# layout, window, soft-cap and grad mode)
+# layout, window, soft-cap, sinks, blocks and grad mode)
 
 
 def bucket_length(rows: int, block_size: int) -> int:
@@ -54,11 +54,15 @@ def _softcap_score_mod(softcap: float):
 
 
 @derived_from_pack
-def bucket_block_mask(pack, block_size: int, window: int | None, length: int,
-                      blocks: Tensor | None = None):
-    """The pack's BlockMask over ``length >= T'`` rows, the extra rows padding (see module);
-    with ``blocks`` (``[T']`` block ids, -1 outside) the rows of a block also see each other
-    both ways (:func:`treepack.core.mask.tree_mask_mod`)."""
+def bucket_block_mask(pack, block_size: int, window: int | None, length: int):
+    """The pack's BlockMask over ``length >= T'`` rows, the extra rows padding (see module)."""
+    return _bucket_block_mask(pack, block_size, window, length)
+
+
+def _bucket_block_mask(pack, block_size: int, window: int | None, length: int,
+                       blocks: Tensor | None = None):
+    """:func:`bucket_block_mask`, with ``blocks`` (``[T']`` block ids, -1 outside) the rows of
+    a block also seeing each other both ways (:func:`treepack.core.mask.tree_mask_mod`)."""
     h = pack.host
     extra = np.arange(pack.num_rows, length)
     ends = np.concatenate((h.subtree_end, extra + 1))
@@ -73,13 +77,18 @@ def bucket_block_mask(pack, block_size: int, window: int | None, length: int,
                             position_ids=pos, window=window, blocks=ids)
 
 
-def _run(pack, q, k, v, *, block_size, scale, softcap, window, sinks=None,
-         blocks=None) -> Tensor:
+def _run(attend, q, k, v, *, scale, softcap, window, sinks=None, blocks=None) -> Tensor:
     import torch._dynamo
 
+    pack, block_size = attend.pack, attend.block_size
     rows = q.shape[2]
     length = bucket_length(rows, block_size)
-    block_mask = bucket_block_mask(pack, block_size, window, length, blocks)
+    if blocks is None:
+        block_mask = bucket_block_mask(pack, block_size, window, length)
+    else:  # per blocks tensor, on the attention object (as varlen's block plans)
+        block_mask = attend.with_blocks(
+            blocks, ("flex", block_size, window, length),
+            lambda: _bucket_block_mask(pack, block_size, window, length, blocks))
     if length > rows:
         q, k, v = (F.pad(x, (0, 0, 0, length - rows)) for x in (q, k, v))
     score_mod = None if softcap is None else _softcap_score_mod(softcap)
@@ -112,7 +121,8 @@ def _run(pack, q, k, v, *, block_size, scale, softcap, window, sinks=None,
 def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     """Attention ``out`` ``[1, H, T, D]`` with log-sum-exp ``lse`` ``[1, H, T]`` renormalised
     for one more logit per head, ``sinks`` ``[H]``, that attends to nothing: ``out *
-    exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink)``, in float32 at least."""
+    exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink)``, the factor computed in
+    float32 at least and applied in ``out``'s dtype."""
     acc = torch.promote_types(lse.dtype, torch.float32)
     gate = torch.sigmoid(lse.to(acc) - sinks.to(acc)[None, :, None])
     return out * gate[..., None].to(out.dtype)
@@ -148,5 +158,5 @@ def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
     reasons = unsupported(q, k, v, dropout=dropout, sinks=sinks)
     if reasons:
         raise RuntimeError("backend='flex' cannot run here: " + "; ".join(reasons))
-    return _run(attend.pack, q, k, v, block_size=attend.block_size, scale=scale, softcap=softcap,
-                window=window, sinks=sinks, blocks=blocks)
+    return _run(attend, q, k, v, scale=scale, softcap=softcap, window=window, sinks=sinks,
+                blocks=blocks)

@@ -39,7 +39,8 @@ def cached(pack, key, build: Callable[[], R]) -> R:
 
 def derived_from_pack(build: Callable[..., R]) -> Callable[..., R]:
     """Decorator: ``build(pack, *args)`` runs once per pack, device and ``args``; later calls
-    return the same object.
+    return the same object. Arguments are keyed by value (a tensor by identity: pass plain
+    values, or cache per tensor elsewhere).
 
     Every structure derived from a pack (attention plans, block masks, edge lists) is one
     such function, its only accessor: the cache key is the function itself plus its

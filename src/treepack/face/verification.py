@@ -56,10 +56,11 @@ __all__ = ["verify", "VerifyReport", "Error", "TOLERANCE", "LOW_PRECISION_FACTOR
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}  # max relative error, direct comparison
 LOW_PRECISION_FACTOR = 2.0  # packed error <= this x unpacked error, against a float32 reference
 FLOOR_FACTOR = 4.0  # float64: errors up to this x the spread of two unpacked runs
-# float64 runs of a model that rounds to float32 inside (its norms, rotary tables, routers):
-# a value differing at float64's rounding between the two runs (a shared row's gradient sums
-# its sequences in another order) can round to the neighbouring float32 at such a cast, so the
-# floor is at least this many float32 roundings on the way to a log-prob or a gradient
+# float64 runs of a model that casts float64 values to float32 inside (its norms, rotary,
+# routers): a value differing at float64's rounding between the two runs (a shared row's
+# gradient sums its sequences in another order) can round to the neighbouring float32 at
+# such a cast, so the floor is at least this many float32 roundings on the way to a log-prob
+# or a gradient
 INSIDE_ROUNDINGS = 16
 # a gradient tensor is judged relative to at least this share of the model's largest gradient
 SIGNIFICANT_GRADIENT = 1e-3
@@ -517,9 +518,9 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
             spread of one right-padded batch of the sequences (the same values through
             other matmul shapes, as packing gives): transformers computes norms, rotary
             tables and routers in float32 inside float64 models (Llama 4, MiniCPM3, Gemma),
-            so float64 is float32-accurate there. A model whose ordinary forward computes
-            in a coarser dtype than ``dtype`` (watched op by op) has a floor of at least
-            ``INSIDE_ROUNDINGS`` roundings of that dtype: a value that differs at float64's
+            so float64 is float32-accurate there. A float64 model whose ordinary forward
+            casts float64 values to float32 (watched op by op) has a floor of at least
+            ``INSIDE_ROUNDINGS`` float32 roundings: a value that differs at float64's
             rounding between the runs can round to a neighbouring float32 at such a cast, a
             matter of which values sit near a float32 boundary, not of packing.
         lr: AdamW learning rate of the compared step (float16 parameters step on float32
@@ -622,20 +623,27 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
 
 
 def _rounds_in(model: nn.Module, dtype: torch.dtype, device) -> torch.dtype:
-    """The coarsest floating dtype a ``dtype`` copy of ``model`` computes in on an ordinary
-    4-token forward (every op's outputs watched): float32 for a float64 model whose norms or
-    rotary tables upcast to float32 (most transformers models), ``dtype`` for one that never
-    leaves it (GPT-2) or a forward that fails (no floor is derived then)."""
+    """float32 where a float64 copy of ``model`` casts float64 values down to float32 on an
+    ordinary 4-token forward (every op watched: an op with a float64 input and a float32
+    output; RMSNorm's variance, Llama 4's complex rotary), else ``dtype``: a float32 table
+    built from integers is the same in both runs and rounds nothing that differs; a run in
+    another dtype, or a forward that fails, derives no floor."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    seen = {dtype}
+    if dtype != torch.float64:
+        return dtype
+    casts = []
+
+    def floats(tree):
+        return {t.dtype for t in tree_leaves(tree)
+                if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            seen.update(t.dtype for t in tree_leaves(out)
-                        if isinstance(t, torch.Tensor) and t.is_floating_point())
+            if torch.float32 in floats(out) and torch.float64 in floats((args, kwargs)):
+                casts.append(func.overloadpacket.__name__)
             return out
 
     copy_ = copy.deepcopy(hf.unwrap(model)).to(dtype)
@@ -646,7 +654,7 @@ def _rounds_in(model: nn.Module, dtype: torch.dtype, device) -> torch.dtype:
             copy_(input_ids=ids, use_cache=False)
     except Exception:  # noqa: BLE001 - a model that needs more inputs: the measured floor only
         return dtype
-    return min(seen, key=lambda d: torch.finfo(d).bits)
+    return torch.float32 if casts else dtype
 
 
 def _check_images_match(images, ids: list) -> None:
