@@ -129,9 +129,7 @@ def choose_backend(q: Tensor, k: Tensor, v: Tensor, *, softcap: float | None, dr
     if not skipped:
         return "varlen", "FlashAttention varlen applies"
     why = "not varlen: " + "; ".join(skipped)
-    flex_skipped = flex.unsupported(q, k, v, dropout=dropout, sinks=sinks)
-    if chunk is not None:
-        flex_skipped.append("flex has no chunked attention")
+    flex_skipped = flex.unsupported(q, k, v, dropout=dropout, sinks=sinks, chunk=chunk)
     if not flex_skipped:
         return "flex", why
     return "segment", why + "; not flex: " + "; ".join(flex_skipped)
@@ -212,12 +210,7 @@ class TreeAttention:
             return varlen.attention(q, k, v, self, **kw, sinks=sinks, chunk=chunk,
                                     blocks=blocks)
         if backend == "flex":
-            if chunk is not None:
-                raise RuntimeError(
-                    "backend='flex' cannot run here: chunked attention (a query sees the keys "
-                    "of its own chunk of depths) runs on segment / dense / varlen; use "
-                    "backend='varlen' on a GPU, 'segment' elsewhere (or 'auto', which picks)")
-            return flex.attention(q, k, v, self, **kw, sinks=sinks, blocks=blocks)
+            return flex.attention(q, k, v, self, **kw, sinks=sinks, chunk=chunk, blocks=blocks)
         if sinks is not None:  # one more key: the sink channel
             q, k = sink_channel(q, k, sinks, scale)
             kw["sink"] = True

@@ -129,9 +129,13 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
 
 
 def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float,
-                sinks: Tensor | None = None) -> list[str]:
+                sinks: Tensor | None = None, chunk: int | None = None) -> list[str]:
     """Why FlexAttention cannot run these inputs (empty when it can)."""
     reasons = []
+    if chunk is not None:
+        reasons.append("chunked attention (a query sees the keys of its own chunk of depths) "
+                       "runs on segment / dense / varlen (flex has no chunked attention); use "
+                       "backend='varlen' on a GPU, 'segment' elsewhere (or 'auto', which picks)")
     if sinks is not None and q.device.type == "cpu":
         reasons.append("FlexAttention's compiled CPU kernel returns no log-sum-exp, which "
                        "attention sinks need; use backend='segment' on a CPU")
@@ -153,9 +157,9 @@ def unsupported(q: Tensor, k: Tensor, v: Tensor, *, dropout: float,
     return reasons
 
 
-def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None,
+def attention(q, k, v, attend, *, scale, softcap, window, dropout, sinks=None, chunk=None,
               blocks=None) -> Tensor:
-    reasons = unsupported(q, k, v, dropout=dropout, sinks=sinks)
+    reasons = unsupported(q, k, v, dropout=dropout, sinks=sinks, chunk=chunk)
     if reasons:
         raise RuntimeError("backend='flex' cannot run here: " + "; ".join(reasons))
     return _run(attend, q, k, v, scale=scale, softcap=softcap, window=window, sinks=sinks,

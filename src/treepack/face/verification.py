@@ -96,10 +96,15 @@ class VerifyReport:
     floor_errors: dict[str, Error] | None = None
     images: int = 0  # image occurrences in the sequences (0: text only)
     distinct_images: int = 0  # what the packed run encodes
-    # float64: the coarser dtype the model's forward rounds to inside ("" if none), and the
-    # floor that gives (INSIDE_ROUNDINGS of its roundings)
+    # float64: "float32" where the model's forward casts float64 values to it ("" if none)
     rounds_in: str = ""
-    inside_floor: float = 0.0
+
+    @property
+    def inside_floor(self) -> float:
+        """The floor that rounding inside sets: ``INSIDE_ROUNDINGS`` of ``rounds_in``'s."""
+        if not self.rounds_in:
+            return 0.0
+        return INSIDE_ROUNDINGS * torch.finfo(getattr(torch, self.rounds_in)).eps
 
     def floor(self, quantity: str) -> float:
         """Direct comparison: the floor of ``quantity``'s error, the larger of the unpacked
@@ -603,7 +608,6 @@ def verify(model: nn.Module, sequences, *, backend: str = "auto", dtype=None,
         reference_attention=reference_attention,
         floor_errors=floor_errors,
         rounds_in="" if inside == dtype else str(inside).removeprefix("torch."),
-        inside_floor=0.0 if inside == dtype else INSIDE_ROUNDINGS * torch.finfo(inside).eps,
         images=0 if images is None else sum(map(len, images.images_of)),
         distinct_images=0 if images is None else images.num_images,
     )

@@ -141,8 +141,7 @@ def _varlen_here(backend: str, query, key, value, *, softcap, dropout, sinks, ch
                                      sinks=sinks, chunk=chunk)
         runs = "varlen" if choice == "varlen" else "segment"
         log_once("treepack parts: backend='auto' attends on %r (%s)", runs,
-                 why if runs == "varlen" or choice == "segment" else
-                 f"{why}; flex runs no parts")
+                 why if choice == runs else f"{why}; flex runs no parts")
         return runs == "varlen"
     if backend != "varlen":
         return False
